@@ -1,0 +1,40 @@
+"""Helpers shared by benchmark cases: a measured demo fit and the honest-RSS warm-up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_efficient.memory import reset_peak_rss
+
+
+class ResetPeakRSSAfterWarmup(Callback):
+    """Resets the process's peak RSS after the first training step, so the peak is of steady state."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int):
+        if i == 0:
+            reset_peak_rss()
+
+
+def measured_fit(
+    model: LightningModule, datamodule: Any, steps: int, callbacks: list[Callback] = (), **trainer_kwargs: Any
+) -> dict[str, float]:
+    """Fit ``model`` for ``steps`` steps with a MemoryReport and return its figures."""
+    from lightning_efficient import MemoryReport
+
+    report = MemoryReport(every_n_steps=max(1, steps // 2), log=False, print_table=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ResetPeakRSSAfterWarmup(), report, *callbacks],
+        **trainer_kwargs,
+    )
+    trainer.fit(model, datamodule=datamodule)
+    return {k: float(v) for k, v in report.report().items() if isinstance(v, (int, float))}

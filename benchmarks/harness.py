@@ -1,0 +1,157 @@
+"""The benchmark registry, the per-variant subprocess runner and the result writers.
+
+A *case* is a named group of *variants*, one of which is the baseline. Each variant is a function
+``fn(quick: bool) -> dict[str, float]`` that runs in a fresh Python process (``benchmarks.worker``),
+with fixed seeds and ``MALLOC_MMAP_THRESHOLD_`` set so that peak RSS reflects freed tensors.
+Results go to ``benchmarks/results/NAME.{md,json,png}`` with every metric's ratio to the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Metrics = dict[str, float]
+Variant = Callable[[bool], Metrics]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULT_PREFIX = "BENCHMARK-RESULT "
+
+
+@dataclass
+class Case:
+    """A benchmark case: variants measured side by side against ``baseline``.
+
+    Attributes:
+        name: the case's name (``--only NAME``; the results' file name).
+        description: one sentence for the results page.
+        baseline: the label of the variant every ratio is taken against.
+        variants: label -> function ``fn(quick) -> metrics``, run in this order.
+        timeout_s: the most seconds one variant may take.
+    """
+
+    name: str
+    description: str
+    baseline: str
+    variants: dict[str, Variant] = field(default_factory=dict)
+    timeout_s: float = 900.0
+
+
+CASES: dict[str, Case] = {}
+
+
+def register(case: Case) -> Case:
+    """Add ``case`` to the registry (its module is imported by ``benchmarks.cases``)."""
+    if case.baseline not in case.variants:
+        raise ValueError(f"case {case.name!r}: baseline {case.baseline!r} is not one of its variants")
+    CASES[case.name] = case
+    return case
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a variant's process: mmap threshold for honest RSS, fixed hash seed."""
+    env = dict(os.environ)
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    env["PYTHONHASHSEED"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_variant(case: Case, label: str, quick: bool) -> Metrics:
+    """Run one variant in a fresh process and return its metrics (or ``{"error": ...}``)."""
+    command = [sys.executable, "-m", "benchmarks.worker", case.name, label] + (["--quick"] if quick else [])
+    try:
+        done = subprocess.run(
+            command, cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=case.timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {case.timeout_s:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+    return {"error": f"exit {done.returncode}: " + " | ".join(tail)}
+
+
+def ratios(results: dict[str, Metrics], baseline: str) -> dict[str, dict[str, float | None]]:
+    """Each variant's metrics divided by the baseline's (None where the baseline has no value)."""
+    base = results.get(baseline, {})
+    out: dict[str, dict[str, float | None]] = {}
+    for label, metrics in results.items():
+        out[label] = {}
+        for name, value in metrics.items():
+            reference = base.get(name)
+            ok = isinstance(value, (int, float)) and isinstance(reference, (int, float)) and reference != 0
+            out[label][name] = value / reference if ok else None
+    return out
+
+
+def _format_value(name: str, value: object) -> str:
+    if not isinstance(value, (int, float)):
+        return str(value)
+    if name.endswith("_bytes"):
+        return f"{value / 2**20:,.2f} MiB"
+    if name.endswith("_time_s") or name.endswith("_s") and not name.endswith("per_s"):
+        return f"{value * 1e3:,.2f} ms"
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    return f"{value:,}"
+
+
+def write_results(case: Case, results: dict[str, Metrics], quick: bool, out_dir: Path = RESULTS_DIR) -> list[Path]:
+    """Write ``NAME.md``, ``NAME.json`` and ``NAME.png``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rel = ratios(results, case.baseline)
+    command = f"python -m benchmarks.run --only {case.name}" + (" --quick" if quick else "")
+    lines = [
+        f"# {case.name}",
+        "",
+        case.description,
+        "",
+        f"Produced by `{command}`; baseline: `{case.baseline}`; each variant in a fresh process.",
+        "",
+        "| variant | metric | value | ratio to baseline |",
+        "|---|---|---|---|",
+    ]
+    for label, metrics in results.items():
+        for name, value in metrics.items():
+            ratio = rel[label].get(name)
+            lines.append(
+                f"| {label} | {name} | {_format_value(name, value)} | {'-' if ratio is None else f'{ratio:.3f}x'} |"
+            )
+    md, js, png = (out_dir / f"{case.name}.{ext}" for ext in ("md", "json", "png"))
+    md.write_text("\n".join(lines) + "\n")
+    payload = {"case": case.name, "baseline": case.baseline, "quick": quick, "results": results, "ratios": rel}
+    js.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    _chart(case, rel, png)
+    return [md, js, png]
+
+
+def _chart(case: Case, rel: dict[str, dict[str, float | None]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = sorted({name for values in rel.values() for name, r in values.items() if r is not None})
+    labels = list(rel)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(metrics) * max(1, len(labels)) / 2), 4))
+    width = 0.8 / max(1, len(labels))
+    for i, label in enumerate(labels):
+        heights = [rel[label].get(m) or 0.0 for m in metrics]
+        ax.bar([x + i * width for x in range(len(metrics))], heights, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(metrics))])
+    ax.set_xticklabels(metrics, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(f"ratio to {case.baseline}")
+    ax.set_title(case.name)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

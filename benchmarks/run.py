@@ -1,0 +1,34 @@
+"""``python -m benchmarks.run [--only NAME ...] [--quick] [--out DIR]``: run the registered cases."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks.harness import CASES, RESULTS_DIR, run_variant, write_results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected cases, print each table and write the result files; exit status 1 on errors."""
+    import benchmarks.cases  # noqa: F401  (registers the cases)
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", action="append", choices=sorted(CASES), help="run only this case (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few steps")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where result files go")
+    args = parser.parse_args(argv)
+    failed = False
+    for name in args.only or list(CASES):
+        case = CASES[name]
+        results = {}
+        for label in case.variants:
+            print(f"[{name}] {label} ...", flush=True)
+            results[label] = run_variant(case, label, args.quick)
+            failed |= "error" in results[label]
+        paths = write_results(case, results, args.quick, args.out)
+        print(paths[0].read_text(), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+"""Small helpers that turn a bad constructor argument into a ValueError naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def require(condition: bool, name: str, value: Any, allowed: str) -> None:
+    """Raise a ValueError naming ``name``, its ``value`` and what is ``allowed`` unless ``condition``.
+
+    Args:
+        condition: the check that must hold.
+        name: the argument's name as the user wrote it.
+        value: the value the user gave.
+        allowed: a short phrase saying what is accepted, e.g. ``"an integer >= 1"``.
+
+    Raises:
+        ValueError: when ``condition`` is false.
+    """
+    if not condition:
+        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}.")
+
+
+def require_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
+    """Raise a ValueError unless ``value`` is one of ``choices``."""
+    require(value in choices, name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def require_int(name: str, value: Any, minimum: int) -> None:
+    """Raise a ValueError unless ``value`` is an int (not a bool) at least ``minimum``."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    require(ok, name, value, f"an integer >= {minimum}")

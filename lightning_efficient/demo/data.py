@@ -1,0 +1,271 @@
+"""A language-modelling corpus every machine has: the Python standard library's own source files.
+
+Text is tokenized with a byte-level BPE trained by the ``tokenizers`` library on the training
+files, and the token ids are cached on disk (keyed by Python version, vocabulary size and a
+fingerprint of the files), so later runs start in a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_efficient._validation import require, require_int
+
+END_OF_TEXT = "<|endoftext|>"
+IGNORE_INDEX = -100
+_BINARY_PROBE_BYTES = 8192
+
+
+def default_cache_dir() -> Path:
+    """``$LIGHTNING_EFFICIENT_CACHE``, else ``$XDG_CACHE_HOME/lightning_efficient``, else ``~/.cache/...``."""
+    if os.environ.get("LIGHTNING_EFFICIENT_CACHE"):
+        return Path(os.environ["LIGHTNING_EFFICIENT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning_efficient"
+
+
+def stdlib_source_files() -> list[Path]:
+    """Every ``.py`` file of this interpreter's standard library (site-packages excluded), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def _is_text(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return b"\0" not in handle.read(_BINARY_PROBE_BYTES)
+
+
+def corpus_files(data_path: str | None) -> list[Path]:
+    """The files of the corpus: the standard library when ``data_path`` is None, else the file or
+    every text file below the directory, sorted.
+
+    Raises:
+        FileNotFoundError: when ``data_path`` does not exist.
+        ValueError: when it holds no text file.
+    """
+    if data_path is None:
+        return stdlib_source_files()
+    path = Path(data_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"data_path {str(path)!r} does not exist")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and _is_text(p))
+    if not files:
+        raise ValueError(f"data_path {str(path)!r} holds no text file")
+    return files
+
+
+def split_files(files: list[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
+    """A deterministic split by file: a seeded shuffle, then the first ``val_fraction`` for validation."""
+    if len(files) < 2:
+        return list(files), []
+    shuffled = list(files)
+    random.Random(seed).shuffle(shuffled)
+    n_val = min(len(files) - 1, max(1, round(len(files) * val_fraction)))
+    return sorted(shuffled[n_val:]), sorted(shuffled[:n_val])
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _fingerprint(files: list[Path], *settings: object) -> str:
+    digest = hashlib.sha256(repr(settings).encode())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of ``seq_len`` next-token pairs over one token stream.
+
+    The last window is padded: its missing labels are ``-100`` (invalid positions).
+    """
+
+    def __init__(self, ids: np.ndarray, seq_len: int, pad_id: int) -> None:
+        self.ids = ids
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return max(0, -(-(len(self.ids) - 1) // self.seq_len))
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        chunk = torch.from_numpy(self.ids[index * self.seq_len : (index + 1) * self.seq_len + 1].astype(np.int64))
+        inputs = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
+        labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        inputs[: len(chunk) - 1] = chunk[:-1]
+        labels[: len(chunk) - 1] = chunk[1:]
+        return {"input_ids": inputs, "labels": labels}
+
+
+class CorpusDataModule(LightningDataModule):
+    """Next-token prediction over a text corpus, by default the Python standard library's sources.
+
+    Args:
+        data_path: a text file or a directory of text files; None for the standard library.
+        vocab_size: size of the byte-level BPE vocabulary to train (>= 257: 256 bytes and end-of-text).
+        seq_len: tokens per training sequence (>= 1).
+        batch_size: sequences per batch (>= 1).
+        val_fraction: share of files (or, for a single file, of its text) held out, in (0, 0.5].
+        max_files: use only the first this many files of the seeded shuffle (None: all).
+        num_workers: DataLoader workers (>= 0).
+        cache_dir: where tokenizers and token ids are cached (None: the user cache directory).
+        seed: seed of the train/validation split.
+
+    Raises:
+        ValueError: naming the argument when a setting is out of range.
+    """
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        vocab_size: int = 8192,
+        seq_len: int = 128,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        max_files: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        require_int("vocab_size", vocab_size, 257)
+        require_int("seq_len", seq_len, 1)
+        require_int("batch_size", batch_size, 1)
+        require(0.0 < val_fraction <= 0.5, "val_fraction", val_fraction, "a fraction in (0, 0.5]")
+        if max_files is not None:
+            require_int("max_files", max_files, 1)
+        require_int("num_workers", num_workers, 0)
+        self.data_path = data_path
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.max_files = max_files
+        self.num_workers = num_workers
+        self.cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.seed = seed
+        self.loaded_from_cache: bool | None = None
+        self.train_dataset: TokenWindows | None = None
+        self.val_dataset: TokenWindows | None = None
+
+    def _files(self) -> list[Path]:
+        files = corpus_files(self.data_path)
+        if self.max_files is not None and len(files) > self.max_files:
+            shuffled = list(files)
+            random.Random(self.seed).shuffle(shuffled)
+            files = sorted(shuffled[: self.max_files])
+        return files
+
+    @property
+    def cache_path(self) -> Path:
+        """The cache directory of this corpus and vocabulary."""
+        files = self._files()
+        version = f"py{sys.version_info.major}{sys.version_info.minor}"
+        key = _fingerprint(files, self.vocab_size, self.val_fraction, self.seed, self.max_files)
+        return self.cache_root / f"{version}-v{self.vocab_size}-{key}"
+
+    def _texts(self, files: list[Path]) -> tuple[list[str], list[str]]:
+        if len(files) == 1:
+            text = _read(files[0])
+            cut = int(len(text) * (1.0 - self.val_fraction))
+            return [text[:cut]], [text[cut:]]
+        train_files, val_files = split_files(files, self.val_fraction, self.seed)
+        return [_read(p) for p in train_files], [_read(p) for p in val_files]
+
+    def _build(self, target: Path) -> None:
+        from tokenizers import ByteLevelBPETokenizer
+
+        train_texts, val_texts = self._texts(self._files())
+        rank_zero_info(
+            f"training a byte-level BPE (vocab {self.vocab_size}) on {len(train_texts)} files, "
+            f"{sum(map(len, train_texts)) / 1e6:.1f} M characters; cached at {target}"
+        )
+        tokenizer = ByteLevelBPETokenizer()
+        tokenizer.train_from_iterator(
+            train_texts, vocab_size=self.vocab_size, min_frequency=2, special_tokens=[END_OF_TEXT], show_progress=False
+        )
+        eot = tokenizer.token_to_id(END_OF_TEXT)
+        dtype = np.uint16 if self.vocab_size <= 65536 else np.int32
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
+        try:
+            for name, texts in (("train", train_texts), ("val", val_texts)):
+                streams = [enc.ids + [eot] for enc in tokenizer.encode_batch(texts)]
+                ids = np.fromiter((i for s in streams for i in s), dtype=dtype)
+                np.save(staging / f"{name}.npy", ids)
+            tokenizer.save(str(staging / "tokenizer.json"))
+            meta = {"vocab_size": tokenizer.get_vocab_size(), "end_of_text": eot, "files": len(train_texts)}
+            (staging / "meta.json").write_text(json.dumps(meta))
+            try:
+                os.replace(staging, target)
+            except OSError:  # another process finished first: its cache is as good as ours
+                shutil.rmtree(staging, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def prepare_data(self) -> None:
+        """Train the tokenizer and tokenize the corpus unless the cache already holds them."""
+        target = self.cache_path
+        self.loaded_from_cache = (target / "meta.json").exists()
+        if not self.loaded_from_cache:
+            self._build(target)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the cached token ids into training and validation datasets.
+
+        Raises:
+            ValueError: when the corpus gives fewer training sequences than one batch, or no
+                validation sequence, with the counts.
+        """
+        target = self.cache_path
+        if not (target / "meta.json").exists():
+            self.prepare_data()
+        meta = json.loads((target / "meta.json").read_text())
+        pad = meta["end_of_text"]
+        self.train_dataset = TokenWindows(np.load(target / "train.npy", mmap_mode="r"), self.seq_len, pad)
+        self.val_dataset = TokenWindows(np.load(target / "val.npy", mmap_mode="r"), self.seq_len, pad)
+        source = self.data_path or "the standard library"
+        if len(self.train_dataset) < self.batch_size:
+            raise ValueError(
+                f"the corpus at {source} gives {len(self.train_dataset)} training sequences of seq_len="
+                f"{self.seq_len} ({len(self.train_dataset.ids)} tokens), fewer than one batch of "
+                f"batch_size={self.batch_size}"
+            )
+        if len(self.val_dataset) < 1:
+            raise ValueError(
+                f"the corpus at {source} leaves no validation sequence ({len(self.val_dataset.ids)} tokens "
+                f"held out with val_fraction={self.val_fraction}); give more text or a larger val_fraction"
+            )
+
+    def tokenizer(self):
+        """The trained ``tokenizers.Tokenizer`` (after ``prepare_data``)."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.cache_path / "tokenizer.json"))
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches of full size."""
+        return DataLoader(
+            self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in order."""
+        return DataLoader(self.val_dataset, batch_size=self.batch_size, num_workers=self.num_workers)

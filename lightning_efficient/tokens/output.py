@@ -1,0 +1,81 @@
+"""What a ``training_step`` returns to opt into token selection.
+
+A module returns :class:`TokenLosses` (per-token losses plus the mask of valid positions). It is a
+``dict`` so that Lightning and DDP treat it as the usual ``{"loss": ...}`` output: without any
+plugin, ``"loss"`` is the plain mean over the valid tokens. When :class:`SelectiveTokenLoss` is
+attached it reads the per-token losses instead and computes the step loss itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+_REDUCTION_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("reduction_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred_reduction() -> Iterator[None]:
+    """Within this context, token-loss outputs skip computing their default mean ``"loss"``.
+
+    The selective-loss callback runs the module's ``training_step`` inside it, because it computes
+    the step loss itself; outside it every output carries the plain mean as ``"loss"``.
+    """
+    token = _REDUCTION_DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _REDUCTION_DEFERRED.reset(token)
+
+
+def masked_mean(losses: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``losses`` over the positions where ``mask`` is true (0 when none is)."""
+    total = torch.where(mask, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
+    return total / mask.sum().clamp_min(1)
+
+
+class TokenLosses(dict):
+    """Unreduced per-token losses of one batch, as a ``training_step`` output.
+
+    Keys: ``"token_losses"`` (float ``[batch, seq]``), ``"mask"`` (bool ``[batch, seq]``, true where
+    the token counts) and, unless a plugin computes the step loss itself, ``"loss"``: the mean over
+    valid tokens. Extra keyword arguments are kept as further keys (Lightning passes them on to
+    ``on_train_batch_end`` detached).
+
+    Args:
+        token_losses: per-token losses; ignored positions may hold any finite value.
+        mask: which positions are valid; all of them when omitted.
+        **extra: further outputs to carry along.
+
+    Raises:
+        TypeError: when ``token_losses`` is not a floating tensor with at least one dimension.
+        ValueError: when ``mask`` does not have the shape of ``token_losses``.
+    """
+
+    def __init__(self, token_losses: Tensor, mask: Tensor | None = None, **extra: object) -> None:
+        if not isinstance(token_losses, Tensor) or not token_losses.is_floating_point() or token_losses.dim() == 0:
+            raise TypeError(
+                "token_losses must be a floating tensor of per-token losses with shape [batch, seq], "
+                f"got {type(token_losses).__name__} {getattr(token_losses, 'shape', '')}"
+            )
+        if mask is None:
+            mask = torch.ones_like(token_losses, dtype=torch.bool)
+        if mask.shape != token_losses.shape:
+            raise ValueError(f"mask has shape {tuple(mask.shape)} but token_losses has {tuple(token_losses.shape)}")
+        super().__init__(token_losses=token_losses, mask=mask.bool(), **extra)
+        if not _REDUCTION_DEFERRED.get():
+            self["loss"] = masked_mean(token_losses, self["mask"])
+
+    @property
+    def token_losses(self) -> Tensor:
+        """The per-token losses."""
+        return self["token_losses"]
+
+    @property
+    def mask(self) -> Tensor:
+        """True where a token counts."""
+        return self["mask"]

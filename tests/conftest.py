@@ -1,0 +1,38 @@
+"""Shared fixtures: a small on-disk text corpus and a tiny demo configuration."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """A directory of 40 standard-library modules (about 1 MB of text)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = sorted(p for p in root.glob("*.py"))[:40]
+    target = tmp_path_factory.mktemp("corpus")
+    for path in names:
+        (target / path.name).write_text(path.read_text(encoding="utf-8", errors="replace"))
+    return target
+
+
+@pytest.fixture(scope="session")
+def small_datamodule_kwargs(small_corpus, tmp_path_factory) -> dict:
+    """Arguments for a CorpusDataModule over ``small_corpus`` with its own cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    return {"data_path": str(small_corpus), "vocab_size": 512, "seq_len": 32, "batch_size": 4, "cache_dir": str(cache)}
+
+
+def tiny_gpt_kwargs() -> dict:
+    """A demo GPT small enough for a few CPU steps in a test."""
+    return {"vocab_size": 512, "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32}

@@ -1,0 +1,75 @@
+import numpy as np
+import pytest
+import torch
+
+from lightning_efficient import CorpusDataModule
+from lightning_efficient.demo.data import TokenWindows, split_files
+
+
+def test_second_build_reads_the_cache_and_ids_are_deterministic(small_corpus, tmp_path):
+    kwargs = {"data_path": str(small_corpus), "vocab_size": 400, "seq_len": 16, "batch_size": 2}
+    first = CorpusDataModule(**kwargs, cache_dir=str(tmp_path / "a"))
+    first.prepare_data()
+    assert first.loaded_from_cache is False
+    first.setup("fit")
+    again = CorpusDataModule(**kwargs, cache_dir=str(tmp_path / "a"))
+    again.prepare_data()
+    assert again.loaded_from_cache is True
+    again.setup("fit")
+    assert np.array_equal(first.train_dataset.ids, again.train_dataset.ids)
+    independent = CorpusDataModule(**kwargs, cache_dir=str(tmp_path / "b"))
+    independent.prepare_data()
+    independent.setup("fit")
+    assert independent.loaded_from_cache is False
+    assert np.array_equal(first.train_dataset.ids, independent.train_dataset.ids)
+    assert np.array_equal(first.val_dataset.ids, independent.val_dataset.ids)
+    assert int(first.train_dataset.ids.max()) < 400
+    encoded = first.tokenizer().encode("def f(x):\n    return x\n").ids
+    assert encoded == independent.tokenizer().encode("def f(x):\n    return x\n").ids
+
+
+def test_cache_is_keyed_by_vocabulary(small_corpus, tmp_path):
+    a = CorpusDataModule(data_path=str(small_corpus), vocab_size=400, cache_dir=str(tmp_path))
+    b = CorpusDataModule(data_path=str(small_corpus), vocab_size=500, cache_dir=str(tmp_path))
+    assert a.cache_path != b.cache_path
+    assert "v400" in a.cache_path.name and "py3" in a.cache_path.name
+
+
+def test_split_is_by_file_deterministic_and_disjoint(small_corpus):
+    files = sorted(small_corpus.iterdir())
+    train, val = split_files(files, 0.1, seed=0)
+    assert split_files(files, 0.1, seed=0) == (train, val)
+    assert set(train).isdisjoint(val) and set(train) | set(val) == set(files)
+    assert len(val) == 4
+
+
+def test_windows_pad_the_last_sequence_with_ignored_labels():
+    ids = np.arange(10, dtype=np.uint16)
+    windows = TokenWindows(ids, seq_len=4, pad_id=0)
+    assert len(windows) == 3
+    first = windows[0]
+    assert first["input_ids"].tolist() == [0, 1, 2, 3] and first["labels"].tolist() == [1, 2, 3, 4]
+    last = windows[2]
+    assert last["input_ids"].tolist() == [8, 0, 0, 0]
+    assert last["labels"].tolist() == [9, -100, -100, -100]
+    assert torch.cat([windows[i]["labels"] for i in range(3)])[:9].tolist() == list(range(1, 10))
+
+
+def test_missing_data_path_names_the_path(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        CorpusDataModule(data_path=str(missing), cache_dir=str(tmp_path)).setup("fit")
+
+
+def test_corpus_too_small_for_a_batch_gives_the_counts(tmp_path):
+    (tmp_path / "a.txt").write_text("x = 1\n" * 50)
+    (tmp_path / "b.txt").write_text("y = 2\n" * 50)
+    data = CorpusDataModule(data_path=str(tmp_path), vocab_size=300, seq_len=64, batch_size=64, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match=r"gives \d+ training sequences of seq_len=64 .* batch_size=64"):
+        data.setup("fit")
+
+
+@pytest.mark.parametrize(("name", "value"), [("vocab_size", 100), ("seq_len", 0), ("val_fraction", 0.0), ("batch_size", 0)])
+def test_invalid_data_settings(name, value):
+    with pytest.raises(ValueError, match=rf"^{name}="):
+        CorpusDataModule(**{name: value})

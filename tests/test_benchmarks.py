@@ -1,0 +1,28 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_harness_runs_one_quick_case_and_writes_three_files(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.run", "--only", "demo", "--quick", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for ext in ("md", "json", "png"):
+        assert (tmp_path / f"demo.{ext}").stat().st_size > 0
+    payload = json.loads((tmp_path / "demo.json").read_text())
+    baseline = payload["results"]["baseline"]
+    assert baseline["optimizer_state_bytes"] > 0 and baseline["step_time_s"] > 0
+    assert payload["ratios"]["baseline"]["step_time_s"] == 1.0
+    assert "| baseline | tokens_per_s |" in (tmp_path / "demo.md").read_text()
+
+
+def test_gpu_check_without_a_gpu_says_so_and_exits_zero():
+    import torch
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in done.stdout
