@@ -2,8 +2,17 @@
 
 from lightning_efficient.demo import CorpusDataModule, DemoGPT
 from lightning_efficient.report import MemoryReport
-from lightning_efficient.tokens import TokenLosses
+from lightning_efficient.tokens import FusedTokenLoss, SelectiveTokenLoss, TokenLosses, linear_cross_entropy
 
 __version__ = "0.1.0"
 
-__all__ = ["CorpusDataModule", "DemoGPT", "MemoryReport", "TokenLosses", "__version__"]
+__all__ = [
+    "CorpusDataModule",
+    "DemoGPT",
+    "FusedTokenLoss",
+    "MemoryReport",
+    "SelectiveTokenLoss",
+    "TokenLosses",
+    "__version__",
+    "linear_cross_entropy",
+]

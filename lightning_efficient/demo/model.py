@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_efficient._validation import require, require_int
-from lightning_efficient.tokens.output import TokenLosses, masked_mean
+from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses, masked_mean
 
 IGNORE_INDEX = -100
 
@@ -70,6 +70,8 @@ class DemoGPT(LightningModule):
         seq_len: the longest sequence (> 0).
         dropout: dropout probability in [0, 1).
         tie_embeddings: share the token embedding with the output head.
+        fused_loss: return :class:`~lightning_efficient.tokens.FusedTokenLoss` (hidden states, head
+            and labels) so the full logits are never built; else per-token losses from full logits.
         learning_rate: peak learning rate of the default AdamW (> 0).
         weight_decay: AdamW weight decay for matrices (>= 0).
         warmup_steps: linear warm-up steps before the cosine decay (>= 0).
@@ -87,6 +89,7 @@ class DemoGPT(LightningModule):
         seq_len: int = 128,
         dropout: float = 0.0,
         tie_embeddings: bool = True,
+        fused_loss: bool = False,
         learning_rate: float = 1e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
@@ -136,25 +139,31 @@ class DemoGPT(LightningModule):
         """Logits ``[batch, seq, vocab]``."""
         return self.head(self.hidden_states(input_ids))
 
-    def token_losses(self, batch: dict[str, Tensor]) -> TokenLosses:
+    def token_losses(self, batch: dict[str, Tensor]) -> TokenLosses | FusedTokenLoss:
         """Per-token cross-entropy of ``batch["labels"]``; positions labelled -100 are invalid."""
+        if self.hparams.fused_loss:
+            return FusedTokenLoss(self.hidden_states(batch["input_ids"]), self.head.weight, batch["labels"])
         logits = self(batch["input_ids"])
         labels = batch["labels"]
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
         losses = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
         ).view_as(labels)
         return TokenLosses(losses, labels != IGNORE_INDEX)
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> TokenLosses:
-        """Return per-token losses; logs the plain mean over valid tokens as ``train_loss``."""
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> TokenLosses | FusedTokenLoss:
+        """Return per-token losses (or the fused head output); without plugins, their mean is the loss."""
         out = self.token_losses(batch)
-        self.log("train_loss", masked_mean(out.token_losses.detach(), out.mask), prog_bar=True)
+        if "loss" in out:
+            self.log("train_loss", out["loss"].detach(), prog_bar=True)
         return out
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         """Accumulate the token-weighted validation loss."""
         out = self.token_losses(batch)
-        self.val_loss.update(masked_mean(out.token_losses, out.mask), weight=out.mask.sum())
+        losses = out.token_losses() if isinstance(out, FusedTokenLoss) else out.token_losses
+        self.val_loss.update(masked_mean(losses, out.mask), weight=out.mask.sum())
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val_loss`` and ``val_ppl`` and print them once per validation."""

@@ -1,5 +1,20 @@
-"""Selective token loss: per-token loss outputs, selection rules and the callback."""
+"""Selective token loss: per-token loss outputs, selection rules, chunked linear CE, the callback."""
 
-from lightning_efficient.tokens.output import TokenLosses, deferred_reduction, masked_mean
+from lightning_efficient.tokens.callback import SelectiveTokenLoss
+from lightning_efficient.tokens.linear_ce import linear_cross_entropy
+from lightning_efficient.tokens.normalize import globally_normalised_loss
+from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses, deferred_reduction, masked_mean
+from lightning_efficient.tokens.selection import KeepRatioSchedule, Selection, select_tokens
 
-__all__ = ["TokenLosses", "deferred_reduction", "masked_mean"]
+__all__ = [
+    "FusedTokenLoss",
+    "KeepRatioSchedule",
+    "Selection",
+    "SelectiveTokenLoss",
+    "TokenLosses",
+    "deferred_reduction",
+    "globally_normalised_loss",
+    "linear_cross_entropy",
+    "masked_mean",
+    "select_tokens",
+]

@@ -79,3 +79,63 @@ class TokenLosses(dict):
     def mask(self) -> Tensor:
         """True where a token counts."""
         return self["mask"]
+
+
+class FusedTokenLoss(dict):
+    """Hidden states, output head and labels, as a ``training_step`` output: the fused path.
+
+    The per-token losses are computed by :func:`~lightning_efficient.tokens.linear_cross_entropy`,
+    which never builds the ``[tokens, vocab]`` logits. Without any plugin, ``"loss"`` is the mean
+    over valid tokens (gradients computed during the forward pass, as Liger-Kernel does). With
+    :class:`SelectiveTokenLoss` attached, the head's backward pass runs only for the kept tokens.
+
+    Args:
+        hidden: ``[batch, seq, d]`` hidden states, the head's input.
+        weight: ``[vocab, d]`` head weight.
+        labels: ``[batch, seq]`` target ids; ``ignore_index`` marks invalid positions.
+        bias: optional ``[vocab]`` head bias.
+        ignore_index: the label of ignored positions.
+        chunk_size: tokens per chunk of logits (None: about 32 MiB of logits).
+        **extra: further outputs to carry along.
+    """
+
+    def __init__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        bias: Tensor | None = None,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+        **extra: object,
+    ) -> None:
+        if hidden.shape[:-1] != labels.shape:
+            raise ValueError(f"hidden has shape {tuple(hidden.shape)} but labels has {tuple(labels.shape)}")
+        super().__init__(hidden=hidden, weight=weight, labels=labels, mask=labels != ignore_index, **extra)
+        self.bias = bias
+        self.ignore_index = ignore_index
+        self.chunk_size = chunk_size
+        if not _REDUCTION_DEFERRED.get():
+            self["loss"] = self._cross_entropy("mean")
+
+    @property
+    def mask(self) -> Tensor:
+        """True where a token counts."""
+        return self["mask"]
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the head weight."""
+        return self["weight"].shape[0]
+
+    def _cross_entropy(self, reduction: str, return_entropy: bool = False):
+        from lightning_efficient.tokens.linear_ce import linear_cross_entropy
+
+        return linear_cross_entropy(
+            self["hidden"], self["weight"], self["labels"], self.bias, self.ignore_index, self.chunk_size,
+            reduction, return_entropy,
+        )
+
+    def token_losses(self, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Per-token losses ``[batch, seq]`` (and entropies); the backward pass skips zero-gradient tokens."""
+        return self._cross_entropy("none", return_entropy)

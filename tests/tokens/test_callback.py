@@ -1,0 +1,190 @@
+import lightning
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_efficient import CorpusDataModule, DemoGPT, FusedTokenLoss, SelectiveTokenLoss, TokenLosses
+from lightning_efficient.tokens.output import deferred_reduction
+from lightning_efficient.tokens.selection import select_tokens
+from tests.conftest import tiny_gpt_kwargs
+
+
+def _trainer(callbacks, steps=3, **kwargs):
+    return lightning.Trainer(
+        accelerator="cpu", max_steps=steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, **{"enable_checkpointing": False, **kwargs},
+    )
+
+
+def _wrap(model, callback):
+    """Wrap ``model.training_step`` as a fit would, without a loop (logging then only warns)."""
+    trainer = _trainer([callback])
+    callback.setup(trainer, model, "fit")
+    return trainer
+
+
+def _batch(seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, vocab, (3, 32), generator=g)
+    labels[1, 20:] = -100
+    return {"input_ids": torch.randint(0, vocab, (3, 32), generator=g), "labels": labels}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("method", ["topk", "eslm", "random"])
+def test_step_loss_gradients_equal_a_plain_masked_mean(method, fused):
+    torch.manual_seed(0)
+    model = DemoGPT(**tiny_gpt_kwargs(), fused_loss=fused).double()
+    callback = SelectiveTokenLoss(method=method, keep_ratio=0.4, seed=3)
+    trainer = _wrap(model, callback)
+    batch = _batch()
+    out = model.training_step(batch, 0)
+    grads = torch.autograd.grad(out["loss"], list(model.parameters()))
+    # plain reference: full logits, the same rule on the same scores, masked mean
+    logits = model(batch["input_ids"])
+    losses = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none").view(3, 32)
+    valid = batch["labels"] != -100
+    keep = select_tokens(method, losses, valid, 0.4, generator=torch.Generator().manual_seed(3)).keep
+    assert torch.equal(keep, out["keep"])
+    reference = losses[keep].sum() / keep.sum()
+    torch.testing.assert_close(out["loss"], reference, atol=1e-12, rtol=0)
+    for got, want in zip(grads, torch.autograd.grad(reference, list(model.parameters()))):
+        assert (got - want).abs().max() <= 1e-12
+    callback.teardown(trainer, model, "fit")
+    assert "training_step" not in vars(model)
+
+
+def test_scalar_loss_is_refused_with_what_to_return():
+    class ScalarGPT(DemoGPT):
+        def training_step(self, batch, batch_idx):
+            logits = self(batch["input_ids"])
+            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    model = ScalarGPT(**tiny_gpt_kwargs())
+    callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5)
+    trainer = _wrap(model, callback)
+    with pytest.raises(TypeError, match=r"returned a scalar tensor \(\).*TokenLosses"):
+        model.training_step(_batch(), 0)
+
+
+def test_plain_per_token_tensor_is_accepted():
+    class TensorGPT(DemoGPT):
+        def training_step(self, batch, batch_idx):
+            logits = self(batch["input_ids"])
+            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].clamp_min(0).flatten(), reduction="none").view(3, 32)
+
+    model = TensorGPT(**tiny_gpt_kwargs())
+    callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5)
+    trainer = _wrap(model, callback)
+    out = model.training_step(_batch(), 0)
+    assert int(out["keep"].sum()) == 48  # half of all 96 positions, every one valid
+
+
+def test_non_finite_losses_fail_the_step_with_their_count():
+    class NanGPT(DemoGPT):
+        def training_step(self, batch, batch_idx):
+            out = self.token_losses(batch)
+            bad = out.token_losses.clone()
+            bad[0, :3] = float("nan")
+            return TokenLosses(bad, out.mask)
+
+    model = NanGPT(**tiny_gpt_kwargs())
+    callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5)
+    trainer = _wrap(model, callback)
+    with pytest.raises(FloatingPointError, match="3 of 84 per-token losses are not finite"):
+        model.training_step(_batch(), 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"keep_ratio": 0.0}, "keep_ratio=0.0"),
+        ({"keep_ratio": 1.01}, "keep_ratio=1.01"),
+        ({"method": "magic"}, "method='magic'"),
+        ({"score": "margin"}, "score='margin'"),
+        ({"method": "topk", "score": "entropy"}, "score='entropy'"),
+        ({"method": "rho1"}, "reference=None"),
+        ({"method": "rho1", "reference": "/no/such.ckpt"}, "reference='/no/such.ckpt'"),
+        ({"scope": "world"}, "scope='world'"),
+        ({"warmup_steps": -1}, "warmup_steps=-1"),
+    ],
+)
+def test_bad_arguments(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        SelectiveTokenLoss(**kwargs)
+
+
+def test_reference_with_another_vocabulary_is_refused():
+    callback = SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=DemoGPT(**{**tiny_gpt_kwargs(), "vocab_size": 600}))
+    model = DemoGPT(**tiny_gpt_kwargs())
+    trainer = _trainer([callback])
+    with pytest.raises(ValueError, match="reference=.*vocab_size=600 differs from the model's vocab_size=512"):
+        callback.setup(trainer, model, "fit")
+
+
+def test_warmup_keeps_everything_then_the_ratio_applies(small_datamodule_kwargs):
+    callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5, warmup_steps=2)
+    seen = []
+
+    class Spy(lightning.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(float(outputs["keep"].sum() / outputs["mask"].sum()))
+
+    _trainer([callback, Spy()], steps=4).fit(DemoGPT(**tiny_gpt_kwargs()), datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    assert seen[:2] == [1.0, 1.0]
+    assert all(0.5 <= f < 0.52 for f in seen[2:])
+
+
+@pytest.mark.parametrize(
+    ("method", "extra"),
+    [("eslm", {}), ("eslm", {"score": "entropy"}), ("topk", {}), ("random", {}), ("none", {})],
+)
+def test_demo_fits_with_each_method(method, extra, small_datamodule_kwargs):
+    lightning.seed_everything(0)
+    model = DemoGPT(**tiny_gpt_kwargs(), fused_loss=True)
+    trainer = _trainer([SelectiveTokenLoss(method=method, keep_ratio=0.6, **extra)], steps=4)
+    trainer.fit(model, datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    metrics = trainer.callback_metrics
+    expected = 1.0 if method == "none" else 0.6
+    assert expected <= float(metrics["selection/kept_fraction"]) < expected + 0.05
+    assert torch.isfinite(metrics["selection/mean_loss"])
+
+
+def test_rho1_with_a_reference_checkpoint_from_a_short_demo_fit(small_datamodule_kwargs, tmp_path):
+    lightning.seed_everything(0)
+    data = CorpusDataModule(**small_datamodule_kwargs)
+    reference_trainer = _trainer([], steps=3, default_root_dir=tmp_path)
+    reference_trainer.fit(DemoGPT(**tiny_gpt_kwargs()), datamodule=data)
+    path = tmp_path / "reference.ckpt"
+    reference_trainer.save_checkpoint(path)
+    callback = SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=str(path))
+    model = DemoGPT(**tiny_gpt_kwargs())
+    trainer = _trainer([callback], steps=3)
+    trainer.fit(model, datamodule=data)
+    assert 0.5 <= float(trainer.callback_metrics["selection/kept_fraction"]) < 0.55
+    # the reference's losses are what the excess is taken against
+    batch = _batch()
+    with torch.no_grad(), deferred_reduction():
+        ref = callback._reference_module.training_step(batch, 0)
+    reloaded = DemoGPT.load_from_checkpoint(path)
+    torch.testing.assert_close(ref.token_losses, reloaded.token_losses(batch).token_losses)
+
+
+def test_random_generator_state_survives_a_checkpoint():
+    a = SelectiveTokenLoss(method="random", keep_ratio=0.5, seed=1)
+    torch.rand(10, generator=a.generator)
+    state = a.state_dict()
+    expected = torch.rand(5, generator=a.generator)
+    b = SelectiveTokenLoss(method="random", keep_ratio=0.5, seed=99)
+    b.load_state_dict(state)
+    assert torch.equal(torch.rand(5, generator=b.generator), expected)
+
+
+def test_fused_output_without_callback_trains_on_the_plain_mean():
+    model = DemoGPT(**tiny_gpt_kwargs(), fused_loss=True).double()
+    batch = _batch()
+    out = model.training_step(batch, 0)
+    assert isinstance(out, FusedTokenLoss)
+    logits = model(batch["input_ids"])
+    reference = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    torch.testing.assert_close(out["loss"], reference, atol=1e-12, rtol=0)
