@@ -34,6 +34,8 @@ class Case:
         baseline: the label of the variant every ratio is taken against.
         variants: label -> function ``fn(quick) -> metrics``, run in this order.
         timeout_s: the most seconds one variant may take.
+        extra_report: optional ``fn(results, out_dir, quick) -> markdown`` appended to the results
+            page (for derived tables and charts of its own).
     """
 
     name: str
@@ -41,6 +43,7 @@ class Case:
     baseline: str
     variants: dict[str, Variant] = field(default_factory=dict)
     timeout_s: float = 900.0
+    extra_report: Callable[[dict[str, Metrics], Path, bool], str] | None = None
 
 
 CASES: dict[str, Case] = {}
@@ -88,7 +91,8 @@ def ratios(results: dict[str, Metrics], baseline: str) -> dict[str, dict[str, fl
         for name, value in metrics.items():
             reference = base.get(name)
             ok = isinstance(value, (int, float)) and isinstance(reference, (int, float)) and reference != 0
-            out[label][name] = value / reference if ok else None
+            if ok or not isinstance(value, (list, dict)):
+                out[label][name] = value / reference if ok else None
     return out
 
 
@@ -121,11 +125,15 @@ def write_results(case: Case, results: dict[str, Metrics], quick: bool, out_dir:
     ]
     for label, metrics in results.items():
         for name, value in metrics.items():
+            if isinstance(value, (list, dict)):
+                continue
             ratio = rel[label].get(name)
             lines.append(
                 f"| {label} | {name} | {_format_value(name, value)} | {'-' if ratio is None else f'{ratio:.3f}x'} |"
             )
     md, js, png = (out_dir / f"{case.name}.{ext}" for ext in ("md", "json", "png"))
+    if case.extra_report is not None:
+        lines += ["", case.extra_report(results, out_dir, quick)]
     md.write_text("\n".join(lines) + "\n")
     payload = {"case": case.name, "baseline": case.baseline, "quick": quick, "results": results, "ratios": rel}
     js.write_text(json.dumps(payload, indent=2, sort_keys=True))
@@ -139,7 +147,7 @@ def _chart(case: Case, rel: dict[str, dict[str, float | None]], path: Path) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = sorted({name for values in rel.values() for name, r in values.items() if r is not None})
+    metrics = sorted({name for values in rel.values() for name, r in values.items() if isinstance(r, float)})
     labels = list(rel)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(metrics) * max(1, len(labels)) / 2), 4))
     width = 0.8 / max(1, len(labels))

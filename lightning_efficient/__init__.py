@@ -1,6 +1,7 @@
 """lightning_efficient: train language models with Lightning in less memory and less time."""
 
 from lightning_efficient.demo import CorpusDataModule, DemoGPT
+from lightning_efficient.optim import EightBitOptimizer
 from lightning_efficient.report import MemoryReport
 from lightning_efficient.tokens import FusedTokenLoss, SelectiveTokenLoss, TokenLosses, linear_cross_entropy
 
@@ -9,6 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CorpusDataModule",
     "DemoGPT",
+    "EightBitOptimizer",
     "FusedTokenLoss",
     "MemoryReport",
     "SelectiveTokenLoss",

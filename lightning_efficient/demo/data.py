@@ -23,6 +23,8 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_efficient.resumable import EpochShuffleSampler, ResumableDataLoader
+
 from lightning_efficient._validation import require, require_int
 
 END_OF_TEXT = "<|endoftext|>"
@@ -90,6 +92,18 @@ def _fingerprint(files: list[Path], *settings: object) -> str:
     return digest.hexdigest()[:12]
 
 
+def add_span_noise(ids: np.ndarray, fraction: float, span: int, vocab_size: int, seed: int) -> np.ndarray:
+    """A copy of ``ids`` with about ``fraction`` of it, in spans of ``span`` tokens, replaced by
+    uniformly random token ids (deterministic for a seed)."""
+    rng = np.random.default_rng(seed)
+    noisy = np.array(ids, copy=True)
+    n_spans = len(ids) // span
+    chosen = rng.random(n_spans) < fraction
+    for start in np.flatnonzero(chosen) * span:
+        noisy[start : start + span] = rng.integers(0, vocab_size, span, dtype=noisy.dtype)
+    return noisy
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of ``seq_len`` next-token pairs over one token stream.
 
@@ -126,6 +140,9 @@ class CorpusDataModule(LightningDataModule):
         num_workers: DataLoader workers (>= 0).
         cache_dir: where tokenizers and token ids are cached (None: the user cache directory).
         seed: seed of the train/validation split.
+        noise_fraction: share of the *training* tokens replaced by uniformly random tokens, in spans
+            of ``noise_span`` (unlearnable tokens, as real web data has); validation stays clean.
+        noise_span: length of each noisy span (>= 1).
 
     Raises:
         ValueError: naming the argument when a setting is out of range.
@@ -142,6 +159,8 @@ class CorpusDataModule(LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         seed: int = 0,
+        noise_fraction: float = 0.0,
+        noise_span: int = 16,
     ) -> None:
         super().__init__()
         require_int("vocab_size", vocab_size, 257)
@@ -151,6 +170,10 @@ class CorpusDataModule(LightningDataModule):
         if max_files is not None:
             require_int("max_files", max_files, 1)
         require_int("num_workers", num_workers, 0)
+        require(0.0 <= noise_fraction < 1.0, "noise_fraction", noise_fraction, "a fraction in [0, 1)")
+        require_int("noise_span", noise_span, 1)
+        self.noise_fraction = noise_fraction
+        self.noise_span = noise_span
         self.data_path = data_path
         self.vocab_size = vocab_size
         self.seq_len = seq_len
@@ -239,7 +262,10 @@ class CorpusDataModule(LightningDataModule):
             self.prepare_data()
         meta = json.loads((target / "meta.json").read_text())
         pad = meta["end_of_text"]
-        self.train_dataset = TokenWindows(np.load(target / "train.npy", mmap_mode="r"), self.seq_len, pad)
+        train_ids = np.load(target / "train.npy", mmap_mode="r")
+        if self.noise_fraction > 0:
+            train_ids = add_span_noise(train_ids, self.noise_fraction, self.noise_span, meta["vocab_size"], self.seed)
+        self.train_dataset = TokenWindows(train_ids, self.seq_len, pad)
         self.val_dataset = TokenWindows(np.load(target / "val.npy", mmap_mode="r"), self.seq_len, pad)
         source = self.data_path or "the standard library"
         if len(self.train_dataset) < self.batch_size:
@@ -261,9 +287,13 @@ class CorpusDataModule(LightningDataModule):
         return Tokenizer.from_file(str(self.cache_path / "tokenizer.json"))
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches of full size."""
-        return DataLoader(
-            self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers
+        """Training batches of full size, shuffled per epoch from ``seed``; resumable mid-epoch."""
+        return ResumableDataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=EpochShuffleSampler(len(self.train_dataset), seed=self.seed),
+            drop_last=True,
+            num_workers=self.num_workers,
         )
 
     def val_dataloader(self) -> DataLoader:

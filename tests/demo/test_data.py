@@ -73,3 +73,14 @@ def test_corpus_too_small_for_a_batch_gives_the_counts(tmp_path):
 def test_invalid_data_settings(name, value):
     with pytest.raises(ValueError, match=rf"^{name}="):
         CorpusDataModule(**{name: value})
+
+
+def test_span_noise_replaces_about_the_fraction_in_whole_spans():
+    from lightning_efficient.demo.data import add_span_noise
+
+    ids = np.zeros(16000, dtype=np.uint16)
+    noisy = add_span_noise(ids, 0.25, 16, vocab_size=1000, seed=0)
+    assert np.array_equal(noisy, add_span_noise(ids, 0.25, 16, vocab_size=1000, seed=0))
+    changed_spans = (noisy.reshape(-1, 16) != 0).any(axis=1)
+    assert 0.2 < changed_spans.mean() < 0.3
+    assert int(noisy.max()) < 1000 and ids.max() == 0  # the input is not modified

@@ -1,0 +1,208 @@
+"""``EightBitOptimizer``: the bitsandbytes 8-bit twin of whatever optimizer the module built."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import bitsandbytes as bnb
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_efficient._validation import require, require_choice, require_int
+from lightning_efficient.optim.offload import host_offloaded
+from lightning_efficient.optim.state import BNB_BLOCKWISE, TORCH_32BIT, convert_optimizer_state, param_state_layout
+from lightning_efficient.optim.twins import EIGHT_BIT_CLASSES, NoTwinError, build_twin, find_twin, is_stateless
+
+
+def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class EightBitOptimizer(Callback):
+    """Replaces every optimizer the module (or the LightningCLI) built with its bitsandbytes 8-bit twin.
+
+    Same param groups and hyperparameters, passed by keyword; learning-rate schedulers are re-bound
+    to the new optimizer. Parameters with fewer than ``min_8bit_size`` elements, embedding weights
+    (unless ``embeddings_32bit=False``) and parameters whose names match ``keep_32bit`` keep 32-bit
+    states, through bitsandbytes' ``GlobalOptimManager.override_config``. What was converted is
+    printed at the start of fit and given to :class:`MemoryReport`.
+
+    Checkpoints resume exactly. A checkpoint whose Adam/AdamW states are in the other layout is
+    converted on load with a warning: a 32-bit checkpoint's moments are quantized for the 8-bit
+    optimizer, and with ``bits=32`` (keep the module's own 32-bit optimizer) an 8-bit checkpoint's
+    moments are dequantized, so a run can switch mid-way. The bitsandbytes version and the state
+    layout are recorded in the checkpoint.
+
+    Args:
+        min_8bit_size: tensors with fewer elements keep 32-bit states (>= 1; bitsandbytes' default 4096).
+        keep_32bit: ``fnmatch`` patterns of parameter names that keep 32-bit states.
+        embeddings_32bit: keep the weights of ``nn.Embedding`` modules (and what is tied to them) 32-bit.
+        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU).
+        offload: ``"cpu"`` keeps the 8-bit states in host memory between steps, copied in and out per
+            parameter with the next one prefetched (CUDA; warns once and is ignored on CPU); or None.
+        strict: raise for an optimizer with no 8-bit twin; with False, leave it as it is and warn.
+        bits: 8 to convert; 32 to keep the module's optimizers and only dequantize 8-bit checkpoint states.
+
+    Raises:
+        ValueError: naming the argument for an invalid setting.
+    """
+
+    def __init__(
+        self,
+        min_8bit_size: int = 4096,
+        keep_32bit: list[str] | None = None,
+        embeddings_32bit: bool = True,
+        paged: bool = False,
+        offload: str | None = None,
+        strict: bool = True,
+        bits: int = 8,
+    ) -> None:
+        require_int("min_8bit_size", min_8bit_size, 1)
+        require(keep_32bit is None or all(isinstance(p, str) for p in keep_32bit), "keep_32bit", keep_32bit, "a list of name patterns")
+        if offload is not None:
+            require_choice("offload", offload, ("cpu",))
+        require(not (paged and offload), "offload", offload, "None when paged=True (paged states already move to the host)")
+        require(bits in (8, 32), "bits", bits, "8 or 32")
+        self.min_8bit_size = min_8bit_size
+        self.keep_32bit = list(keep_32bit or [])
+        self.embeddings_32bit = embeddings_32bit
+        self.paged = paged
+        self.offload = offload
+        self.strict = strict
+        self.bits = bits
+        self._overridden: set[int] = set()
+        self._loaded_checkpoint: dict | None = None
+        self._figures: dict[str, int] = {}
+
+    # -- which parameters stay 32-bit -------------------------------------------------------
+    def _kept_32bit(self, pl_module: LightningModule) -> dict[int, str]:
+        reasons: dict[int, str] = {}
+        if self.embeddings_32bit:
+            for module in pl_module.modules():
+                if isinstance(module, nn.Embedding):
+                    reasons[id(module.weight)] = "embedding"
+        for name, param in pl_module.named_parameters():
+            if any(fnmatch.fnmatch(name, pattern) for pattern in self.keep_32bit):
+                reasons.setdefault(id(param), "pattern")
+        if self.keep_32bit and not any(r == "pattern" for r in reasons.values()):
+            names = [n for n, _ in pl_module.named_parameters()][:10]
+            raise ValueError(f"keep_32bit={self.keep_32bit!r} matches no parameter name; names look like {names}")
+        return reasons
+
+    def _uses_8bit(self, param: torch.Tensor) -> bool:
+        return param.numel() >= self.min_8bit_size and id(param) not in self._overridden
+
+    # -- conversion ---------------------------------------------------------------------------
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        on_cuda = pl_module.device.type == "cuda"
+        if self.bits == 8 and not on_cuda and (self.paged or self.offload):
+            rank_zero_warn("EightBitOptimizer: paged/offload need a CUDA device; on CPU the optimizer runs as plain 8-bit.")
+        if self.bits == 8:
+            self._convert_optimizers(trainer, pl_module, paged=self.paged and on_cuda, offload=bool(self.offload) and on_cuda)
+        self._convert_loaded_states(trainer)
+
+    def _convert_optimizers(self, trainer: Trainer, pl_module: LightningModule, paged: bool, offload: bool) -> None:
+        reasons = self._kept_32bit(pl_module)
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        replaced: list[torch.optim.Optimizer] = []
+        for index, optimizer in enumerate(trainer.strategy.optimizers):
+            if isinstance(optimizer, EIGHT_BIT_CLASSES) or is_stateless(optimizer):
+                replaced.append(optimizer)
+                continue
+            if find_twin(optimizer) is None and not self.strict:
+                rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) has no 8-bit twin; left as it is.")
+                replaced.append(optimizer)
+                continue
+            for param in _flat_params(optimizer):
+                if id(param) in reasons:
+                    manager.override_config(param, "optim_bits", 32)
+                    self._overridden.add(id(param))
+            try:
+                twin = build_twin(optimizer, min_8bit_size=self.min_8bit_size, paged=paged)
+            except NoTwinError:
+                if self.strict:
+                    raise
+                rank_zero_warn(f"EightBitOptimizer: optimizer {index} cannot become 8-bit; left as it is.")
+                replaced.append(optimizer)
+                continue
+            if offload:
+                twin = self._offloaded(twin)
+            self._rebind_schedulers(trainer, optimizer, twin)
+            replaced.append(twin)
+        trainer.strategy.optimizers = replaced
+        self._report(trainer, reasons)
+
+    def _offloaded(self, twin: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        cls = host_offloaded(type(twin))
+        groups = twin.param_groups
+        return cls(groups, **{k: groups[0][k] for k in twin.defaults if k in groups[0]}, min_8bit_size=self.min_8bit_size)
+
+    @staticmethod
+    def _rebind_schedulers(trainer: Trainer, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        for config in trainer.strategy.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if getattr(scheduler, "optimizer", None) is old:
+                scheduler.optimizer = new
+
+    def _report(self, trainer: Trainer, reasons: dict[int, str]) -> None:
+        counts = {"8bit": [0, 0], "32bit_small": [0, 0], "32bit_embedding": [0, 0], "32bit_pattern": [0, 0]}
+        for optimizer in trainer.strategy.optimizers:
+            if not isinstance(optimizer, EIGHT_BIT_CLASSES):
+                continue
+            for param in _flat_params(optimizer):
+                if id(param) in reasons:
+                    key = f"32bit_{reasons[id(param)]}"
+                elif param.numel() < self.min_8bit_size:
+                    key = "32bit_small"
+                else:
+                    key = "8bit"
+                counts[key][0] += 1
+                counts[key][1] += param.numel()
+        self._figures = {f"optimizer_{k}_params": n for k, (_, n) in counts.items()}
+        lines = [f"  {k:<16} {t:>5} tensors {n:>12,} parameters" for k, (t, n) in counts.items()]
+        rank_zero_info("EightBitOptimizer: optimizer states by precision\n" + "\n".join(lines))
+
+    # -- checkpoints --------------------------------------------------------------------------
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Lightning loads the optimizer states from this same dict after on_fit_start, once the
+        # optimizers are replaced: they are converted there, against the new optimizers' parameters.
+        self._loaded_checkpoint = checkpoint
+
+    def _convert_loaded_states(self, trainer: Trainer) -> None:
+        if self._loaded_checkpoint is None:
+            return
+        states = self._loaded_checkpoint.get("optimizer_states", [])
+        for index, (optimizer, state) in enumerate(zip(trainer.strategy.optimizers, states)):
+            target = BNB_BLOCKWISE if isinstance(optimizer, EIGHT_BIT_CLASSES) else TORCH_32BIT
+            layouts = {param_state_layout(s) for s in state["state"].values()} - {None}
+            if not layouts or layouts == {target}:
+                continue
+            converted, count = convert_optimizer_state(state, _flat_params(optimizer), target, self._uses_8bit)
+            states[index] = converted
+            rank_zero_warn(
+                f"EightBitOptimizer: optimizer {index}'s checkpoint holds {', '.join(sorted(layouts))} states; "
+                f"converted {count} of them to {target} ({'quantized' if target == BNB_BLOCKWISE else 'dequantized'}) "
+                "to keep training."
+            )
+        self._loaded_checkpoint = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"bitsandbytes_version": bnb.__version__, "bits": self.bits, "layout": BNB_BLOCKWISE if self.bits == 8 else TORCH_32BIT}
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        for key in self._overridden:  # bitsandbytes keys its overrides by id(): drop ours before ids are reused
+            manager.pid2config.pop(key, None)
+        self._overridden.clear()
+
+    def memory_figures(self) -> dict[str, int]:
+        """Parameter counts by state precision, for :class:`MemoryReport`."""
+        return dict(self._figures)

@@ -1,0 +1,155 @@
+"""Which bitsandbytes 8-bit optimizer is the twin of a given optimizer, and how to build it.
+
+Every hyperparameter of every param group is carried over by keyword (bitsandbytes 0.50 removed
+positional arguments, so positional calls would bind to other parameters). Options the twin cannot
+honour are refused with a sentence saying why, never dropped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import bitsandbytes as bnb
+import torch
+
+# torch implementation switches with no meaning for bitsandbytes (checked separately when they matter)
+_IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay"}
+
+
+@dataclass(frozen=True)
+class Twin:
+    """An 8-bit twin: its class, its paged class (or None), and what it cannot honour.
+
+    Attributes:
+        eight_bit: the bitsandbytes 8-bit optimizer class.
+        paged: the paged 8-bit class, or None where bitsandbytes has none.
+        hyperparameters: the group keys the twin reads.
+        refuse: ``fn(group) -> reason or None`` for settings it cannot honour.
+        family: ``"adam"``, ``"momentum"``, ``"rmsprop"``, ``"adagrad"`` or ``"lion"``.
+
+    bitsandbytes reads every family's coefficients from a group's ``betas``: momentum keeps
+    ``(momentum, dampening)``, RMSprop ``(alpha, momentum)``, Adagrad ``(0, 0)``; :func:`build_twin`
+    writes them per group so that groups with different coefficients keep them.
+    """
+
+    eight_bit: type[torch.optim.Optimizer]
+    paged: type[torch.optim.Optimizer] | None
+    hyperparameters: tuple[str, ...]
+    refuse: Callable[[dict], str | None]
+    family: str
+
+
+def _common(group: dict) -> str | None:
+    if group.get("maximize"):
+        return "maximize=True (bitsandbytes optimizers only minimise)"
+    return None
+
+
+def _adam(decoupled: bool) -> Callable[[dict], str | None]:
+    def refuse(group: dict) -> str | None:
+        if group.get("amsgrad"):
+            return "amsgrad=True (bitsandbytes' 8-bit Adam keeps no max of second moments)"
+        if not decoupled and group.get("weight_decay", 0) and not group.get("decoupled_weight_decay", False):
+            return (
+                f"weight_decay={group['weight_decay']} with torch.optim.Adam's L2 penalty (bitsandbytes decays "
+                "weights decoupled, as AdamW does: use torch.optim.AdamW for the same update)"
+            )
+        return _common(group)
+
+    return refuse
+
+
+def _sgd(group: dict) -> str | None:
+    if group.get("nesterov"):
+        return "nesterov=True (bitsandbytes' SGD8bit uses plain momentum)"
+    if group.get("dampening", 0):
+        return f"dampening={group['dampening']} (bitsandbytes' SGD8bit has no dampening)"
+    return _common(group)
+
+
+def _rmsprop(group: dict) -> str | None:
+    if group.get("centered"):
+        return "centered=True (bitsandbytes has no centered RMSprop)"
+    if group.get("momentum", 0):
+        return f"momentum={group['momentum']} (bitsandbytes' RMSprop8bit keeps no momentum buffer)"
+    return _common(group)
+
+
+def _adagrad(group: dict) -> str | None:
+    if group.get("lr_decay", 0):
+        return f"lr_decay={group['lr_decay']} (bitsandbytes' Adagrad8bit has no learning-rate decay)"
+    if group.get("initial_accumulator_value", 0):
+        return f"initial_accumulator_value={group['initial_accumulator_value']} (bitsandbytes' Adagrad8bit starts from 0)"
+    return _common(group)
+
+
+def _lion(group: dict) -> str | None:
+    return _common(group)
+
+
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+TWINS: dict[type, Twin] = {
+    torch.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
+    torch.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(False), "adam"),
+    torch.optim.SGD: Twin(bnb.optim.SGD8bit, None, ("lr", "momentum", "dampening", "weight_decay", "nesterov"), _sgd, "momentum"),
+    torch.optim.RMSprop: Twin(bnb.optim.RMSprop8bit, None, ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"), _rmsprop, "rmsprop"),
+    torch.optim.Adagrad: Twin(bnb.optim.Adagrad8bit, None, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"), _adagrad, "adagrad"),
+    bnb.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
+    bnb.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(True), "adam"),
+    bnb.optim.Lion: Twin(bnb.optim.Lion8bit, bnb.optim.PagedLion8bit, ("lr", "betas", "weight_decay"), _lion, "lion"),
+}
+EIGHT_BIT_CLASSES = tuple({t.eight_bit for t in TWINS.values()} | {t.paged for t in TWINS.values() if t.paged})
+
+
+def supported_names() -> str:
+    """The optimizers that have a twin, for error messages."""
+    return ", ".join(f"{cls.__module__}.{cls.__name__}" for cls in TWINS)
+
+
+def find_twin(optimizer: torch.optim.Optimizer) -> Twin | None:
+    """The twin of ``optimizer``'s exact class (a subclass may change the update, so it has none)."""
+    return TWINS.get(type(optimizer))
+
+
+def is_stateless(optimizer: torch.optim.Optimizer) -> bool:
+    """True for SGD without momentum: it keeps no state, so there is nothing to quantize."""
+    return isinstance(optimizer, torch.optim.SGD) and all(g.get("momentum", 0) == 0 for g in optimizer.param_groups)
+
+
+class NoTwinError(TypeError):
+    """An optimizer has no 8-bit twin, or uses a setting its twin cannot honour."""
+
+
+def _translate(family: str, group: dict) -> dict:
+    if family == "momentum":
+        group["betas"] = (group["momentum"], group.get("dampening", 0.0))
+    elif family == "rmsprop":
+        group["betas"] = (group["alpha"], group.get("momentum", 0.0))
+    elif family == "adagrad":
+        group["betas"] = (0.0, 0.0)
+    return group
+
+
+def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: bool) -> torch.optim.Optimizer:
+    """The 8-bit twin of ``optimizer``: same parameters, param groups and hyperparameters.
+
+    Every group key is carried over (``initial_lr`` for schedulers and user keys included) except
+    torch's implementation switches. Existing state is not carried: convert it with
+    :mod:`lightning_efficient.optim.state`.
+
+    Raises:
+        NoTwinError: naming the optimizer (and the supported ones) or the setting that cannot be honoured.
+    """
+    twin = find_twin(optimizer)
+    name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    if twin is None:
+        raise NoTwinError(f"{name} has no bitsandbytes 8-bit twin; supported: {supported_names()}")
+    for index, group in enumerate(optimizer.param_groups):
+        reason = twin.refuse(group)
+        if reason:
+            raise NoTwinError(f"{name} param group {index} cannot become 8-bit: {reason}")
+    groups = [_translate(twin.family, {k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}) for g in optimizer.param_groups]
+    defaults = {k: groups[0][k] for k in twin.hyperparameters if k in groups[0]}
+    cls = twin.paged if paged and twin.paged is not None else twin.eight_bit
+    return cls(groups, **defaults, min_8bit_size=min_8bit_size)

@@ -1,0 +1,214 @@
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from lightning_efficient import CorpusDataModule, DemoGPT, EightBitOptimizer
+from lightning_efficient.memory import optimizer_state_bytes
+from lightning_efficient.optim.offload import host_offloaded
+from lightning_efficient.optim.state import dequantize_adam_state
+from tests.conftest import tiny_gpt_kwargs
+from tests.optim.helpers import Regression, dataset, trainer
+
+
+def _fit(model, steps, callbacks=(), **kwargs):
+    t = trainer(steps, callbacks, **kwargs)
+    t.fit(model, **{k: v for k, v in kwargs.items() if k == "ckpt_path"})
+    return t
+
+
+def test_converted_optimizer_steps_like_bitsandbytes_used_directly_and_tracks_adamw():
+    torch.manual_seed(0)
+    model = Regression()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    t = trainer(50, [EightBitOptimizer(embeddings_32bit=False, min_8bit_size=1024)])
+    t.fit(model)
+    assert isinstance(t.optimizers[0], bnb.optim.AdamW8bit)
+    # the same 50 steps by hand with bitsandbytes
+    direct = Regression()
+    direct.load_state_dict(start)
+    optimizer = bnb.optim.AdamW8bit(direct.parameters(), lr=1e-2, weight_decay=0.05, min_8bit_size=1024)
+    loader = direct.train_dataloader()
+    fp32 = Regression()
+    fp32.load_state_dict(start)
+    adamw = torch.optim.AdamW(fp32.parameters(), lr=1e-2, weight_decay=0.05)
+    steps = 0
+    for epoch in range(10):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            for m, opt in ((direct, optimizer), (fp32, adamw)):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                opt.step()
+            steps += 1
+            if steps == 50:
+                break
+        if steps == 50:
+            break
+    for (name, ours), theirs, full in zip(model.named_parameters(), direct.parameters(), fp32.parameters()):
+        assert torch.equal(ours, theirs), name
+        moved = (full - start[name]).norm()
+        # stated tolerance against 32-bit AdamW: the parameters differ by at most 10% of the distance
+        # 32-bit AdamW moved them in 50 steps (the moments are quantized to 8 bits each step)
+        assert (ours - full).norm() <= 0.10 * moved, name
+
+
+def test_embeddings_and_small_tensors_stay_32bit_and_are_reported(capsys):
+    model = Regression()
+    callback = EightBitOptimizer()
+    t = trainer(2, [callback])
+    t.fit(model)
+    state = t.optimizers[0].state
+    assert state[model.embed.weight]["state1"].dtype == torch.float32  # embedding, 5120 elements
+    assert state[model.hidden.weight]["state1"].dtype == torch.uint8  # 7680 elements
+    assert state[model.hidden.bias]["state1"].dtype == torch.float32  # under 4096
+    figures = callback.memory_figures()
+    assert figures["optimizer_32bit_embedding_params"] == 64 * 80
+    assert figures["optimizer_8bit_params"] == 80 * 96
+    assert figures["optimizer_32bit_small_params"] == 96 + 96 + 1
+    assert id(model.embed.weight) not in bnb.optim.GlobalOptimManager.get_instance().pid2config  # cleaned up
+
+
+def test_name_patterns_keep_32bit_and_unknown_patterns_are_refused():
+    model = Regression()
+    t = trainer(1, [EightBitOptimizer(keep_32bit=["hidden.*"])])
+    t.fit(model)
+    assert t.optimizers[0].state[model.hidden.weight]["state1"].dtype == torch.float32
+    with pytest.raises(ValueError, match=r"keep_32bit=\['nothing\*'\] matches no parameter"):
+        trainer(1, [EightBitOptimizer(keep_32bit=["nothing*"])]).fit(Regression())
+
+
+def test_scheduler_still_changes_the_new_optimizers_lr():
+    t = trainer(3, [EightBitOptimizer()])
+    t.fit(Regression(scheduler=True))
+    optimizer = t.optimizers[0]
+    assert isinstance(optimizer, bnb.optim.AdamW8bit)
+    assert t.lr_scheduler_configs[0].scheduler.optimizer is optimizer
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+
+
+def test_no_twin_raises_or_with_strict_false_is_left_with_a_warning():
+    class Adadelta(Regression):
+        def configure_optimizers(self):
+            return torch.optim.Adadelta(self.parameters())
+
+    with pytest.raises(TypeError, match="Adadelta has no bitsandbytes 8-bit twin"):
+        trainer(1, [EightBitOptimizer()]).fit(Adadelta())
+    t = trainer(1, [EightBitOptimizer(strict=False)])
+    with pytest.warns(UserWarning, match="no 8-bit twin; left as it is"):
+        t.fit(Adadelta())
+    assert isinstance(t.optimizers[0], torch.optim.Adadelta)
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"min_8bit_size": 0}, "min_8bit_size=0"), ({"offload": "disk"}, "offload='disk'"), ({"bits": 4}, "bits=4"),
+    ({"paged": True, "offload": "cpu"}, "offload='cpu'"),
+])
+def test_bad_arguments(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        EightBitOptimizer(**kwargs)
+
+
+@pytest.mark.parametrize("resume_at", [8, 11])  # 8 batches an epoch: an epoch end and a mid-epoch step
+def test_resume_is_exact(tmp_path, resume_at):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    straight = Regression()
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=resume_at, save_top_k=-1, filename="{step}")
+    trainer(20, [EightBitOptimizer(), saver], enable_checkpointing=True).fit(straight)
+    path = tmp_path / f"step={resume_at}.ckpt"
+    saved = torch.load(path, weights_only=True)  # loads without unpickling arbitrary objects
+    assert saved["callbacks"]["EightBitOptimizer"]["bitsandbytes_version"] == bnb.__version__
+    from lightning_efficient.optim.state import BNB_BLOCKWISE, param_state_layout, unwrapped
+
+    assert param_state_layout(saved["optimizer_states"][0]["state"][1]) == BNB_BLOCKWISE
+    assert unwrapped(saved["optimizer_states"][0]["state"][1])["state1"].dtype == torch.uint8
+    resumed = Regression()
+    trainer(20, [EightBitOptimizer()]).fit(resumed, ckpt_path=path)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_32bit_checkpoint_into_8bit_and_back(tmp_path):
+    from lightning_efficient.optim.state import BNB_BLOCKWISE, convert_optimizer_state
+
+    torch.manual_seed(0)
+    t = trainer(6)
+    t.fit(Regression())
+    path32 = tmp_path / "fp32.ckpt"
+    t.save_checkpoint(path32)
+
+    eight = Regression()
+    t8 = trainer(7, [EightBitOptimizer(min_8bit_size=1024)])
+    with pytest.warns(UserWarning, match="torch-32bit states; converted 5 of them to bitsandbytes"):
+        t8.fit(eight, ckpt_path=path32)
+    assert t8.global_step == 7 and torch.isfinite(t8.callback_metrics["loss"])
+    # the quantized moments are the 32-bit ones within 8-bit quantization error
+    saved = torch.load(path32, weights_only=True)["optimizer_states"][0]
+    params = list(eight.parameters())
+    converted, _ = convert_optimizer_state(saved, params, BNB_BLOCKWISE, lambda p: p.numel() >= 1024)
+    for index, state in saved["state"].items():
+        back = dequantize_adam_state(converted["state"][index])
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = state[key].abs().max()
+            assert (back[key] - state[key]).abs().max() <= 0.05 * scale, (index, key)
+    assert converted["state"][1]["state1"].dtype == torch.uint8  # hidden.weight: 7,680 elements
+    assert converted["state"][2]["state1"].dtype == torch.float32  # hidden.bias: small, 32-bit
+
+    path8 = tmp_path / "int8.ckpt"
+    t8.save_checkpoint(path8)
+    back = Regression()
+    t32 = trainer(8, [EightBitOptimizer(bits=32)])
+    with pytest.warns(UserWarning, match="bitsandbytes-blockwise-256 states; converted 5 of them to torch-32bit"):
+        t32.fit(back, ckpt_path=path8)
+    assert isinstance(t32.optimizers[0], torch.optim.AdamW) and t32.global_step == 8
+    assert torch.isfinite(t32.callback_metrics["loss"])
+
+
+def test_quantized_moments_are_within_quantization_error():
+    from lightning_efficient.optim.state import quantize_adam_state
+
+    g = torch.Generator().manual_seed(0)
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.randn(5000, generator=g) * 1e-3, "exp_avg_sq": torch.rand(5000, generator=g) * 1e-6}
+    back = dequantize_adam_state(quantize_adam_state(state, eight_bit=True))
+    for key in ("exp_avg", "exp_avg_sq"):
+        blocks = state[key].view(-1)[: 4864].view(-1, 256).abs().amax(1)
+        err = (back[key] - state[key]).view(-1)[:4864].view(-1, 256).abs().amax(1)
+        assert torch.all(err <= 0.05 * blocks), key  # dynamic 8-bit codes: a few % of each block's max
+    assert back["step"].item() == 3.0
+
+
+def test_host_offloaded_optimizer_gives_the_same_results_on_cpu():
+    params = [torch.nn.Parameter(torch.randn(100, 100)), torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(3))]
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    plain = bnb.optim.AdamW8bit(params, lr=1e-2)
+    offloaded = host_offloaded(bnb.optim.AdamW8bit)(clones, lr=1e-2)
+    for _ in range(4):
+        for p, c in zip(params, clones):
+            g = torch.randn_like(p)
+            p.grad, c.grad = g, g.clone()
+        plain.step()
+        offloaded.step(closure=lambda: None)
+    for p, c in zip(params, clones):
+        assert torch.equal(p, c)
+    assert all(v.device.type == "cpu" for s in offloaded.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def test_demo_state_bytes_with_embeddings_32bit_and_8bit(small_datamodule_kwargs):
+    figures = {}
+    for embeddings_32bit in (True, False):
+        model = DemoGPT(**{**tiny_gpt_kwargs(), "d_model": 64, "n_heads": 2})
+        t = trainer(1, [EightBitOptimizer(embeddings_32bit=embeddings_32bit)], limit_val_batches=0)
+        t.fit(model, datamodule=CorpusDataModule(**small_datamodule_kwargs))
+        params = list(model.parameters())
+        optimizer = t.optimizers[0]
+        hand = 2 * 256 * 4  # the two shared quantization maps
+        for p in params:
+            s = optimizer.state[p]
+            if s["state1"].dtype == torch.uint8:
+                hand += 2 * p.numel() + 2 * 4 * -(-p.numel() // 256)
+            else:
+                hand += 8 * p.numel()
+        assert optimizer_state_bytes(optimizer) == hand
+        figures[embeddings_32bit] = hand / sum(p.numel() for p in params)
+    print(f"demo optimizer-state bytes per parameter: embeddings 32-bit {figures[True]:.3f}, 8-bit {figures[False]:.3f}")
+    assert figures[False] < figures[True] and figures[False] <= 2.5
