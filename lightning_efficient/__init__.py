@@ -1,5 +1,6 @@
 """lightning_efficient: train language models with Lightning in less memory and less time."""
 
+from lightning_efficient.activations import ActivationMemory
 from lightning_efficient.demo import CorpusDataModule, DemoGPT
 from lightning_efficient.optim import EightBitOptimizer
 from lightning_efficient.report import MemoryReport
@@ -8,6 +9,7 @@ from lightning_efficient.tokens import FusedTokenLoss, SelectiveTokenLoss, Token
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationMemory",
     "CorpusDataModule",
     "DemoGPT",
     "EightBitOptimizer",

@@ -1,0 +1,74 @@
+"""Finding the repeated blocks of a model (its transformer layers) without model edits."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+
+from torch import nn
+
+
+def _uniform_containers(model: nn.Module) -> list[tuple[str, nn.Module, type]]:
+    """``(name, container, child class)`` for every ModuleList/Sequential of >= 2 children of one class
+    that hold parameters."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        classes = {type(c) for c in children}
+        if len(children) >= 2 and len(classes) == 1 and any(True for _ in children[0].parameters()):
+            found.append((name, module, classes.pop()))
+    return found
+
+
+def block_candidates(model: nn.Module) -> list[str]:
+    """Class names of repeated modules and qualified names of their containers, for error messages."""
+    return sorted(
+        {cls.__name__ for _, _, cls in _uniform_containers(model)}
+        | {f"{name}.*" for name, _, _ in _uniform_containers(model)}
+    )
+
+
+def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tuple[str, nn.Module]]:
+    """The blocks whose forwards a policy wraps, as ``(qualified name, module)`` in forward order.
+
+    Args:
+        model: the model (a LightningModule or any ``nn.Module``).
+        blocks: ``"auto"`` — the children of the largest ModuleList/Sequential whose children are all of
+            one class (every such container of that largest size, so an encoder-decoder's two stacks
+            are both found); or a list of class names (``"GPT2Block"``) and ``fnmatch`` patterns of
+            qualified names (``"model.layers.*"``).
+
+    Raises:
+        ValueError: when nothing matches, listing the candidates that exist.
+    """
+    if blocks == "auto":
+        containers = _uniform_containers(model)
+        if not containers:
+            raise ValueError(
+                "blocks='auto' found no ModuleList/Sequential of repeated blocks in "
+                f"{type(model).__name__}; give class names or name patterns instead"
+            )
+        largest = max(len(c) for _, c, _ in containers)
+        chosen = [(n, c) for n, c, _ in containers if len(c) == largest]
+        # a container nested in another chosen block (a block's own repeated sub-layers) is not a block
+        chosen = [(n, c) for n, c in chosen if not any(n != o and n.startswith(o + ".") for o, _ in chosen)]
+        return [(f"{name}.{i}" if name else str(i), child) for name, c in chosen for i, child in enumerate(c.children())]
+    if isinstance(blocks, str) or not blocks or not all(isinstance(b, str) for b in blocks):
+        raise ValueError(f"blocks={blocks!r} is not allowed: expected 'auto' or a list of class names / name patterns")
+    matched = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name and any(type(module).__name__ == b or fnmatch.fnmatchcase(name, b) for b in blocks)
+    ]
+    # keep the outermost matches: wrapping a block and one of its sub-modules would recompute twice
+    outermost = [(n, m) for n, m in matched if not any(n != o and n.startswith(o + ".") for o, _ in matched)]
+    if not outermost:
+        raise ValueError(f"blocks={blocks!r} matches no module; candidates: {', '.join(block_candidates(model)) or 'none'}")
+    return outermost
+
+
+def count_block_classes(blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
+    """How many blocks of each class, for the plan printout."""
+    return dict(Counter(type(m).__name__ for _, m in blocks))

@@ -1,0 +1,113 @@
+"""Per-block activation policies, applied by wrapping a block's ``forward`` on the instance.
+
+``keep`` leaves the block alone; ``checkpoint`` recomputes it in backward (non-reentrant
+``torch.utils.checkpoint``, RNG state preserved, so dropout gives identical gradients);
+``selective`` keeps the outputs of matmuls and attention and recomputes pointwise and normalisation
+ops (torch's selective checkpoint API); ``offload`` and ``disk`` move the tensors the block saves
+for backward to host memory or to files (see :mod:`lightning_efficient.activations.offload`).
+Parameter names and ``state_dict`` keys are unchanged, and :func:`unwrap_block` restores the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+POLICIES = ("keep", "checkpoint", "selective", "offload", "disk")
+
+_aten = torch.ops.aten
+# Outputs kept by `selective`: the matmuls and attention kernels, expensive to recompute.
+SAVED_BY_SELECTIVE = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> tuple[Any, Any]:
+    """The forward and recompute contexts of the ``selective`` policy."""
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _checkpointed(forward: Callable, selective: bool, reentrant: bool) -> Callable:
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if reentrant:
+            return checkpoint(forward, *args, use_reentrant=True, preserve_rng_state=True, **kwargs)
+        extra = {"context_fn": selective_context} if selective else {}
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+    return wrapped
+
+
+def _within(forward: Callable, context: Callable[[], contextlib.AbstractContextManager]) -> Callable:
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with context():
+            return forward(*args, **kwargs)
+
+    return wrapped
+
+
+def wrap_block(
+    block: nn.Module,
+    policy: str,
+    *,
+    hooks: Callable[[], contextlib.AbstractContextManager] | None = None,
+    reentrant: bool = False,
+) -> None:
+    """Apply ``policy`` to ``block`` by replacing ``block.forward`` on the instance.
+
+    Args:
+        block: the module.
+        policy: one of :data:`POLICIES`.
+        hooks: for ``offload``/``disk``, a factory of the ``saved_tensors_hooks`` context to run in.
+        reentrant: use reentrant checkpointing for ``checkpoint`` (not with DDP's find_unused_parameters).
+
+    Raises:
+        ValueError: for an unknown policy, or offload/disk without ``hooks``.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not allowed: expected one of {', '.join(POLICIES)}.")
+    unwrap_block(block)
+    if policy == "keep":
+        return
+    forward = block.forward
+    if policy in ("checkpoint", "selective"):
+        block.forward = _checkpointed(forward, selective=policy == "selective", reentrant=reentrant)
+    else:
+        if hooks is None:
+            raise ValueError(f"policy={policy!r} needs the saved-tensor hooks that move tensors off the device")
+        block.forward = _within(forward, hooks)
+    block._lightning_efficient_policy = policy
+
+
+def unwrap_block(block: nn.Module) -> None:
+    """Restore the block's own ``forward`` (a no-op for an unwrapped block)."""
+    if "forward" in vars(block) and hasattr(block, "_lightning_efficient_policy"):
+        del block.forward
+        del block._lightning_efficient_policy
+
+
+def block_policy(block: nn.Module) -> str:
+    """The policy applied to ``block`` (``"keep"`` when none)."""
+    return getattr(block, "_lightning_efficient_policy", "keep")

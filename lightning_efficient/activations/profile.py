@@ -1,0 +1,176 @@
+"""Profiling one real training step per block: bytes each policy holds and what each costs in time.
+
+What a policy *really* holds is counted, not what an outer ``saved_tensors_hooks`` sees (which
+misses what checkpointing keeps inside its own frame):
+
+* ``keep``: the distinct storages the block saves for backward (its parameters excluded);
+* ``checkpoint``: the block's tensor inputs, which checkpointing keeps to recompute from;
+* ``selective``: the inputs plus the outputs of the ops it saves (matmuls, attention), counted
+  exactly with a ``TorchDispatchMode`` over the block's forward;
+* ``offload``/``disk``: the saved tensors under ``min_bytes``, which stay on the device.
+
+Costs: ``checkpoint`` recomputes the forward; ``selective`` recomputes the ops it does not save
+(their share of the forward, timed op by op); ``offload``/``disk`` move the bytes at the measured
+bandwidth (out and back).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_efficient.activations.planner import BlockProfile
+from lightning_efficient.activations.policies import SAVED_BY_SELECTIVE
+from lightning_efficient.memory import distinct_storage_bytes
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times each op and sums the output bytes of the ops ``selective`` saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved_bytes = 0
+        self.saved_time = 0.0
+        self.other_time = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        elapsed = time.perf_counter() - start
+        if func in SAVED_BY_SELECTIVE:
+            self.saved_time += elapsed
+            self.saved_bytes += distinct_storage_bytes(t for t in tree_flatten(out)[0] if isinstance(t, Tensor))
+        else:
+            self.other_time += elapsed
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def disk_bandwidth(directory: str | None, nbytes: int = 32 * 2**20) -> tuple[float, float]:
+    """Measured (write, read) bytes per second of a scratch file in ``directory``."""
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    handle, path = tempfile.mkstemp(dir=directory)
+    os.close(handle)
+    try:
+        start = time.perf_counter()
+        data.tofile(path)
+        write = time.perf_counter() - start
+        start = time.perf_counter()
+        np.fromfile(path, dtype=np.uint8)
+        read = time.perf_counter() - start
+    finally:
+        os.remove(path)
+    return nbytes / max(write, 1e-9), nbytes / max(read, 1e-9)
+
+
+def host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
+    """Measured device-to-host bytes per second into pinned memory (CUDA only)."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target.copy_(source)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    target.copy_(source)
+    torch.cuda.synchronize(device)
+    return nbytes / max(time.perf_counter() - start, 1e-9)
+
+
+def profile_blocks(
+    run_step: Callable[[], None],
+    run_forward: Callable[[], None],
+    blocks: list[tuple[str, nn.Module]],
+    exclude: Callable[[Tensor], bool],
+    device: torch.device,
+    *,
+    min_offload_bytes: int,
+    policies: tuple[str, ...],
+    offload_dir: str | None = None,
+) -> list[BlockProfile]:
+    """Profile every block on one training step (``run_step``: forward and backward) and one
+    forward pass without gradients (``run_forward``), and return what each policy would hold and cost.
+    """
+    stats: dict[int, dict[str, Any]] = {i: {"saved": {}, "small": 0, "inputs": 0, "time": 0.0} for i in range(len(blocks))}
+    originals = []
+    for index, (_, block) in enumerate(blocks):
+        forward = block.forward
+        originals.append((block, "forward" in vars(block), forward))
+
+        def measured(*args: Any, _forward=forward, _index=index, **kwargs: Any) -> Any:
+            record = stats[_index]
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and not exclude(t)]
+            record["inputs"] = distinct_storage_bytes(inputs)
+
+            def pack(t: Tensor) -> Tensor:
+                if not exclude(t) and t.layout == torch.strided:
+                    key = (str(t.device), t.untyped_storage().data_ptr())
+                    if key not in record["saved"]:
+                        record["saved"][key] = t.untyped_storage().nbytes()
+                        if t.untyped_storage().nbytes() < min_offload_bytes:
+                            record["small"] += t.untyped_storage().nbytes()
+                return t
+
+            _sync(device)
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = _forward(*args, **kwargs)
+            _sync(device)
+            record["time"] = time.perf_counter() - start
+            return out
+
+        block.forward = measured
+    try:
+        run_step()
+        timers = {}
+        for index, (_, block) in enumerate(blocks):
+            def timed(*args: Any, _forward=originals[index][2], _index=index, **kwargs: Any) -> Any:
+                timers[_index] = _OpTimer()
+                with timers[_index]:
+                    return _forward(*args, **kwargs)
+
+            block.forward = timed
+        with torch.no_grad():
+            run_forward()
+    finally:
+        for block, had_own, forward in originals:
+            if had_own:
+                block.forward = forward
+            else:
+                del block.forward
+    write_bw = read_bw = host_bw = None
+    if "disk" in policies:
+        write_bw, read_bw = disk_bandwidth(offload_dir)
+    if "offload" in policies and device.type == "cuda":
+        host_bw = host_bandwidth(device)
+    profiles = []
+    for index, (name, _) in enumerate(blocks):
+        record, timer = stats[index], timers.get(index)
+        keep = sum(record["saved"].values())
+        held = {"keep": keep, "checkpoint": min(keep, record["inputs"])}
+        cost = {"keep": 0.0, "checkpoint": record["time"]}
+        if timer is not None:
+            held["selective"] = min(keep, record["inputs"] + timer.saved_bytes)
+            share = timer.other_time / max(timer.other_time + timer.saved_time, 1e-12)
+            cost["selective"] = record["time"] * share
+        moved = keep - record["small"]
+        if write_bw is not None:
+            held["disk"] = record["small"]
+            cost["disk"] = moved / write_bw + moved / read_bw
+        if host_bw is not None:
+            held["offload"] = record["small"]
+            cost["offload"] = 2 * moved / host_bw
+        profiles.append(BlockProfile(name, {k: v for k, v in held.items() if k in policies or k == "keep"},
+                                     {k: v for k, v in cost.items() if k in policies or k == "keep"}))
+    return profiles

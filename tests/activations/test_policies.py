@@ -1,0 +1,131 @@
+import gc
+import os
+import stat
+
+import pytest
+import torch
+from lightning.pytorch.demos import Transformer
+
+from lightning_efficient import DemoGPT
+from lightning_efficient.activations import DiskOffload, HostOffload, find_blocks, unwrap_block, wrap_block
+from tests.conftest import tiny_gpt_kwargs
+
+POLICIES = ["keep", "checkpoint", "selective", "offload", "disk"]
+
+
+def _demo():
+    return DemoGPT(**{**tiny_gpt_kwargs(), "dropout": 0.1, "n_layers": 3}).double().train()
+
+
+def _demo_loss(model):
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 512, (2, 32), generator=g), "labels": torch.randint(0, 512, (2, 32), generator=g)}
+    return model.token_losses(batch)["loss"]
+
+
+def _transformer():
+    return Transformer(vocab_size=50, ninp=16, nhead=2, nhid=32, nlayers=2, dropout=0.1).double().train()
+
+
+def _transformer_loss(model):
+    g = torch.Generator().manual_seed(0)
+    inputs, target = torch.randint(0, 50, (2, 12), generator=g), torch.randint(0, 50, (2, 12), generator=g)
+    return torch.nn.functional.nll_loss(model(inputs, target), target.view(-1))
+
+
+def _grads(model, loss_fn, seed=123):
+    torch.manual_seed(seed)
+    model.zero_grad()
+    loss_fn(model).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _exclude(model):
+    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return lambda t: t.untyped_storage().data_ptr() in ptrs
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("make", "loss_fn"), [(_demo, _demo_loss), (_transformer, _transformer_loss)], ids=["demo", "lightning_transformer"])
+def test_every_policy_gives_the_gradients_of_keep_in_float64_with_dropout(policy, make, loss_fn, tmp_path):
+    torch.manual_seed(0)
+    model = make()
+    reference = _grads(model, loss_fn)
+    keys = list(model.state_dict())
+    blocks = find_blocks(model)
+    disk = DiskOffload(str(tmp_path), min_bytes=0, exclude=_exclude(model))
+    host = HostOffload(min_bytes=0, exclude=_exclude(model))
+    for index, (_, block) in enumerate(blocks):
+        hooks = {"disk": lambda i=index: disk.hooks(i), "offload": lambda i=index: host.hooks(i)}.get(policy)
+        wrap_block(block, policy, hooks=hooks)
+    got = _grads(model, loss_fn)
+    assert list(model.state_dict()) == keys
+    for name, grad in reference.items():
+        assert (got[name] - grad).abs().max() <= 1e-12, name
+    if policy == "disk":
+        assert disk.bytes_written > 0
+    for _, block in blocks:
+        unwrap_block(block)
+        assert "forward" not in vars(block)
+    disk.close()
+
+
+def test_disk_files_are_removed_after_backward_and_the_directory_is_private(tmp_path):
+    model = _demo()
+    disk = DiskOffload(str(tmp_path), min_bytes=0, exclude=_exclude(model))
+    for index, (_, block) in enumerate(find_blocks(model)):
+        wrap_block(block, "disk", hooks=lambda i=index: disk.hooks(i))
+    assert stat.S_IMODE(os.stat(disk.root).st_mode) == 0o700
+    loss = _demo_loss(model)
+    disk._writer.submit(lambda: None).result()
+    assert len(disk.files()) > 0
+    loss.backward()
+    del loss
+    gc.collect()
+    assert disk.files() == []
+    disk.close()
+    assert not disk.root.exists()
+
+
+def test_disk_files_are_removed_after_an_exception_in_backward(tmp_path):
+    model = _demo()
+    disk = DiskOffload(str(tmp_path), min_bytes=0, exclude=_exclude(model))
+    for index, (_, block) in enumerate(find_blocks(model)):
+        wrap_block(block, "disk", hooks=lambda i=index: disk.hooks(i))
+
+    def fail(grad):
+        raise RuntimeError("boom in backward")
+
+    def step():
+        loss = _demo_loss(model)
+        hidden = model.blocks[1].attn.qkv.weight
+        hidden.register_hook(fail)
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        step()
+    assert len(disk.files()) > 0  # the traceback still holds the graph ...
+    disk.clear()  # ... so the callback's on_exception clears the directory
+    assert disk.files() == []
+    disk.close()
+
+
+def test_a_full_disk_names_the_path_and_the_bytes(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from lightning_efficient.activations import DiskFullError
+
+    model = _demo()
+    disk = DiskOffload(str(tmp_path), min_bytes=0, exclude=_exclude(model))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100, 90, 10))
+    wrap_block(model.blocks[0], "disk", hooks=lambda: disk.hooks(0))
+    with pytest.raises(DiskFullError, match=rf"needs [0-9,]+ more bytes at {disk.root} but the disk has 10 free"):
+        _demo_loss(model)
+    disk.close()
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="policy='swap'"):
+        wrap_block(torch.nn.Linear(2, 2), "swap")
