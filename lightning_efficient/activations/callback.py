@@ -170,9 +170,10 @@ class ActivationMemory(Callback):
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-        block_keep = sum(p.held_bytes["keep"] for p in self._profiles)
-        fixed = max(0, self._profiled_total - block_keep)
-        baseline = fixed + block_keep
+        # inside blocks the profiler's own hooks shadow this outer count: it sees the tensors saved
+        # outside the blocks (embeddings, head, loss), which no policy changes
+        fixed = self._profiled_total
+        baseline = fixed + sum(p.held_bytes["keep"] for p in self._profiles)
         budget = parse_budget(self.budget, baseline)
         plan = plan_blocks(self._profiles, budget, fixed, policies)
         plan = trainer.strategy.broadcast(plan, src=0)  # every rank runs rank 0's plan
