@@ -1,6 +1,7 @@
 """lightning_efficient: train language models with Lightning in less memory and less time."""
 
 from lightning_efficient.activations import ActivationMemory
+from lightning_efficient.balance import HeterogeneousDDPStrategy
 from lightning_efficient.demo import CorpusDataModule, DemoGPT
 from lightning_efficient.optim import EightBitOptimizer
 from lightning_efficient.report import MemoryReport
@@ -14,6 +15,7 @@ __all__ = [
     "DemoGPT",
     "EightBitOptimizer",
     "FusedTokenLoss",
+    "HeterogeneousDDPStrategy",
     "MemoryReport",
     "SelectiveTokenLoss",
     "TokenLosses",

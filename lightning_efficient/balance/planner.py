@@ -1,0 +1,130 @@
+"""Per-rank shares of a global batch, proportional to speed and capped by memory (a pure function).
+
+Every rank gets an integer share; the shares sum exactly to the global batch; each rank splits its
+share into the same number of micro-batches (gradient accumulation steps), so every rank runs the
+same number of forward/backward passes and optimizer steps and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    """Samples per rank per optimizer step, and the micro-batches each is split into.
+
+    Attributes:
+        shares: samples of each rank per optimizer step (sum = the global batch).
+        accumulation: micro-batches per optimizer step, the same on every rank.
+    """
+
+    shares: tuple[int, ...]
+    accumulation: int
+
+    def micro_batches(self, rank: int) -> list[int]:
+        """Sizes of ``rank``'s micro-batches (as equal as possible, each >= 1)."""
+        share, steps = self.shares[rank], self.accumulation
+        return [share // steps + (1 if i < share % steps else 0) for i in range(steps)]
+
+    def step_time(self, speeds: Sequence[float]) -> float:
+        """The slowest rank's compute time per optimizer step at ``speeds`` (samples per second)."""
+        return max(s / v for s, v in zip(self.shares, speeds))
+
+
+def _validate(global_batch: int, speeds: Sequence[float], caps: Sequence[int | None]) -> None:
+    world = len(speeds)
+    if world < 1:
+        raise ValueError("speeds must name at least one rank")
+    if global_batch < world:
+        raise ValueError(
+            f"global_batch_size={global_batch} is smaller than the number of ranks ({world}): every rank needs "
+            "at least one sample per step"
+        )
+    if any(not math.isfinite(v) or v <= 0 for v in speeds):
+        raise ValueError(f"shares={list(speeds)} is not allowed: expected positive finite weights, one per rank")
+    if len(caps) != world:
+        raise ValueError(f"max_micro_batch={list(caps)} has {len(caps)} entries for {world} ranks")
+    if any(c is not None and (not isinstance(c, int) or c < 1) for c in caps):
+        raise ValueError(f"max_micro_batch={list(caps)} is not allowed: expected integers >= 1 (or None: no cap)")
+
+
+def _water_fill(total: int, speeds: Sequence[float], lower: Sequence[int], upper: Sequence[float]) -> list[int]:
+    """Integer shares within [lower, upper], summing to ``total``, as close to proportional as possible."""
+    low, high = 0.0, total / min(speeds) + 1.0
+    for _ in range(200):  # bisect the multiplier so that the clipped shares sum to total
+        mid = (low + high) / 2
+        if sum(min(max(mid * v, lo), up) for v, lo, up in zip(speeds, lower, upper)) < total:
+            low = mid
+        else:
+            high = mid
+    ideal = [min(max(high * v, lo), up) for v, lo, up in zip(speeds, lower, upper)]
+    shares = [max(lo, int(min(math.floor(x), up))) for x, lo, up in zip(ideal, lower, upper)]
+    # largest remainder: hand the missing samples to the ranks with the largest fractional parts
+    order = sorted(range(len(shares)), key=lambda r: (-(ideal[r] - math.floor(ideal[r])), r))
+    missing = total - sum(shares)
+    while missing > 0:
+        progressed = False
+        for r in order:
+            if missing and shares[r] + 1 <= upper[r]:
+                shares[r] += 1
+                missing -= 1
+                progressed = True
+        if not progressed:
+            break
+    while missing < 0:  # clipping at the lower bounds can overshoot: take back from the largest
+        r = max(range(len(shares)), key=lambda i: (shares[i] - lower[i], -i))
+        shares[r] -= 1
+        missing += 1
+    return shares
+
+
+def plan_shares(
+    global_batch: int,
+    speeds: Sequence[float],
+    caps: Sequence[int | None] | None = None,
+    accumulation: int | None = None,
+) -> SharePlan:
+    """Shares of ``global_batch`` proportional to ``speeds``, within each rank's micro-batch cap.
+
+    Args:
+        global_batch: samples per optimizer step over all ranks (>= number of ranks).
+        speeds: each rank's samples per second (or any positive weights).
+        caps: each rank's largest micro-batch (None: no cap).
+        accumulation: micro-batches per step; None picks the smallest number for which the caps do
+            not hold the shares away from proportional (or, failing that, the fastest feasible one).
+
+    Returns:
+        The plan that minimises the slowest rank's time for that accumulation.
+
+    Raises:
+        ValueError: with the numbers, for a global batch smaller than the ranks, bad speeds or caps,
+            or caps under which no accumulation up to ``global_batch // ranks`` fits the batch.
+    """
+    caps = list(caps) if caps is not None else [None] * len(speeds)
+    _validate(global_batch, speeds, caps)
+    world = len(speeds)
+    candidates = [accumulation] if accumulation is not None else range(1, global_batch // world + 1)
+    best: SharePlan | None = None
+    for steps in candidates:
+        lower = [steps] * world
+        upper = [math.inf if c is None else steps * c for c in caps]
+        if sum(lower) > global_batch or sum(upper) < global_batch:
+            continue
+        shares = _water_fill(global_batch, speeds, lower, upper)
+        plan = SharePlan(tuple(shares), steps)
+        unconstrained = all(s < u for s, u in zip(shares, upper))
+        if best is None or plan.step_time(speeds) < best.step_time(speeds) - 1e-12:
+            best = plan
+        if unconstrained:
+            break
+    if best is None:
+        most = sum(math.inf if c is None else c for c in caps)
+        raise ValueError(
+            f"global_batch_size={global_batch} cannot be split over {world} ranks with max_micro_batch={caps}"
+            + (f" and accumulation={accumulation}" if accumulation is not None else "")
+            + f": at most {most} samples fit in one micro-step and every rank needs at least one sample per micro-step"
+        )
+    return best

@@ -1,0 +1,133 @@
+"""The batch sampler of ``hetero_ddp``: each global batch sliced among the ranks by their shares.
+
+Every rank draws the same permutation of the dataset from ``seed + epoch``. Global batch ``k`` is
+``permutation[k * G : (k + 1) * G]``; rank ``r`` takes the slice after the shares of ranks
+``0..r-1`` and splits it into the plan's micro-batches. Share changes are scheduled from a global
+batch index onwards (the same on every rank, far enough ahead of any prefetching), so whatever the
+shares and however they change, every sample is used exactly once per epoch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from lightning_efficient.balance.planner import SharePlan
+
+
+class HeterogeneousBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches of indices, global batch after global batch.
+
+    Args:
+        dataset_size: number of samples.
+        global_batch: samples per optimizer step over all ranks.
+        rank: this process's rank.
+        plan: the initial shares and accumulation.
+        seed: seed of the per-epoch permutation.
+        shuffle: permute the dataset each epoch (else the identity order).
+        drop_last: drop the last incomplete global batch (else complete it with samples from the
+            start of the permutation, as ``DistributedSampler`` pads).
+    """
+
+    def __init__(
+        self, dataset_size: int, global_batch: int, rank: int, plan: SharePlan, seed: int = 0,
+        shuffle: bool = True, drop_last: bool = False,
+    ) -> None:
+        if dataset_size < 1:
+            raise ValueError(f"the dataset is empty: hetero_ddp needs at least one sample (global batch {global_batch})")
+        if drop_last and dataset_size < global_batch:
+            raise ValueError(
+                f"drop_last=True with {dataset_size} samples and global_batch_size={global_batch}: no full global batch"
+            )
+        self.dataset_size = dataset_size
+        self.global_batch = global_batch
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.schedule: list[tuple[int, SharePlan]] = [(0, plan)]  # (from global batch index, plan)
+        self.next_batch = 0  # global batches of this epoch already handed out
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Optimizer steps per epoch."""
+        if self.drop_last:
+            return self.dataset_size // self.global_batch
+        return math.ceil(self.dataset_size / self.global_batch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch`` (Lightning calls this at each epoch start)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.next_batch = 0
+            self.schedule = [(0, self.schedule[-1][1])]
+
+    def plan_at(self, batch_index: int) -> SharePlan:
+        """The plan that global batch ``batch_index`` of this epoch is sliced by."""
+        position = bisect.bisect_right([start for start, _ in self.schedule], batch_index) - 1
+        return self.schedule[position][1]
+
+    def schedule_plan(self, plan: SharePlan, from_batch: int) -> None:
+        """Slice global batches from ``from_batch`` on by ``plan`` (it must keep the accumulation)."""
+        if plan.accumulation != self.schedule[0][1].accumulation:
+            raise ValueError("a new plan must keep the accumulation the run started with")
+        self.schedule = [(start, p) for start, p in self.schedule if start < from_batch] + [(from_batch, plan)]
+
+    def _permutation(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.dataset_size))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_size, generator=generator).tolist()
+
+    def global_batch_indices(self, batch_index: int, permutation: list[int]) -> list[int]:
+        """The sample indices of global batch ``batch_index`` (padded from the start when short)."""
+        start = batch_index * self.global_batch
+        chunk = permutation[start : start + self.global_batch]
+        while len(chunk) < self.global_batch:
+            chunk += permutation[: self.global_batch - len(chunk)]
+        return chunk
+
+    def rank_slice(self, batch_index: int, permutation: list[int], rank: int | None = None) -> list[list[int]]:
+        """``rank``'s micro-batches of global batch ``batch_index``."""
+        rank = self.rank if rank is None else rank
+        plan = self.plan_at(batch_index)
+        chunk = self.global_batch_indices(batch_index, permutation)
+        offset = sum(plan.shares[:rank])
+        mine = chunk[offset : offset + plan.shares[rank]]
+        micro, out = plan.micro_batches(rank), []
+        for size in micro:
+            out.append(mine[:size])
+            mine = mine[size:]
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        permutation = self._permutation()
+        while self.next_batch < self.batches_per_epoch:
+            batch_index = self.next_batch
+            self.next_batch += 1
+            yield from self.rank_slice(batch_index, permutation)
+        self.next_batch = 0
+        self.epoch += 1  # in case nobody calls set_epoch: the next pass draws the next permutation
+        self.schedule = [(0, self.schedule[-1][1])]  # the latest plan holds from the next epoch's start
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch * self.schedule[0][1].accumulation
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, position and share schedule, for a mid-epoch resume."""
+        return {
+            "epoch": self.epoch, "next_batch": self.next_batch,
+            "schedule": [(start, list(p.shares), p.accumulation) for start, p in self.schedule],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` was taken."""
+        self.epoch = int(state["epoch"])
+        self.next_batch = int(state["next_batch"])
+        self.schedule = [(int(start), SharePlan(tuple(shares), int(acc))) for start, shares, acc in state["schedule"]]

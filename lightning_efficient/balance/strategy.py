@@ -1,0 +1,273 @@
+"""``HeterogeneousDDPStrategy`` (``"hetero_ddp"``): DDP with per-rank batch shares sized to speed."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
+from lightning_efficient._validation import require, require_int
+from lightning_efficient.balance.planner import SharePlan, plan_shares
+from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
+
+
+def _first_tensor(obj: Any) -> Tensor | None:
+    if isinstance(obj, Tensor):
+        return obj
+    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+class _BalancedLoader(DataLoader):
+    """The training DataLoader ``hetero_ddp`` installs: its state is the sampler's, at the position trained."""
+
+    def __init__(self, *args: Any, strategy: HeterogeneousDDPStrategy, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._strategy = strategy
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state with the position of the last batch trained (not prefetched)."""
+        sampler: HeterogeneousBatchSampler = self.batch_sampler
+        state = sampler.state_dict()
+        state["next_batch"] = self._strategy._micro_done // sampler.schedule[0][1].accumulation
+        state["speeds"] = list(self._strategy._speeds)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the sampler and the measured speeds."""
+        self.batch_sampler.load_state_dict(state)
+        self._strategy._micro_done = int(state["next_batch"]) * self.batch_sampler.schedule[0][1].accumulation
+        self._strategy._speeds = [float(s) for s in state.get("speeds", self._strategy._speeds)]
+        self._strategy._counter_epoch = int(state["epoch"])
+
+
+class HeterogeneousDDPStrategy(DDPStrategy):
+    """DDP where each rank's share of every global batch follows its measured speed.
+
+    Each rank's compute time per sample is measured on real training steps (the forward pass of
+    ``training_step``, timed without the all-reduce, which DDP runs in backward), smoothed with an
+    exponential moving average and exchanged with ``all_gather``; every ``rebalance_every`` steps a
+    new plan (:func:`~lightning_efficient.balance.planner.plan_shares`) is adopted when it predicts a
+    gain above ``hysteresis``. The strategy installs its own batch sampler, so every sample is used
+    exactly once per epoch, and scales each rank's loss so that DDP's gradient average is the mean
+    over the global batch: by samples, or by valid tokens when ``training_step`` returns per-token
+    losses (:class:`~lightning_efficient.TokenLosses`); a loss already normalised by the global token
+    count (:class:`~lightning_efficient.SelectiveTokenLoss`) is left as it is.
+
+    Args:
+        global_batch_size: samples per optimizer step over all ranks (None: the DataLoader's batch
+            size times the number of ranks).
+        shares: ``"auto"`` (measured) or fixed positive weights, one per rank.
+        max_micro_batch: the largest micro-batch per rank (an int for all, a list, ``"auto"`` to probe
+            on CUDA, or None for no cap); larger shares are split with gradient accumulation.
+        rebalance_every: optimizer steps between re-plans (>= 1).
+        warmup_steps: steps measured before the first plan (>= 1).
+        hysteresis: the least predicted gain (fraction of step time) that changes the shares.
+        ema_decay: weight of the previous speed estimate in the moving average, in [0, 1).
+        seed: seed of the per-epoch sample order.
+        shuffle: shuffle the training samples each epoch.
+        drop_last: drop the last incomplete global batch (as ``DistributedSampler`` does).
+        **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+
+    Raises:
+        ValueError: naming the argument for invalid settings; before the first step, for shares of
+            the wrong length or a global batch smaller than the number of ranks, with the numbers.
+    """
+
+    strategy_name = "hetero_ddp"
+
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        shares: str | list[float] = "auto",
+        max_micro_batch: int | list[int] | str | None = None,
+        rebalance_every: int = 50,
+        warmup_steps: int = 10,
+        hysteresis: float = 0.05,
+        ema_decay: float = 0.7,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if global_batch_size is not None:
+            require_int("global_batch_size", global_batch_size, 1)
+        if shares != "auto":
+            ok = isinstance(shares, (list, tuple)) and all(isinstance(s, (int, float)) and s >= 0 for s in shares)
+            require(ok and sum(shares) > 0, "shares", shares, "'auto' or non-negative weights, one per rank, summing to more than 0")
+            require(all(s > 0 for s in shares), "shares", shares, "positive weights (a rank with share 0 would hang DDP)")
+        if isinstance(max_micro_batch, str):
+            require(max_micro_batch == "auto", "max_micro_batch", max_micro_batch, "an int, a list of ints, 'auto' or None")
+        elif isinstance(max_micro_batch, list):
+            require(all(isinstance(c, int) and c >= 1 for c in max_micro_batch), "max_micro_batch", max_micro_batch, "integers >= 1")
+        elif max_micro_batch is not None:
+            require_int("max_micro_batch", max_micro_batch, 1)
+        require_int("rebalance_every", rebalance_every, 1)
+        require_int("warmup_steps", warmup_steps, 1)
+        require(0.0 <= hysteresis < 1.0, "hysteresis", hysteresis, "a fraction in [0, 1)")
+        require(0.0 <= ema_decay < 1.0, "ema_decay", ema_decay, "a number in [0, 1)")
+        self.global_batch_size = global_batch_size
+        self.shares = shares
+        self.max_micro_batch = max_micro_batch
+        self.rebalance_every = rebalance_every
+        self.warmup_steps = warmup_steps
+        self.hysteresis = hysteresis
+        self.ema_decay = ema_decay
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self._sampler: HeterogeneousBatchSampler | None = None
+        self._plan: SharePlan | None = None
+        self._micro_done = 0
+        self._speeds: list[float] = []
+        self._local_speed: float | None = None
+        self._last_planned_step = -1
+        self._lookahead = 2
+        self._counter_epoch = 0
+
+    # -- the plan -----------------------------------------------------------------------------
+    def _caps(self) -> list[int | None]:
+        world = self.world_size
+        if self.max_micro_batch is None or self.max_micro_batch == "auto":
+            if self.max_micro_batch == "auto" and self.root_device.type != "cuda":
+                rank_zero_warn("hetero_ddp: max_micro_batch='auto' probes CUDA memory; on CPU no cap is set.")
+            return [None] * world
+        if isinstance(self.max_micro_batch, int):
+            return [self.max_micro_batch] * world
+        if len(self.max_micro_batch) != world:
+            raise ValueError(f"max_micro_batch={self.max_micro_batch} has {len(self.max_micro_batch)} entries for {world} ranks")
+        return list(self.max_micro_batch)
+
+    def _initial_weights(self) -> list[float]:
+        if self.shares == "auto":
+            return [1.0] * self.world_size
+        if len(self.shares) != self.world_size:
+            raise ValueError(f"shares={list(self.shares)} has {len(self.shares)} weights for {self.world_size} ranks")
+        return [float(s) for s in self.shares]
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+            return super().process_dataloader(dataloader)
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise ValueError("hetero_ddp slices a map-style dataset by index; an IterableDataset cannot be split by shares")
+        world = self.world_size
+        global_batch = self.global_batch_size or (dataloader.batch_size or 1) * world
+        requested = trainer.accumulate_grad_batches
+        self._plan = plan_shares(global_batch, self._initial_weights(), self._caps(), None if requested == 1 else requested)
+        if self._plan.accumulation != requested:
+            rank_zero_info(f"hetero_ddp: {self._plan.accumulation} micro-batches per step to respect max_micro_batch")
+            trainer.accumulate_grad_batches = self._plan.accumulation
+        self._speeds = [1.0] * world if not self._speeds else self._speeds
+        self._sampler = HeterogeneousBatchSampler(
+            len(dataloader.dataset), global_batch, self.global_rank, self._plan, self.seed, self.shuffle, self.drop_last
+        )
+        workers = dataloader.num_workers
+        self._lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self._plan.accumulation)
+        rank_zero_info(f"hetero_ddp: global batch {global_batch}, shares {list(self._plan.shares)}")
+        return _BalancedLoader(
+            dataloader.dataset,
+            batch_sampler=self._sampler,
+            num_workers=workers,
+            collate_fn=dataloader.collate_fn,
+            pin_memory=dataloader.pin_memory,
+            worker_init_fn=dataloader.worker_init_fn,
+            persistent_workers=dataloader.persistent_workers if workers else False,
+            strategy=self,
+        )
+
+    # -- one step -----------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sampler is None:
+            return super().training_step(*args, **kwargs)
+        accumulation = self._plan.accumulation
+        epoch = self.lightning_module.trainer.current_epoch
+        if epoch != self._counter_epoch:  # a new epoch: positions count from its start
+            self._counter_epoch, self._micro_done = epoch, 0
+        if self._micro_done % accumulation == 0:
+            self._maybe_rebalance()
+        batch = args[0] if args else kwargs.get("batch")
+        first = _first_tensor(batch)
+        samples = first.shape[0] if first is not None and first.dim() else 1
+        self._sync()
+        start = time.perf_counter()
+        output = super().training_step(*args, **kwargs)
+        self._sync()
+        self._observe(samples / max(time.perf_counter() - start, 1e-9))
+        self._micro_done += 1
+        return self._scaled(output, samples)
+
+    def _sync(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)
+
+    def _observe(self, speed: float) -> None:
+        previous = self._local_speed
+        self._local_speed = speed if previous is None else self.ema_decay * previous + (1 - self.ema_decay) * speed
+
+    def _scaled(self, output: Any, samples: int) -> Any:
+        """Scale the local loss so that DDP's average is the global mean (by tokens or by samples)."""
+        if isinstance(output, Mapping):
+            if output.get("normalised") == "global_tokens" or "loss" not in output:
+                return output
+            mask = output.get("mask")
+            count = float(mask.sum()) if isinstance(mask, Tensor) else float(samples)
+            loss = output["loss"]
+        elif isinstance(output, Tensor):
+            count, loss = float(samples), output
+        else:
+            return output
+        local = torch.tensor([count], dtype=torch.float64, device=self.root_device)
+        total = local.clone()
+        dist.all_reduce(total)
+        scale = count * self.world_size / max(float(total), 1.0)
+        scaled = loss * scale
+        return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
+
+    def _maybe_rebalance(self) -> None:
+        step = self.lightning_module.trainer.global_step
+        due = step >= self.warmup_steps and (step - self.warmup_steps) % self.rebalance_every == 0
+        if self.shares != "auto" or not due or step == self._last_planned_step:
+            return
+        self._last_planned_step = step
+        mine = torch.tensor([self._local_speed or 1.0], dtype=torch.float64, device=self.root_device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        self._speeds = [float(g) for g in gathered]
+        current = self._sampler.plan_at(self._micro_done // self._plan.accumulation)
+        candidate = plan_shares(self._sampler.global_batch, self._speeds, self._caps(), self._plan.accumulation)
+        gain = 1.0 - candidate.step_time(self._speeds) / current.step_time(self._speeds)
+        times = [s / v for s, v in zip(current.shares, self._speeds)]
+        stats = {f"hetero/share_rank{r}": float(s) for r, s in enumerate(current.shares)}
+        stats.update({f"hetero/step_time_rank{r}": t for r, t in enumerate(times)})
+        stats["hetero/idle_fraction"] = 1.0 - min(times) / max(times)
+        stats["hetero/predicted_gain"] = gain
+        self.lightning_module.log_dict(stats, on_step=True, on_epoch=False, rank_zero_only=True)
+        if gain > self.hysteresis:
+            start = self._micro_done // self._plan.accumulation + self._lookahead
+            self._sampler.schedule_plan(candidate, start)
+            rank_zero_info(f"hetero_ddp: step {step}: shares {list(current.shares)} -> {list(candidate.shares)} "
+                           f"from global batch {start} (predicted gain {gain:.1%})")
+
+    @property
+    def current_shares(self) -> list[int]:
+        """The shares in force for the next global batch to train."""
+        return list(self._sampler.plan_at(self._micro_done // self._plan.accumulation).shares)
+

@@ -1,0 +1,72 @@
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_efficient.balance.planner import plan_shares
+
+speeds = st.lists(st.floats(0.1, 10.0), min_size=1, max_size=64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(speeds, st.integers(1, 5000), st.data())
+def test_shares_sum_respect_caps_and_give_equal_step_counts(speeds, extra, data):
+    world = len(speeds)
+    global_batch = world + extra
+    caps = data.draw(st.lists(st.one_of(st.none(), st.integers(1, 400)), min_size=world, max_size=world))
+    try:
+        plan = plan_shares(global_batch, speeds, caps)
+    except ValueError as error:
+        assert "cannot be split" in str(error)
+        # genuinely impossible: even the largest accumulation cannot fit the batch under the caps
+        most = global_batch // world
+        assert sum(most * (c if c is not None else math.inf) for c in caps) < global_batch or most < 1
+        return
+    assert sum(plan.shares) == global_batch
+    for rank, share in enumerate(plan.shares):
+        micro = plan.micro_batches(rank)
+        assert len(micro) == plan.accumulation  # every rank: the same number of passes per step
+        assert sum(micro) == share and min(micro) >= 1
+        if caps[rank] is not None:
+            assert max(micro) <= caps[rank]
+
+
+@settings(max_examples=300, deadline=None)
+@given(speeds, st.integers(0, 5000))
+def test_uncapped_shares_are_proportional_within_one_sample(speeds, extra):
+    global_batch = len(speeds) * 4 + extra
+    plan = plan_shares(global_batch, speeds)
+    ideal = [global_batch * v / sum(speeds) for v in speeds]
+    if all(x >= 1 for x in ideal):
+        assert all(abs(s - x) < 1 for s, x in zip(plan.shares, ideal))
+    # no other split of integers has a smaller slowest-rank time by more than one sample's time
+    assert plan.step_time(speeds) <= max(x / v for x, v in zip(ideal, speeds)) + 1 / min(speeds)
+
+
+def test_a_thousand_ranks():
+    speeds = [1.0 + (r % 7) for r in range(1024)]
+    plan = plan_shares(100_000, speeds, caps=[150] * 1024)
+    assert sum(plan.shares) == 100_000 and len(plan.shares) == 1024
+    assert max(max(plan.micro_batches(r)) for r in range(1024)) <= 150
+
+
+def test_a_share_over_its_cap_uses_accumulation():
+    plan = plan_shares(64, [1.0, 1.0], caps=[8, 64])
+    assert plan.shares == (32, 32) and plan.accumulation == 4
+    assert plan.micro_batches(0) == [8, 8, 8, 8]
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        ((1, [1.0, 1.0]), r"global_batch_size=1 is smaller than the number of ranks \(2\)"),
+        ((4, [1.0, -1.0]), r"shares=\[1.0, -1.0\]"),
+        ((4, [0.0, 0.0]), r"shares=\[0.0, 0.0\]"),
+        ((4, [1.0, 1.0], [1]), r"max_micro_batch=\[1\] has 1 entries for 2 ranks"),
+        ((5, [1.0, 1.0], [1, 1], 1), r"global_batch_size=5 cannot be split over 2 ranks with max_micro_batch=\[1, 1\] and accumulation=1: at most 2"),
+    ],
+)
+def test_impossible_requests_give_the_numbers(args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        plan_shares(*args)
