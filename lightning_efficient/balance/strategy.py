@@ -58,8 +58,9 @@ class _BalancedLoader(DataLoader):
 class HeterogeneousDDPStrategy(DDPStrategy):
     """DDP where each rank's share of every global batch follows its measured speed.
 
-    Each rank's compute time per sample is measured on real training steps (the forward pass of
-    ``training_step``, timed without the all-reduce, which DDP runs in backward), smoothed with an
+    Each rank's compute time per sample is measured on real training steps — from the start of
+    ``training_step`` to the moment its last parameter gradient is accumulated in backward, so the
+    wait for other ranks at the end of DDP's all-reduce is not counted — smoothed with an
     exponential moving average and exchanged with ``all_gather``; every ``rebalance_every`` steps a
     new plan (:func:`~lightning_efficient.balance.planner.plan_shares`) is adopted when it predicts a
     gain above ``hysteresis``. The strategy installs its own batch sampler, so every sample is used
@@ -139,6 +140,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._last_planned_step = -1
         self._lookahead = 2
         self._counter_epoch = 0
+        # (forward seconds, when backward starts, samples) of the micro-step being timed
+        self._pending: tuple[float, float, int] | None = None
+        self._last_gradient_time = 0.0
+        self._timing_hooks: list = []
 
     # -- the plan -----------------------------------------------------------------------------
     def _caps(self) -> list[int | None]:
@@ -206,38 +211,79 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         batch = args[0] if args else kwargs.get("batch")
         first = _first_tensor(batch)
         samples = first.shape[0] if first is not None and first.dim() else 1
-        self._sync()
-        start = time.perf_counter()
+        self._finish_timing()
+        start = self._now()
         output = super().training_step(*args, **kwargs)
-        self._sync()
-        self._observe(samples / max(time.perf_counter() - start, 1e-9))
+        forward_seconds = self._now() - start
+        micro_index = self._micro_done % accumulation
         self._micro_done += 1
-        return self._scaled(output, samples)
+        scaled = self._scaled(output, samples, micro_index)  # may all-reduce: not part of the timing
+        self._pending = (forward_seconds, self._now(), samples)
+        return scaled
 
-    def _sync(self) -> None:
+    def _now(self) -> float:
         if self.root_device.type == "cuda":
             torch.cuda.synchronize(self.root_device)
+        return time.perf_counter()
+
+    def _gradient_accumulated(self, param: Tensor) -> None:
+        self._last_gradient_time = time.perf_counter()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        for handle in self._timing_hooks:
+            handle.remove()
+        self._timing_hooks = [
+            p.register_post_accumulate_grad_hook(self._gradient_accumulated)
+            for p in self.lightning_module.parameters()
+            if p.requires_grad
+        ]
+
+    @override
+    def teardown(self) -> None:
+        for handle in self._timing_hooks:
+            handle.remove()
+        self._timing_hooks = []
+        super().teardown()
+
+    def _finish_timing(self) -> None:
+        """Turn the previous micro-step's compute time (forward, then backward up to its last
+        gradient, leaving out the loss all-reduce and DDP's final wait) into a speed."""
+        if self._pending is None:
+            return
+        forward_seconds, backward_start, samples = self._pending
+        self._pending = None
+        backward_seconds = max(0.0, self._last_gradient_time - backward_start)
+        self._observe(samples / max(forward_seconds + backward_seconds, 1e-9))
 
     def _observe(self, speed: float) -> None:
         previous = self._local_speed
         self._local_speed = speed if previous is None else self.ema_decay * previous + (1 - self.ema_decay) * speed
 
-    def _scaled(self, output: Any, samples: int) -> Any:
-        """Scale the local loss so that DDP's average is the global mean (by tokens or by samples)."""
+    def _scaled(self, output: Any, samples: int, micro_index: int) -> Any:
+        """Scale the local loss so that DDP's average is the global mean: by valid tokens (one
+        all-reduce of the count) when the output carries a token mask, else by samples (the plan
+        gives every rank's micro-batch sizes, so no communication)."""
+        mask = output.get("mask") if isinstance(output, Mapping) else None
         if isinstance(output, Mapping):
             if output.get("normalised") == "global_tokens" or "loss" not in output:
                 return output
-            mask = output.get("mask")
-            count = float(mask.sum()) if isinstance(mask, Tensor) else float(samples)
             loss = output["loss"]
         elif isinstance(output, Tensor):
-            count, loss = float(samples), output
+            loss = output
         else:
             return output
-        local = torch.tensor([count], dtype=torch.float64, device=self.root_device)
-        total = local.clone()
-        dist.all_reduce(total)
-        scale = count * self.world_size / max(float(total), 1.0)
+        if isinstance(mask, Tensor):
+            count = float(mask.sum())
+            total = torch.tensor([count], dtype=torch.float64, device=self.root_device)
+            dist.all_reduce(total)
+            total = float(total)
+        else:
+            count = float(samples)
+            plan = self._sampler.plan_at((self._micro_done - 1) // self._plan.accumulation)
+            total = float(sum(plan.micro_batches(r)[micro_index] for r in range(self.world_size)))
+        scale = count * self.world_size / max(total, 1.0)
         scaled = loss * scale
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
