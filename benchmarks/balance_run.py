@@ -1,0 +1,126 @@
+"""One 2-process CPU DDP run for the ``balance`` case (launched by it; Lightning re-executes this file
+for rank 1). Usage: python benchmarks/balance_run.py STRATEGY SLOW MODEL STEPS OUT.json
+
+Rank 1 is made ``SLOW`` times slower by sleeping ``(SLOW - 1)`` times its own compute time per
+sample (calibrated before training) times its batch size, each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def mlp() -> torch.nn.Module:
+    """About 2.4 M parameters."""
+    return torch.nn.Sequential(torch.nn.Linear(512, 1536), torch.nn.ReLU(), torch.nn.Linear(1536, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+
+
+class MLPModule(lightning.LightningModule):
+    def __init__(self, slow: float):
+        super().__init__()
+        self.net, self.slow, self.per_sample = mlp(), slow, 0.0
+
+    def calibrate(self, x):
+        start = time.perf_counter()
+        for _ in range(3):
+            self.net(x).sum().backward()
+        self.net.zero_grad()
+        self.per_sample = (time.perf_counter() - start) / (3 * len(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.slow > 1 and self.global_rank == 1:
+            time.sleep((self.slow - 1) * self.per_sample * len(x))
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class DemoModule(lightning.LightningModule):
+    def __init__(self, slow: float):
+        super().__init__()
+        from lightning_efficient import DemoGPT
+
+        self.gpt = DemoGPT(vocab_size=2048, n_layers=2, d_model=128, n_heads=4, seq_len=64)
+        self.slow, self.per_sample = slow, 0.0
+
+    def calibrate(self, x):
+        start = time.perf_counter()
+        for _ in range(3):
+            self.gpt.token_losses({"input_ids": x, "labels": x})["loss"].backward()
+        self.gpt.zero_grad()
+        self.per_sample = (time.perf_counter() - start) / (3 * len(x))
+
+    def training_step(self, batch, batch_idx):
+        ids, _ = batch
+        if self.slow > 1 and self.global_rank == 1:
+            time.sleep((self.slow - 1) * self.per_sample * len(ids))
+        return self.gpt.token_losses({"input_ids": ids, "labels": ids})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Throughput(lightning.Callback):
+    """Samples per second over the steps after ``skip`` (the re-balancing warm-up), on rank 0."""
+
+    def __init__(self, out: str, skip: int, global_batch: int):
+        self.out, self.skip, self.global_batch, self.start = out, skip, global_batch, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.skip and self.start is None:
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            steps = trainer.global_step - self.skip
+            elapsed = time.perf_counter() - self.start
+            shares = getattr(trainer.strategy, "current_shares", None)
+            Path(self.out).write_text(json.dumps({"samples_per_s": steps * self.global_batch / elapsed, "shares": shares}))
+
+
+def main() -> None:
+    strategy_name, slow, model_name, steps, out = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    from lightning_efficient import HeterogeneousDDPStrategy
+
+    lightning.seed_everything(0)
+    if model_name == "mlp":
+        global_batch, n = 2048, 2048 * (steps + 2)
+        data = TensorDataset(torch.randn(n, 512), torch.randint(0, 10, (n,)))
+        module = MLPModule(slow)
+        module.calibrate(torch.randn(256, 512))
+    else:
+        global_batch, n = 64, 64 * (steps + 2)
+        data = TensorDataset(torch.randint(0, 2048, (n, 64)), torch.zeros(n))
+        module = DemoModule(slow)
+        module.calibrate(torch.randint(0, 2048, (16, 64)))
+    warmup = min(10, steps // 3)
+    if strategy_name == "hetero_ddp":
+        strategy = HeterogeneousDDPStrategy(global_batch_size=global_batch, warmup_steps=3, rebalance_every=3)
+        skip = warmup
+    else:
+        strategy, skip = "ddp", warmup
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Throughput(out, skip, global_batch)],
+    )
+    trainer.fit(module, DataLoader(data, batch_size=global_batch // 2, shuffle=True))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
