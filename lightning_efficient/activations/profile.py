@@ -62,6 +62,8 @@ def _sync(device: torch.device) -> None:
 def disk_bandwidth(directory: str | None, nbytes: int = 32 * 2**20) -> tuple[float, float]:
     """Measured (write, read) bytes per second of a scratch file in ``directory``."""
     data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
     handle, path = tempfile.mkstemp(dir=directory)
     os.close(handle)
     try:

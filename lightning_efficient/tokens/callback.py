@@ -66,7 +66,9 @@ class SelectiveTokenLoss(Callback):
             under ``no_grad`` on the same batch and device.
         reference_key: instead of a reference model, the batch key holding reference losses
             ``[batch, seq]``.
-        seed: seed of ``random`` (each rank draws from ``seed + rank``).
+        seed: seed of ``random``: the draw of each rank, step and batch comes from a generator seeded
+            by ``(seed, rank, step, batch index)``, so it is reproducible and resumes exactly on every
+            rank without saving generator state.
 
     Raises:
         ValueError: naming the argument for an unknown method or score, a ratio outside (0, 1], or
@@ -107,7 +109,8 @@ class SelectiveTokenLoss(Callback):
         self.reference = reference
         self.reference_key = reference_key
         self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator()
+        self._rank = 0
         self._reference_module: nn.Module | None = None
         self._wrapped: LightningModule | None = None
 
@@ -116,7 +119,7 @@ class SelectiveTokenLoss(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self.generator.manual_seed(self.seed + trainer.global_rank)
+        self._rank = trainer.global_rank
         if self.method == "rho1" and self.reference is not None:
             self._reference_module = self._load_reference(pl_module)
         original = pl_module.training_step
@@ -197,6 +200,8 @@ class SelectiveTokenLoss(Callback):
             )
         keep_ratio = self.schedule(trainer.global_step)
         batch = args[0] if args else kwargs.get("batch")
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        self.generator.manual_seed(self.draw_seed(trainer.global_step, int(batch_idx)))
         reference = self._reference_losses(batch, args, kwargs) if self.method == "rho1" and keep_ratio < 1 else None
         selection = select_tokens(
             self.method, losses, valid, keep_ratio, entropy=entropy, reference_losses=reference, score=self.score,
@@ -216,11 +221,21 @@ class SelectiveTokenLoss(Callback):
         pl_module.log_dict(stats, on_step=True, on_epoch=False, batch_size=int(valid.shape[0]))
         return {"loss": loss, "mask": valid.detach(), "keep": selection.keep, "normalised": "global_tokens"}
 
+    def draw_seed(self, step: int, batch_idx: int) -> int:
+        """The seed of ``random``'s draw on this rank at ``step`` for batch ``batch_idx``."""
+        return hash((self.seed, self._rank, step, batch_idx)) & 0x7FFF_FFFF_FFFF
+
     # -- checkpoints -------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"generator_state": self.generator.get_state(), "schedule": vars(self.schedule).copy()}
+        # the schedule position is the trainer's global_step (restored by Lightning) and the random
+        # draws are seeded by (seed, rank, step, batch): the settings are kept to check a resume against
+        return {"schedule": vars(self.schedule).copy(), "method": self.method, "seed": self.seed}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.generator.set_state(state_dict["generator_state"])
+        if state_dict.get("method", self.method) != self.method:
+            rank_zero_info(
+                f"SelectiveTokenLoss: the checkpoint was trained with method={state_dict['method']!r}; "
+                f"continuing with method={self.method!r}"
+            )

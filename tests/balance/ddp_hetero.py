@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_efficient import HeterogeneousDDPStrategy, TokenLosses
+from lightning_efficient import HeterogeneousDDPStrategy, SelectiveTokenLoss, TokenLosses
 
 N, SEQ, VOCAB, FEATURES = 48, 5, 13, 6
 
@@ -50,7 +50,7 @@ class Module(lightning.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none").view(batch["labels"].shape)
 
     def training_step(self, batch, batch_idx):
-        if self.mode == "tokens":
+        if self.mode in ("tokens", "selective"):
             # every parameter takes part (DDP all-reduces only buckets whose gradients are all ready)
             losses = self.per_token(batch) + 0 * self.net(batch["x"]).sum()
             out = TokenLosses(losses, batch["labels"] != -100)
@@ -96,9 +96,10 @@ if __name__ == "__main__":
     if mode == "bad_shares":
         kwargs = {"global_batch_size": 6, "shares": [1.0, 2.0, 3.0]}
     strategy = HeterogeneousDDPStrategy(**kwargs)
+    extra = [SelectiveTokenLoss(method="topk", keep_ratio=0.5, scope="global")] if mode == "selective" else []
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=1 if mode in ("samples", "tokens") else 14,
+        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=1 if mode in ("samples", "tokens", "selective") else 14,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Record(out, mode)],
+        callbacks=[Record(out, mode), *extra],
     )
     trainer.fit(Module(mode, slow_rank=1 if mode == "rebalance" else None), DataLoader(Rows(), batch_size=3))

@@ -20,7 +20,7 @@ def _launch(mode, out, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", ["samples", "tokens"])
+@pytest.mark.parametrize("mode", ["samples", "tokens", "selective"])
 def test_shares_two_to_one_give_the_global_batch_gradient(tmp_path, mode):
     out = tmp_path / "grads.pt"
     done = _launch(mode, out)
@@ -31,10 +31,14 @@ def test_shares_two_to_one_give_the_global_batch_gradient(tmp_path, mode):
     model.load_state_dict(saved["init"])
     rows = ddp_hetero.Rows()
     batch = {k: v[saved["indices"]] for k, v in vars(rows).items()}
-    if mode == "tokens":
+    if mode in ("tokens", "selective"):
         losses = model.per_token(batch) + 0 * model.net(batch["x"]).sum()
         valid = batch["labels"] != -100
-        loss = losses[valid].sum() / valid.sum()  # the mean over the global batch's valid tokens
+        if mode == "selective":  # one normalisation: the global top half of the global batch's tokens
+            from lightning_efficient.tokens.selection import select_tokens
+
+            valid = select_tokens("topk", losses, valid, 0.5).keep
+        loss = losses[valid].sum() / valid.sum()  # the mean over the global batch's (kept) valid tokens
     else:
         loss = model.per_sample_loss(batch) + 0 * model.per_token(batch).sum()
     loss.backward()

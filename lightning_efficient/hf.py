@@ -1,0 +1,96 @@
+"""A LightningModule around a Hugging Face transformers causal LM, returning the fused per-token loss.
+
+The model is built from a config (no download): ``HFCausalLM(model_type="llama", config={...})``.
+``training_step`` returns :class:`~lightning_efficient.tokens.FusedTokenLoss` with the decoder's
+final hidden states and the LM head, so the ``[tokens, vocab]`` logits are never built. Batches are
+``{"input_ids", "labels"}`` with next-token labels already aligned (as :class:`CorpusDataModule`
+gives them), -100 where a position does not count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from lightning_efficient._validation import require
+from lightning_efficient.tokens.output import FusedTokenLoss, masked_mean
+
+
+class HFCausalLM(LightningModule):
+    """A transformers causal LM built from a config, trained through the fused token-loss path.
+
+    Args:
+        model_type: a transformers model type with a causal-LM head (``"llama"``, ``"gpt2"``, ...).
+        config: keyword arguments of that model's config (sizes, vocabulary).
+        learning_rate: AdamW learning rate (> 0).
+        weight_decay: AdamW weight decay (>= 0).
+
+    Raises:
+        ValueError: for a model type transformers does not know, or a bad learning rate.
+    """
+
+    def __init__(self, model_type: str = "llama", config: dict[str, Any] | None = None, learning_rate: float = 1e-3,
+                 weight_decay: float = 0.1) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        require(learning_rate > 0, "learning_rate", learning_rate, "a number > 0")
+        require(weight_decay >= 0, "weight_decay", weight_decay, "a number >= 0")
+        try:
+            hf_config = AutoConfig.for_model(model_type, **(config or {}))
+        except ValueError as error:
+            raise ValueError(f"model_type={model_type!r} is not allowed: {error}") from error
+        self.save_hyperparameters()
+        self.model = AutoModelForCausalLM.from_config(hf_config)
+        self.val_loss = MeanMetric()
+
+    @property
+    def vocab_size(self) -> int:
+        """The LM head's vocabulary."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        """The decoder's final hidden states (the LM head's input)."""
+        return self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+
+    def token_losses(self, batch: dict[str, Tensor]) -> FusedTokenLoss:
+        """Per-token losses of ``batch["labels"]`` through the fused path."""
+        head = self.model.get_output_embeddings()
+        return FusedTokenLoss(self.hidden_states(batch["input_ids"]), head.weight, batch["labels"], bias=head.bias)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> FusedTokenLoss:
+        """The fused per-token loss output; without plugins its ``"loss"`` is the plain mean."""
+        out = self.token_losses(batch)
+        if "loss" in out:
+            self.log("train_loss", out["loss"].detach(), prog_bar=True)
+        return out
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Accumulate the token-weighted validation loss."""
+        out = self.token_losses(batch)
+        self.val_loss.update(masked_mean(out.token_losses(), out.mask), weight=out.mask.sum())
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val_loss`` and ``val_ppl``."""
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_ppl", torch.exp(loss.clamp(max=50)))
+
+    def setup(self, stage: str) -> None:
+        """Check that the data's vocabulary fits the model's."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        if isinstance(data_vocab, int) and data_vocab > self.vocab_size:
+            raise ValueError(f"the data's vocab_size={data_vocab} exceeds the model's vocabulary of {self.vocab_size}")
+
+    def configure_optimizers(self):
+        """AdamW with decay on matrices only."""
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+                                  {"params": rest, "weight_decay": 0.0}], lr=self.hparams.learning_rate)
