@@ -29,6 +29,11 @@ def _iter_tensors(obj: object) -> Iterator[Tensor]:
             yield from _iter_tensors(value)
 
 
+def first_tensor(obj: object) -> Tensor | None:
+    """The first tensor in a batch (a tensor, or nested dicts, lists and tuples), or None."""
+    return next(_iter_tensors(obj), None)
+
+
 def distinct_storage_bytes(tensors: Iterable[Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (shared storages counted once)."""
     seen: dict[tuple[str, int], int] = {}

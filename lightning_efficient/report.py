@@ -17,22 +17,12 @@ from typing_extensions import override
 from lightning_efficient._validation import require_int
 from lightning_efficient.memory import (
     SavedTensorCounter,
+    first_tensor,
     gradient_bytes,
     optimizer_state_bytes,
     parameter_bytes,
     peak_rss_bytes,
 )
-
-def _first_tensor(obj: object) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
-
 
 def _format(name: str, value: float | int | None) -> str:
     if value is None:
@@ -152,7 +142,7 @@ class MemoryReport(Callback):
 
     def _count_tokens(self, outputs: Any, batch: Any) -> None:
         mask = outputs.get("mask") if isinstance(outputs, Mapping) else None
-        first = _first_tensor(batch)
+        first = first_tensor(batch)
         if isinstance(mask, torch.Tensor):
             self._tokens.append(int(mask.sum()))
         elif first is not None and first.dim() >= 2:

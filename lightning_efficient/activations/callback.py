@@ -14,7 +14,7 @@ from lightning_efficient._validation import require, require_int
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
 from lightning_efficient.activations.planner import Plan, parse_budget, plan_blocks
-from lightning_efficient.activations.policies import POLICIES, block_policy, unwrap_block, wrap_block
+from lightning_efficient.activations.policies import POLICIES, unwrap_block, wrap_block
 from lightning_efficient.activations.profile import profile_blocks
 from lightning_efficient.memory import SavedTensorCounter
 
@@ -119,7 +119,7 @@ class ActivationMemory(Callback):
         if self._plan is None and self.policy == ["auto"]:
             self._plan_automatically(trainer, pl_module, batch, batch_idx)
 
-    def _hooks_for(self, policy: str, index: int, device: torch.device):
+    def _hooks_for(self, policy: str, index: int):
         if policy == "disk":
             if self._disk is None:
                 self._disk = DiskOffload(self.offload_dir, self.min_offload_bytes, self._exclude)
@@ -138,7 +138,7 @@ class ActivationMemory(Callback):
                 self._warned_cpu_offload = True
         for index, ((_, block), policy) in enumerate(zip(self._block_list, plan)):
             effective = "keep" if policy == "offload" and not on_cuda else policy
-            wrap_block(block, effective, hooks=self._hooks_for(effective, index, pl_module.device), reentrant=self.reentrant)
+            wrap_block(block, effective, hooks=self._hooks_for(effective, index), reentrant=self.reentrant)
         self._plan = list(plan)
         counts = {p: plan.count(p) for p in dict.fromkeys(plan)}
         rank_zero_info(f"ActivationMemory: {len(plan)} blocks ({self._block_list[0][0]} ...): " +
@@ -227,8 +227,3 @@ class ActivationMemory(Callback):
             self._disk.close()
             self._disk = None
         self._host = None
-
-    @staticmethod
-    def policies_of(pl_module: torch.nn.Module, blocks: str | list[str] = "auto") -> list[str]:
-        """The policy each block of ``pl_module`` runs under now."""
-        return [block_policy(b) for _, b in find_blocks(pl_module, blocks)]

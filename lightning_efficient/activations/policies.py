@@ -106,8 +106,3 @@ def unwrap_block(block: nn.Module) -> None:
     if "forward" in vars(block) and hasattr(block, "_lightning_efficient_policy"):
         del block.forward
         del block._lightning_efficient_policy
-
-
-def block_policy(block: nn.Module) -> str:
-    """The policy applied to ``block`` (``"keep"`` when none)."""
-    return getattr(block, "_lightning_efficient_policy", "keep")

@@ -19,17 +19,7 @@ from typing_extensions import override
 from lightning_efficient._validation import require, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
-
-
-def _first_tensor(obj: Any) -> Tensor | None:
-    if isinstance(obj, Tensor):
-        return obj
-    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
+from lightning_efficient.memory import first_tensor
 
 
 class _BalancedLoader(DataLoader):
@@ -209,7 +199,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if self._micro_done % accumulation == 0:
             self._maybe_rebalance()
         batch = args[0] if args else kwargs.get("batch")
-        first = _first_tensor(batch)
+        first = first_tensor(batch)
         samples = first.shape[0] if first is not None and first.dim() else 1
         self._finish_timing()
         start = self._now()
