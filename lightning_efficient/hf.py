@@ -17,10 +17,11 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from lightning_efficient._validation import require
-from lightning_efficient.tokens.output import FusedTokenLoss, masked_mean
+from lightning_efficient.tokens.module import TokenLossSteps
+from lightning_efficient.tokens.output import FusedTokenLoss
 
 
-class HFCausalLM(LightningModule):
+class HFCausalLM(TokenLossSteps, LightningModule):
     """A transformers causal LM built from a config, trained through the fused token-loss path.
 
     Args:
@@ -61,25 +62,6 @@ class HFCausalLM(LightningModule):
         """Per-token losses of ``batch["labels"]`` through the fused path."""
         head = self.model.get_output_embeddings()
         return FusedTokenLoss(self.hidden_states(batch["input_ids"]), head.weight, batch["labels"], bias=head.bias)
-
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> FusedTokenLoss:
-        """The fused per-token loss output; without plugins its ``"loss"`` is the plain mean."""
-        out = self.token_losses(batch)
-        if "loss" in out:
-            self.log("train_loss", out["loss"].detach(), prog_bar=True)
-        return out
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        """Accumulate the token-weighted validation loss."""
-        out = self.token_losses(batch)
-        self.val_loss.update(masked_mean(out.token_losses(), out.mask), weight=out.mask.sum())
-
-    def on_validation_epoch_end(self) -> None:
-        """Log ``val_loss`` and ``val_ppl``."""
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val_loss", loss, prog_bar=True)
-        self.log("val_ppl", torch.exp(loss.clamp(max=50)))
 
     def setup(self, stage: str) -> None:
         """Check that the data's vocabulary fits the model's."""

@@ -7,12 +7,12 @@ import math
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_efficient._validation import require, require_int
-from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses, masked_mean
+from lightning_efficient.tokens.module import TokenLossSteps
+from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses
 
 IGNORE_INDEX = -100
 
@@ -56,7 +56,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_mlp(x))
 
 
-class DemoGPT(LightningModule):
+class DemoGPT(TokenLossSteps, LightningModule):
     """A GPT-style decoder for the demo: token and position embeddings, pre-norm blocks, a linear head.
 
     ``training_step`` returns :class:`~lightning_efficient.tokens.TokenLosses` (per-token losses and
@@ -151,31 +151,6 @@ class DemoGPT(LightningModule):
             logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
         ).view_as(labels)
         return TokenLosses(losses, labels != IGNORE_INDEX)
-
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> TokenLosses | FusedTokenLoss:
-        """Return per-token losses (or the fused head output); without plugins, their mean is the loss."""
-        out = self.token_losses(batch)
-        if "loss" in out:
-            self.log("train_loss", out["loss"].detach(), prog_bar=True)
-        return out
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        """Accumulate the token-weighted validation loss."""
-        out = self.token_losses(batch)
-        losses = out.token_losses() if isinstance(out, FusedTokenLoss) else out.token_losses
-        self.val_loss.update(masked_mean(losses, out.mask), weight=out.mask.sum())
-
-    def on_validation_epoch_end(self) -> None:
-        """Log ``val_loss`` and ``val_ppl`` and print them once per validation."""
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val_loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val_ppl", torch.exp(loss))
-        if not self.trainer.sanity_checking:
-            rank_zero_info(
-                f"validation at step {self.trainer.global_step}: loss {loss.item():.4f}, "
-                f"perplexity {math.exp(min(loss.item(), 50.0)):.2f}"
-            )
 
     def setup(self, stage: str) -> None:
         """Check that the attached DataModule's vocabulary and sequence length fit this model."""
