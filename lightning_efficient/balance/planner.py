@@ -8,7 +8,7 @@ same number of forward/backward passes and optimizer steps and nothing hangs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -128,3 +128,25 @@ def plan_shares(
             + f": at most {most} samples fit in one micro-step and every rank needs at least one sample per micro-step"
         )
     return best
+
+
+def largest_fitting_batch(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest micro-batch in ``[1, upper]`` for which ``fits(size)`` is true, assuming that what
+    fits at one size fits at every smaller one: doubling from 1, then bisection.
+
+    Raises:
+        ValueError: when not even one sample fits.
+    """
+    if not fits(1):
+        raise ValueError("max_micro_batch='auto': not even a micro-batch of 1 sample fits in device memory")
+    good, size = 1, 2
+    while size <= upper and fits(size):
+        good, size = size, size * 2
+    bad = min(size, upper + 1)
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good

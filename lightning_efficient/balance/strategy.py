@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_efficient._validation import require, require_int
-from lightning_efficient.balance.planner import SharePlan, plan_shares
+from lightning_efficient.balance.planner import SharePlan, largest_fitting_batch, plan_shares
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.memory import first_tensor
 
@@ -134,13 +134,14 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._pending: tuple[float, float, int] | None = None
         self._last_gradient_time = 0.0
         self._timing_hooks: list = []
+        self._probed_caps: list[int | None] | None = None
 
     # -- the plan -----------------------------------------------------------------------------
     def _caps(self) -> list[int | None]:
         world = self.world_size
-        if self.max_micro_batch is None or self.max_micro_batch == "auto":
-            if self.max_micro_batch == "auto" and self.root_device.type != "cuda":
-                rank_zero_warn("hetero_ddp: max_micro_batch='auto' probes CUDA memory; on CPU no cap is set.")
+        if self.max_micro_batch == "auto":
+            return list(self._probed_caps) if self._probed_caps else [None] * world
+        if self.max_micro_batch is None:
             return [None] * world
         if isinstance(self.max_micro_batch, int):
             return [self.max_micro_batch] * world
@@ -164,6 +165,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             raise ValueError("hetero_ddp slices a map-style dataset by index; an IterableDataset cannot be split by shares")
         world = self.world_size
         global_batch = self.global_batch_size or (dataloader.batch_size or 1) * world
+        if self.max_micro_batch == "auto" and self._probed_caps is None:
+            self._probed_caps = self._probe_caps(dataloader, global_batch)
         requested = trainer.accumulate_grad_batches
         self._plan = plan_shares(global_batch, self._initial_weights(), self._caps(), None if requested == 1 else requested)
         if self._plan.accumulation != requested:
@@ -186,6 +189,40 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             persistent_workers=dataloader.persistent_workers if workers else False,
             strategy=self,
         )
+
+    def _probe_caps(self, dataloader: DataLoader, global_batch: int) -> list[int | None]:
+        """Each rank's largest micro-batch that trains without running out of CUDA memory,
+        all-gathered (no cap on CPU, said once)."""
+        if self.root_device.type != "cuda":
+            rank_zero_warn("hetero_ddp: max_micro_batch='auto' probes CUDA memory; on CPU no cap is set.")
+            return [None] * self.world_size
+        module, dataset = self.lightning_module, dataloader.dataset
+
+        def fits(size: int) -> bool:
+            samples = [dataset[i % len(dataset)] for i in range(size)]
+            batch = self.batch_to_device(dataloader.collate_fn(samples))
+            logging = module.log, module.log_dict
+            module.log = module.log_dict = lambda *a, **k: None  # not inside the loop: nothing to log to
+            try:
+                with self.model.no_sync(), self.precision_plugin.train_step_context():
+                    out = type(module).training_step(module, batch, 0)  # the class's step: no plugin collectives
+                    loss = out["loss"] if isinstance(out, Mapping) else out
+                    loss.backward()
+                return True
+            except torch.cuda.OutOfMemoryError:
+                return False
+            finally:
+                module.log, module.log_dict = logging
+                module.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+
+        mine = largest_fitting_batch(fits, global_batch)
+        local = torch.tensor([mine], device=self.root_device)
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        caps = [int(g) for g in gathered]
+        rank_zero_info(f"hetero_ddp: probed max_micro_batch per rank: {caps}")
+        return caps
 
     # -- one step -----------------------------------------------------------------------------
     @override

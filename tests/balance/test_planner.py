@@ -70,3 +70,25 @@ def test_a_share_over_its_cap_uses_accumulation():
 def test_impossible_requests_give_the_numbers(args, pattern):
     with pytest.raises(ValueError, match=pattern):
         plan_shares(*args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000))
+def test_largest_fitting_batch_finds_the_memory_limit(limit, upper):
+    from lightning_efficient.balance.planner import largest_fitting_batch
+
+    calls = []
+
+    def fits(size):
+        calls.append(size)
+        return size <= limit
+
+    assert largest_fitting_batch(fits, upper) == min(limit, upper)
+    assert len(calls) <= 2 * math.log2(upper + 1) + 3  # doubling then bisection
+
+
+def test_nothing_fits():
+    from lightning_efficient.balance.planner import largest_fitting_batch
+
+    with pytest.raises(ValueError, match="not even a micro-batch of 1 sample fits"):
+        largest_fitting_batch(lambda size: False, 64)
