@@ -81,7 +81,17 @@ class _DiskHandle:
         return self._read.result() if self._read is not None else self._read_file()
 
 
-class DiskOffload:
+class _BlockHooks:
+    """Per-block ``saved_tensors_hooks`` over a subclass's ``_pack(block, tensor)`` / ``_unpack(block, packed)``."""
+
+    def hooks(self, block_index: int) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks context for the forward of block ``block_index``."""
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self._pack(block_index, t), lambda h: self._unpack(block_index, h)
+        )
+
+
+class DiskOffload(_BlockHooks):
     """Saved-tensor hooks that keep a block's saved tensors in files.
 
     Args:
@@ -102,12 +112,6 @@ class DiskOffload:
         self._counter = itertools.count()
         self._by_block: dict[int, weakref.WeakSet[_DiskHandle]] = {}
         self.bytes_written = 0
-
-    def hooks(self, block_index: int) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks context for the forward of block ``block_index``."""
-        return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self._pack(block_index, t), lambda h: self._unpack(block_index, h)
-        )
 
     def _pack(self, block_index: int, tensor: Tensor) -> Tensor | _DiskHandle:
         nbytes = tensor.numel() * tensor.element_size()
@@ -155,7 +159,7 @@ class _HostHandle:
         self.ready: torch.cuda.Event | None = None
 
 
-class HostOffload:
+class HostOffload(_BlockHooks):
     """Saved-tensor hooks that keep a block's saved CUDA tensors in pinned host memory.
 
     Args:
@@ -172,12 +176,6 @@ class HostOffload:
         self._in_flight: list[tuple[torch.cuda.Event, Tensor]] = []
         self._by_block: dict[int, weakref.WeakSet] = {}
         self.bytes_offloaded = 0
-
-    def hooks(self, block_index: int) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks context for the forward of block ``block_index``."""
-        return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self._pack(block_index, t), lambda h: self._unpack(block_index, h)
-        )
 
     def _pack(self, block_index: int, tensor: Tensor) -> Tensor | _HostHandle:
         nbytes = tensor.numel() * tensor.element_size()
