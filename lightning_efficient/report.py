@@ -68,11 +68,10 @@ class MemoryReport(Callback):
         self.log = log
         self.print_table = print_table
         self.json_path = json_path
-        self._figures: dict[str, Any] = {}
         self._reset()
 
     def _reset(self) -> None:
-        self._figures = {}
+        self._figures: dict[str, Any] = {}
         self._step_times: list[float] = []
         self._tokens: list[int] = []
         self._samples: list[int] = []

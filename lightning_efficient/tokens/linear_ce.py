@@ -135,6 +135,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
+def check_head_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> None:
+    """Raise a ValueError unless ``hidden [..., d]``, ``weight [vocab, d]``, ``labels [...]`` and
+    ``bias [vocab]`` fit together."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden has shape {tuple(hidden.shape)} but labels has {tuple(labels.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -170,12 +181,7 @@ def linear_cross_entropy(
     require_choice("reduction", reduction, ("none", "mean", "sum"))
     if chunk_size is not None:
         require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", chunk_size, "an integer >= 1 or None")
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden has shape {tuple(hidden.shape)} but labels has {tuple(labels.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    check_head_inputs(hidden, weight, labels, bias)
     chunk = chunk_size or auto_chunk_size(weight.shape[0])
     outputs = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1), ignore_index, chunk, reduction,

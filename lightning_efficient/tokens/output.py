@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from lightning_efficient.tokens.linear_ce import check_head_inputs, linear_cross_entropy
+
 _REDUCTION_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("reduction_deferred", default=False)
 
 
@@ -97,6 +99,9 @@ class FusedTokenLoss(dict):
         ignore_index: the label of ignored positions.
         chunk_size: tokens per chunk of logits (None: about 32 MiB of logits).
         **extra: further outputs to carry along.
+
+    Raises:
+        ValueError: when hidden, weight, labels and bias shapes do not fit together.
     """
 
     def __init__(
@@ -109,8 +114,7 @@ class FusedTokenLoss(dict):
         chunk_size: int | None = None,
         **extra: object,
     ) -> None:
-        if hidden.shape[:-1] != labels.shape:
-            raise ValueError(f"hidden has shape {tuple(hidden.shape)} but labels has {tuple(labels.shape)}")
+        check_head_inputs(hidden, weight, labels, bias)
         super().__init__(hidden=hidden, weight=weight, labels=labels, mask=labels != ignore_index, **extra)
         self.bias = bias
         self.ignore_index = ignore_index
@@ -129,8 +133,6 @@ class FusedTokenLoss(dict):
         return self["weight"].shape[0]
 
     def _cross_entropy(self, reduction: str, return_entropy: bool = False):
-        from lightning_efficient.tokens.linear_ce import linear_cross_entropy
-
         return linear_cross_entropy(
             self["hidden"], self["weight"], self["labels"], self.bias, self.ignore_index, self.chunk_size,
             reduction, return_entropy,
