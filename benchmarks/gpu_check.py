@@ -12,7 +12,10 @@ bf16 autocast, torch fused AdamW) unless said otherwise:
     side stream (bytes moved off the device, step time);
   * ``optim``: optimizer step time and state bytes: torch fused AdamW, bitsandbytes AdamW8bit used
     directly, our conversion, and our conversion with host-offloaded states;
-  * ``linear_ce``: the loss path alone at vocabulary 32,000, hidden 2,048, 16,384 tokens.
+  * ``linear_ce``: the loss path alone at vocabulary 32,000, hidden 2,048, 16,384 tokens;
+  * ``probe``: ``hetero_ddp``'s ``max_micro_batch="auto"`` in a real Lightning fit with the CUDA
+    allocator limited to the model's footprint plus 24 GiB: the probed cap, the accumulation it
+    implies and the training peak against the limit.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ import torch.nn.functional as F  # noqa: E402
 Row = tuple[str, str, str, float, float | None]
 SIZES = {
     "gpu": {"model": {"vocab_size": 32768, "n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024}, "batch": 8,
-            "ce": (16384, 2048, 32000), "steps": 10},
+            "ce": (16384, 2048, 32000), "steps": 10, "probe": (256, 24 * 2**30)},
     "smoke": {"model": {"vocab_size": 512, "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32}, "batch": 2,
-              "ce": (256, 32, 512), "steps": 1},
+              "ce": (256, 32, 512), "steps": 1, "probe": (8, None)},
 }
 
 
@@ -197,12 +200,50 @@ def check_linear_ce(b: Bench) -> list[Row]:
     return _with_ratios(rows, "full_logits")
 
 
+def check_probe(b: Bench) -> list[Row]:
+    """``max_micro_batch="auto"`` in a one-process ``hetero_ddp`` fit under a CUDA allocator limit."""
+    import lightning
+
+    from lightning_efficient import HeterogeneousDDPStrategy
+
+    global_batch, headroom = b.sizes["probe"]
+    model = b.model()
+    samples = [{k: v[0].cpu() for k, v in b.batch().items()} for _ in range(2 * global_batch)]
+    on_cuda = b.device.type == "cuda"
+    limit = None
+    if on_cuda and headroom:
+        limit = torch.cuda.memory_allocated(b.device) + headroom
+        torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(b.device).total_memory)
+    try:
+        strategy = HeterogeneousDDPStrategy(global_batch_size=global_batch, max_micro_batch="auto")
+        trainer = lightning.Trainer(
+            accelerator=b.device.type, devices=1, strategy=strategy, precision="bf16-mixed" if on_cuda else "32-true",
+            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        b.reset_peak()
+        start = time.perf_counter()
+        trainer.fit(model, torch.utils.data.DataLoader(samples, batch_size=global_batch))
+        seconds = time.perf_counter() - start
+    finally:
+        if on_cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    rows: list[Row] = [
+        ("probe", "auto", "max_micro_batch", float(strategy._probed_caps[0]), None),
+        ("probe", "auto", "accumulation", float(trainer.accumulate_grad_batches), None),
+        ("probe", "auto", "fit_incl_probe_s", seconds, None),
+        ("probe", "auto", "train_peak_bytes", b.peak(), None),
+    ]
+    if limit is not None:
+        rows.append(("probe", "auto", "limit_bytes", limit, None))
+    return rows
+
+
 def _with_ratios(rows: list[Row], baseline: str) -> list[Row]:
     base = {(c, m): v for c, var, m, v, _ in rows if var == baseline}
     return [(c, var, m, v, v / base[(c, m)] if base.get((c, m)) else None) for c, var, m, v, _ in rows]
 
 
-CHECKS: list[Callable[[Bench], list[Row]]] = [check_end_to_end, check_optimizer_step, check_linear_ce]
+CHECKS: list[Callable[[Bench], list[Row]]] = [check_end_to_end, check_optimizer_step, check_linear_ce, check_probe]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_efficient._validation import require, require_int
-from lightning_efficient.balance.planner import SharePlan, largest_fitting_batch, plan_shares
+from lightning_efficient.balance.planner import SharePlan, plan_shares
+from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.memory import first_tensor
 
@@ -54,17 +55,20 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     exponential moving average and exchanged with ``all_gather``; every ``rebalance_every`` steps a
     new plan (:func:`~lightning_efficient.balance.planner.plan_shares`) is adopted when it predicts a
     gain above ``hysteresis``. The strategy installs its own batch sampler, so every sample is used
-    exactly once per epoch, and scales each rank's loss so that DDP's gradient average is the mean
-    over the global batch: by samples, or by valid tokens when ``training_step`` returns per-token
-    losses (:class:`~lightning_efficient.TokenLosses`); a loss already normalised by the global token
-    count (:class:`~lightning_efficient.SelectiveTokenLoss`) is left as it is.
+    exactly once per epoch, and scales each rank's loss so that the step's gradient is the mean
+    over the whole global batch, however it is split among ranks and micro-batches: by samples, or
+    by valid tokens when ``training_step`` returns per-token losses
+    (:class:`~lightning_efficient.TokenLosses`, one all-reduce of the count a step); a loss that
+    :class:`~lightning_efficient.SelectiveTokenLoss` normalised by the global kept count is
+    re-weighted the same way when the step has several micro-batches.
 
     Args:
         global_batch_size: samples per optimizer step over all ranks (None: the DataLoader's batch
             size times the number of ranks).
         shares: ``"auto"`` (measured) or fixed positive weights, one per rank.
         max_micro_batch: the largest micro-batch per rank (an int for all, a list, ``"auto"`` to probe
-            on CUDA, or None for no cap); larger shares are split with gradient accumulation.
+            each rank's memory before the first step — :mod:`~lightning_efficient.balance.probe` —
+            or None for no cap); larger shares are split with gradient accumulation.
         rebalance_every: optimizer steps between re-plans (>= 1).
         warmup_steps: steps measured before the first plan (>= 1).
         hysteresis: the least predicted gain (fraction of step time) that changes the shares.
@@ -135,6 +139,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._last_gradient_time = 0.0
         self._timing_hooks: list = []
         self._probed_caps: list[int | None] | None = None
+        self._step_tokens: float | None = None  # this rank's valid tokens in the step's micro-batches so far
+        self._token_scale: float | None = None  # K: the previous step's global token count
+        self._warned_manual = False
 
     # -- the plan -----------------------------------------------------------------------------
     def _caps(self) -> list[int | None]:
@@ -191,32 +198,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         )
 
     def _probe_caps(self, dataloader: DataLoader, global_batch: int) -> list[int | None]:
-        """Each rank's largest micro-batch that trains without running out of CUDA memory,
-        all-gathered (no cap on CPU, said once)."""
-        if self.root_device.type != "cuda":
-            rank_zero_warn("hetero_ddp: max_micro_batch='auto' probes CUDA memory; on CPU no cap is set.")
-            return [None] * self.world_size
-        module, dataset = self.lightning_module, dataloader.dataset
-
-        def fits(size: int) -> bool:
-            samples = [dataset[i % len(dataset)] for i in range(size)]
-            batch = self.batch_to_device(dataloader.collate_fn(samples))
-            logging = module.log, module.log_dict
-            module.log = module.log_dict = lambda *a, **k: None  # not inside the loop: nothing to log to
-            try:
-                with self.model.no_sync(), self.precision_plugin.train_step_context():
-                    out = type(module).training_step(module, batch, 0)  # the class's step: no plugin collectives
-                    loss = out["loss"] if isinstance(out, Mapping) else out
-                    loss.backward()
-                return True
-            except torch.cuda.OutOfMemoryError:
-                return False
-            finally:
-                module.log, module.log_dict = logging
-                module.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-
-        mine = largest_fitting_batch(fits, global_batch)
+        """Each rank's largest micro-batch up to the global batch that trains without running out of
+        memory (:func:`~lightning_efficient.balance.probe.probe_micro_batch`), all-gathered."""
+        mine = probe_micro_batch(self, dataloader, global_batch)
         local = torch.tensor([mine], device=self.root_device)
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local)
@@ -242,9 +226,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         start = self._now()
         output = super().training_step(*args, **kwargs)
         forward_seconds = self._now() - start
-        micro_index = self._micro_done % accumulation
         self._micro_done += 1
-        scaled = self._scaled(output, samples, micro_index)  # may all-reduce: not part of the timing
+        scaled = self._scaled(output, samples)  # may all-reduce: not part of the timing
         self._pending = (forward_seconds, self._now(), samples)
         return scaled
 
@@ -288,31 +271,81 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         previous = self._local_speed
         self._local_speed = speed if previous is None else self.ema_decay * previous + (1 - self.ema_decay) * speed
 
-    def _scaled(self, output: Any, samples: int, micro_index: int) -> Any:
-        """Scale the local loss so that DDP's average is the global mean: by valid tokens (one
-        all-reduce of the count) when the output carries a token mask, else by samples (the plan
-        gives every rank's micro-batch sizes, so no communication)."""
-        mask = output.get("mask") if isinstance(output, Mapping) else None
+    def _scaled(self, output: Any, samples: int) -> Any:
+        """Scale the local loss so that the step's gradient is the mean over the whole global batch,
+        however its samples are split among ranks and micro-batches.
+
+        Lightning divides each micro-batch's loss by the accumulation ``A`` and DDP averages over
+        the ``W`` ranks. By samples, each micro-batch loss (a mean over its samples) is multiplied by
+        ``samples * W * A / global_batch`` — the plan fixes every size, so no communication. By
+        tokens, the global token count of the step is only known after its last micro-batch: each
+        micro-batch contributes its token *sum* times ``W * A / K`` for a constant ``K`` the same on
+        every rank (the previous step's count), and the gradients are multiplied by ``K / count``
+        once the step's last backward is done (:meth:`optimizer_step`), with one all-reduce a step.
+        """
+        if not self.lightning_module.automatic_optimization:
+            if not self._warned_manual:
+                rank_zero_warn("hetero_ddp: manual optimization: losses are not re-weighted; scale each rank's loss "
+                               "by its share of the global batch yourself (strategy.current_shares).")
+                self._warned_manual = True
+            return output
+        accumulation = self._plan.accumulation
         if isinstance(output, Mapping):
-            if output.get("normalised") == "global_tokens" or "loss" not in output:
+            if "loss" not in output:
                 return output
-            loss = output["loss"]
+            loss, mask = output["loss"], output.get("mask")
+            if output.get("normalised") == "global_tokens":
+                if accumulation == 1:  # already the mean over the step's global (kept) tokens
+                    return output
+                # loss = kept sum * W / global count: back to this rank's kept sum
+                local_sum = loss * output["global_count"].to(loss.dtype) / self.world_size
+                return {**output, "loss": self._token_weighted(local_sum, float(output["keep"].sum()))}
+            if isinstance(mask, Tensor):
+                count = float(mask.sum())
+                return {**output, "loss": self._token_weighted(loss * count, count)}
         elif isinstance(output, Tensor):
             loss = output
         else:
             return output
-        if isinstance(mask, Tensor):
-            count = float(mask.sum())
-            total = torch.tensor([count], dtype=torch.float64, device=self.root_device)
-            dist.all_reduce(total)
-            total = float(total)
-        else:
-            count = float(samples)
-            plan = self._sampler.plan_at((self._micro_done - 1) // self._plan.accumulation)
-            total = float(sum(plan.micro_batches(r)[micro_index] for r in range(self.world_size)))
-        scale = count * self.world_size / max(total, 1.0)
-        scaled = loss * scale
+        scaled = loss * (samples * self.world_size * accumulation / self._sampler.global_batch)
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
+
+    def _token_weighted(self, local_sum: Tensor, count: float) -> Tensor:
+        """This micro-batch's token-loss sum, scaled by ``W * A / K`` (see :meth:`_scaled`)."""
+        accumulation = self._plan.accumulation
+        if self._token_scale is None:  # the first step: one all-reduce estimates the step's count
+            first = torch.tensor([count], dtype=torch.float64, device=self.root_device)
+            dist.all_reduce(first)
+            self._token_scale = max(float(first) * accumulation, 1.0)
+        self._step_tokens = (self._step_tokens or 0.0) + count
+        return local_sum * (self.world_size * accumulation / self._token_scale)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step, with token-weighted gradients divided by the step's global token
+        count right after its last backward — before gradient clipping and the optimizer see them."""
+
+        def closure_then_normalise() -> Any:
+            result = closure()
+            self._normalise_token_gradients(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_normalise, model, **kwargs)
+
+    def _normalise_token_gradients(self, optimizer: Any) -> None:
+        if self._step_tokens is None:
+            return
+        total = torch.tensor([self._step_tokens], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(total)
+        total_tokens = max(float(total), 1.0)
+        factor = self._token_scale / total_tokens
+        self._step_tokens, self._token_scale = None, total_tokens
+        if factor == 1.0:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(factor)
 
     def _maybe_rebalance(self) -> None:
         step = self.lightning_module.trainer.global_step

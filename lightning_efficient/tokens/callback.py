@@ -14,7 +14,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_efficient._validation import require, require_choice, require_int
-from lightning_efficient.tokens.normalize import all_gather_variable, distributed_world_size, globally_normalised_loss
+from lightning_efficient.tokens.normalize import (
+    all_gather_variable,
+    distributed_world_size,
+    global_kept_count,
+    globally_normalised_loss,
+)
 from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses, deferred_reduction
 from lightning_efficient.tokens.selection import METHODS, SCORES, KeepRatioSchedule, select_tokens
 
@@ -208,7 +213,8 @@ class SelectiveTokenLoss(Callback):
             generator=self.generator,
             gather=all_gather_variable if self.scope == "global" and distributed_world_size() > 1 else None,
         )
-        loss = globally_normalised_loss(losses, selection.keep)
+        global_count = global_kept_count(selection.keep, losses.dtype)
+        loss = globally_normalised_loss(losses, selection.keep, global_count)
         valid_count = valid.sum().clamp_min(1)
         stats = {
             "selection/mean_loss": float(torch.where(valid, losses.detach(), 0.0).sum() / valid_count),
@@ -219,7 +225,10 @@ class SelectiveTokenLoss(Callback):
             "selection/dropped_mean_score": selection.dropped_mean_score,
         }
         pl_module.log_dict(stats, on_step=True, on_epoch=False, batch_size=int(valid.shape[0]))
-        return {"loss": loss, "mask": valid.detach(), "keep": selection.keep, "normalised": "global_tokens"}
+        return {
+            "loss": loss, "mask": valid.detach(), "keep": selection.keep,
+            "normalised": "global_tokens", "global_count": global_count.detach(),
+        }
 
     def draw_seed(self, step: int, batch_idx: int) -> int:
         """The seed of ``random``'s draw on this rank at ``step`` for batch ``batch_idx``."""

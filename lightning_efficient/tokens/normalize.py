@@ -36,13 +36,20 @@ def all_gather_variable(local: Tensor) -> Tensor:
     return torch.cat([g[: int(c.item())] for g, c in zip(gathered, counts)])
 
 
-def globally_normalised_loss(token_losses: Tensor, keep: Tensor) -> Tensor:
+def global_kept_count(keep: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Every rank's number of kept tokens, summed (at least 1, so that it can divide)."""
+    return global_sum(keep.sum().to(dtype)).clamp_min(1)
+
+
+def globally_normalised_loss(token_losses: Tensor, keep: Tensor, global_count: Tensor | None = None) -> Tensor:
     """Sum of the kept losses over the *global* number of kept tokens, times the world size.
 
     DDP averages gradients over ranks, so every rank's gradient of this loss averages to the
     gradient of (sum of every rank's kept losses) / (every rank's kept count): the update is the
-    same however the tokens are split across ranks.
+    same however the tokens are split across ranks. ``global_count`` is that count when the caller
+    has it already (:func:`global_kept_count`); otherwise it is all-reduced here.
     """
     kept_sum = torch.where(keep, token_losses, torch.zeros((), dtype=token_losses.dtype, device=token_losses.device))
-    global_count = global_sum(keep.sum().to(token_losses.dtype)).clamp_min(1)
-    return kept_sum.sum() * distributed_world_size() / global_count
+    if global_count is None:
+        global_count = global_kept_count(keep, token_losses.dtype)
+    return kept_sum.sum() * distributed_world_size() / global_count.to(token_losses.dtype)

@@ -1,10 +1,15 @@
 """Run by test_strategy.py: 2-process CPU runs of hetero_ddp. Usage: python ddp_hetero.py MODE OUT.
 
-Modes: samples / tokens (one step with shares 2:1, rank 0 saves its gradients and the global
-batch), rebalance (rank 1 slowed 3x; rank 0 saves the shares over time), bad_global, bad_shares.
+Modes: samples / tokens / selective (two steps with shares 2:1 and learning rate 0, rank 0 saves its
+gradients and global batches; with the suffix _acc, a global batch of 10 with micro-batches capped at 3, so the
+shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank 0 saves the shares over time), probe (max_micro_batch="auto"
+under a real per-rank memory limit: rank 0 may grow its address space by 96 MiB, rank 1 by 32 MiB,
+from the start of fit to its end), bad_global, bad_shares.
 """
 
+import hashlib
 import json
+import resource
 import sys
 import time
 
@@ -41,6 +46,8 @@ class Module(lightning.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.emb = torch.nn.Embedding(VOCAB, 8)
         self.head = torch.nn.Linear(8, VOCAB)
+        if mode.startswith("probe"):  # about 1 MiB of activations and their gradients per sample
+            self.wide = torch.nn.Linear(FEATURES, 1 << 15)
 
     def per_sample_loss(self, batch):
         return F.mse_loss(self.net(batch["x"]), batch["y"])
@@ -50,23 +57,64 @@ class Module(lightning.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none").view(batch["labels"].shape)
 
     def training_step(self, batch, batch_idx):
-        if self.mode in ("tokens", "selective"):
+        if self.mode.startswith(("tokens", "selective")):
             # every parameter takes part (DDP all-reduces only buckets whose gradients are all ready)
             losses = self.per_token(batch) + 0 * self.net(batch["x"]).sum()
             out = TokenLosses(losses, batch["labels"] != -100)
         else:
             out = self.per_sample_loss(batch) + 0 * self.per_token(batch).sum()
+        if self.mode.startswith("probe"):
+            out = out + F.dropout(torch.tanh(self.wide(batch["x"])), 0.1).square().mean()  # draws random numbers
         if self.slow_rank is not None:  # compute that grows with the batch: 1 ms a sample, 3 ms on the slow rank
             time.sleep(0.001 * len(batch["x"]) * (3 if self.global_rank == self.slow_rank else 1))
         return out
 
     def configure_optimizers(self):
+        if self.mode.startswith("probe"):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
         return torch.optim.SGD(self.parameters(), lr=0.0 if self.mode != "rebalance" else 1e-3)
+
+
+def address_space_kib():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1])
+
+
+class MemoryLimit(lightning.Callback):
+    """A real allocator limit for the whole fit: RLIMIT_AS at the current address space plus an allowance."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_fit_start(self, trainer, pl_module):
+        torch.ones(4).add_(1)  # start the intra-op threads before the limit
+        self.start = {k: v.clone() for k, v in pl_module.state_dict().items()}
+        allowance_mib = 96 if trainer.global_rank == 0 else 32
+        limit = address_space_kib() * 1024 + allowance_mib * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+    def on_train_start(self, trainer, pl_module):  # after the probe: it must have left no trace
+        self.untouched = {
+            "weights": all(torch.equal(v, self.start[k]) for k, v in pl_module.state_dict().items()),
+            "rng": hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).hexdigest(),
+            "optimizer_state": all(len(o.state) == 0 for o in trainer.optimizers),
+            "grads": all(p.grad is None for p in pl_module.parameters()),
+        }
+        self.micro_batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.micro_batches += 1
+        if trainer.global_rank == 0:
+            json.dump({"caps": trainer.strategy._probed_caps, "accumulation": trainer.accumulate_grad_batches,
+                       "shares": trainer.strategy.current_shares, "micro_batches": self.micro_batches,
+                       "untouched": self.untouched}, open(self.out, "w"))
+
+    def on_fit_end(self, trainer, pl_module):
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
 class Record(lightning.Callback):
     def __init__(self, out, mode):
-        self.out, self.mode, self.shares = out, mode, []
+        self.out, self.mode, self.shares, self.steps = out, mode, [], []
 
     def on_fit_start(self, trainer, pl_module):
         self.init = {k: v.clone() for k, v in pl_module.state_dict().items()}
@@ -78,28 +126,39 @@ class Record(lightning.Callback):
             if trainer.global_rank == 0:
                 json.dump({"shares": self.shares}, open(self.out, "w"))
             return
-        if trainer.global_rank == 0 and trainer.global_step == 0:
+        if trainer.global_rank == 0:  # steps 0 and 1: the first uses an estimated token scale, the next the last count
+            step = trainer.global_step
             sampler = strategy._sampler
-            indices = sampler.global_batch_indices(0, sampler._permutation())
+            permutation = sampler._permutation()
+            indices = sampler.global_batch_indices(step, permutation)
+            micro = [sampler.rank_slice(step, permutation, rank) for rank in range(trainer.world_size)]
             grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-            torch.save({"grads": grads, "init": self.init, "indices": indices, "shares": strategy.current_shares}, self.out)
+            self.steps.append({"grads": grads, "indices": indices, "micro": micro, "shares": strategy.current_shares})
+            torch.save({"init": self.init, "steps": self.steps}, self.out)
 
 
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     lightning.seed_everything(0)
     kwargs = {"global_batch_size": 6, "shares": [2.0, 1.0]}
+    if mode.endswith("_acc"):
+        kwargs = {"global_batch_size": 10, "shares": [2.0, 1.0], "max_micro_batch": 3}
     if mode == "rebalance":
         kwargs = {"global_batch_size": 24, "shares": "auto", "warmup_steps": 2, "rebalance_every": 2, "hysteresis": 0.02}
+    if mode.startswith("probe"):  # probe_fixed: the caps rank 1's probe finds, given, to compare the RNG with
+        caps = "auto" if mode == "probe" else [48, int(sys.argv[3])]
+        kwargs = {"global_batch_size": 48, "shares": [1.0, 1.0], "max_micro_batch": caps}
     if mode == "bad_global":
         kwargs = {"global_batch_size": 1}
     if mode == "bad_shares":
         kwargs = {"global_batch_size": 6, "shares": [1.0, 2.0, 3.0]}
     strategy = HeterogeneousDDPStrategy(**kwargs)
-    extra = [SelectiveTokenLoss(method="topk", keep_ratio=0.5, scope="global")] if mode == "selective" else []
+    extra = [SelectiveTokenLoss(method="topk", keep_ratio=0.5, scope="global")] if mode.startswith("selective") else []
+    if mode.startswith("probe"):
+        extra = [MemoryLimit(out)]
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=1 if mode in ("samples", "tokens", "selective") else 14,
+        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=14 if mode == "rebalance" else 2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Record(out, mode), *extra],
+        callbacks=[*extra] if mode.startswith("probe") else [Record(out, mode), *extra],
     )
     trainer.fit(Module(mode, slow_rank=1 if mode == "rebalance" else None), DataLoader(Rows(), batch_size=3))

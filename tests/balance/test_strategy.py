@@ -14,31 +14,54 @@ sys.path.insert(0, str(HERE))
 import ddp_hetero  # noqa: E402
 
 
-def _launch(mode, out, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent))
-    return subprocess.run([sys.executable, str(HERE / "ddp_hetero.py"), mode, str(out)], env=env,
+def _launch(mode, out, timeout=300, *extra):
+    # one malloc arena and a fixed mmap threshold: freed activations give their address space back
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536")
+    return subprocess.run([sys.executable, str(HERE / "ddp_hetero.py"), mode, str(out), *extra], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", ["samples", "tokens", "selective"])
+@pytest.mark.parametrize("mode", ["samples", "tokens", "selective", "samples_acc", "tokens_acc", "selective_acc"])
 def test_shares_two_to_one_give_the_global_batch_gradient(tmp_path, mode):
+    """Two steps of 2 processes against one process on the global batch, in float64. The _acc modes
+    split the shares 7:3 into unequal micro-batches (3+2+2 and 1+1+1): the gradient is still the
+    mean over the whole global batch, not a mean of micro-batch means."""
     out = tmp_path / "grads.pt"
     done = _launch(mode, out)
     assert done.returncode == 0, done.stderr[-3000:]
     saved = torch.load(out)
-    assert saved["shares"] == [4, 2]
+    assert len(saved["steps"]) == 2
+    for step in saved["steps"]:
+        _assert_global_batch_gradient(mode, saved["init"], step)
+
+
+def _assert_global_batch_gradient(mode, init, saved):
+    accumulated = mode.endswith("_acc")
+    assert saved["shares"] == ([7, 3] if accumulated else [4, 2])
+    assert [len(m) for m in saved["micro"][0]] == ([3, 2, 2] if accumulated else [4])
     model = ddp_hetero.Module(mode).double()
-    model.load_state_dict(saved["init"])
+    model.load_state_dict(init)
     rows = ddp_hetero.Rows()
-    batch = {k: v[saved["indices"]] for k, v in vars(rows).items()}
-    if mode in ("tokens", "selective"):
+
+    def rows_at(indices):
+        return {k: v[indices] for k, v in vars(rows).items()}
+
+    batch = rows_at(saved["indices"])
+    if mode.startswith("tokens"):
         losses = model.per_token(batch) + 0 * model.net(batch["x"]).sum()
         valid = batch["labels"] != -100
-        if mode == "selective":  # one normalisation: the global top half of the global batch's tokens
-            from lightning_efficient.tokens.selection import select_tokens
+        loss = losses[valid].sum() / valid.sum()  # the mean over the global batch's valid tokens
+    elif mode.startswith("selective"):
+        from lightning_efficient.tokens.selection import select_tokens
 
-            valid = select_tokens("topk", losses, valid, 0.5).keep
-        loss = losses[valid].sum() / valid.sum()  # the mean over the global batch's (kept) valid tokens
+        # the global top half of each micro-step's tokens over both ranks, normalised once by every kept token
+        kept_sum, kept_count = 0.0, 0
+        for step in range(len(saved["micro"][0])):
+            micro = rows_at(saved["micro"][0][step] + saved["micro"][1][step])
+            losses = model.per_token(micro) + 0 * model.net(micro["x"]).sum()
+            keep = select_tokens("topk", losses, micro["labels"] != -100, 0.5).keep
+            kept_sum, kept_count = kept_sum + losses[keep].sum(), kept_count + int(keep.sum())
+        loss = kept_sum / kept_count
     else:
         loss = model.per_sample_loss(batch) + 0 * model.per_token(batch).sum()
     loss.backward()
@@ -59,6 +82,28 @@ def test_shares_converge_toward_the_speed_ratio_when_a_rank_is_slowed(tmp_path):
     assert sum(final) == 24 and 2.0 <= final[0] / final[1] <= 4.5, shares
     first_change = next(i for i, s in enumerate(shares) if s != [12, 12])
     assert first_change <= 8  # within 8 steps (warm-up 2, a plan every 2 steps, applied 2 batches ahead)
+
+
+def test_auto_micro_batch_is_probed_under_each_ranks_real_memory_limit(tmp_path):
+    """Rank 0 may grow by 96 MiB, rank 1 by 32 MiB (RLIMIT_AS, for the whole fit): the probe finds rank
+    1's smaller cap from real allocator failures, the plan splits the equal shares into micro-batches
+    that fit, training runs under the same limits, and the probe leaves weights, RNG and optimizer
+    state as they were."""
+    out = tmp_path / "probe.json"
+    done = _launch("probe", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rank0_cap, rank1_cap = result["caps"]
+    assert rank0_cap == 48 and 1 <= rank1_cap < 24, result
+    assert result["shares"] == [24, 24]
+    assert result["accumulation"] == -(-24 // rank1_cap)  # the fewest micro-batches under rank 1's cap
+    assert result["micro_batches"] == 2 * result["accumulation"]  # two optimizer steps trained
+    assert result["untouched"]["weights"] and result["untouched"]["optimizer_state"] and result["untouched"]["grads"]
+    # the same run with rank 1's cap given: the random stream at the first step is the same
+    fixed = tmp_path / "fixed.json"
+    done = _launch("probe_fixed", fixed, 300, str(rank1_cap))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(fixed.read_text())["untouched"]["rng"] == result["untouched"]["rng"]
 
 
 @pytest.mark.parametrize(("mode", "pattern"), [

@@ -1,0 +1,96 @@
+"""``max_micro_batch="auto"``: the largest micro-batch that trains on this rank without running out of memory.
+
+A size fits when a real training micro-step on real samples — forward, backward and an optimizer
+step — completes while everything a training step holds is held: the gradients and the optimizer's
+state (created by the probe's own optimizer step when the run has none yet). Module parameters,
+buffers, optimizer state and random-number streams are restored afterwards, so probing changes
+nothing in the run. Out of memory is what the allocator says: CUDA's out-of-memory error on a GPU,
+"can't allocate memory" on CPU (where the limit is the process's, e.g. ``ulimit -v``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from lightning.pytorch.utilities.memory import is_oom_error
+from torch.utils.data import DataLoader
+
+from lightning_efficient.balance.planner import largest_fitting_batch
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import DDPStrategy
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for an allocator's out-of-memory error (CUDA, cuDNN or the CPU allocator)."""
+    return isinstance(error, torch.OutOfMemoryError) or is_oom_error(error)
+
+
+@contextlib.contextmanager
+def _restored(strategy: DDPStrategy) -> Iterator[None]:
+    """Put the module's parameters and buffers, the optimizers' state and the random streams back."""
+    module = strategy.lightning_module
+    saved_tensors = {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict(keep_vars=True).items()}
+    had_state = [len(optimizer.state) > 0 for optimizer in strategy.optimizers]
+    devices = [strategy.root_device] if strategy.root_device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            module.zero_grad(set_to_none=True)
+            for optimizer, had in zip(strategy.optimizers, had_state):
+                if not had:  # only the probe's own step made it: drop it (created again at the first step)
+                    optimizer.state.clear()
+            with torch.no_grad():
+                for name, tensor in module.state_dict(keep_vars=True).items():
+                    tensor.copy_(saved_tensors[name])
+            if strategy.root_device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _micro_step(strategy: DDPStrategy, dataloader: DataLoader, size: int, step_optimizers: bool) -> None:
+    """One training micro-step of ``size`` samples with DDP's gradient sync off (raises when out of memory)."""
+    module, dataset = strategy.lightning_module, dataloader.dataset
+    batch = strategy.batch_to_device(dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)]))
+    logging = module.log, module.log_dict
+    module.log = module.log_dict = lambda *a, **k: None  # not inside the loop: nothing to log to
+    try:
+        with strategy.model.no_sync(), strategy.precision_plugin.train_step_context():
+            output = type(module).training_step(module, batch, 0)  # the class's step: no plugin collectives
+            loss = output["loss"] if isinstance(output, Mapping) else output
+        loss.backward()
+        del output, loss
+        if step_optimizers:
+            for optimizer in strategy.optimizers:
+                optimizer.step()
+        module.zero_grad(set_to_none=False)  # keep the gradients held, as they are during the next forward
+    finally:
+        module.log, module.log_dict = logging
+
+
+def probe_micro_batch(strategy: DDPStrategy, dataloader: DataLoader, upper: int) -> int:
+    """This rank's largest micro-batch in ``[1, upper]`` that trains without running out of memory.
+
+    Raises:
+        ValueError: when not even one sample fits.
+    """
+    needs_state = any(len(optimizer.state) == 0 for optimizer in strategy.optimizers)
+
+    def fits(size: int) -> bool:
+        try:
+            _micro_step(strategy, dataloader, size, step_optimizers=needs_state)
+        except RuntimeError as error:
+            if not is_out_of_memory(error):
+                raise
+            return False
+        finally:
+            if strategy.root_device.type == "cuda":
+                torch.cuda.empty_cache()
+        return True
+
+    with _restored(strategy):
+        return largest_fitting_batch(fits, upper)
+
