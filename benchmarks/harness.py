@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -36,6 +37,9 @@ class Case:
         timeout_s: the most seconds one variant may take.
         extra_report: optional ``fn(results, out_dir, quick) -> markdown`` appended to the results
             page (for derived tables and charts of its own).
+        rounds: full runs are repeated this many times, the variants interleaved (all of them, then
+            all again), and each figure is the median over rounds — for timings on a machine whose
+            speed drifts; ``--quick`` runs one round.
     """
 
     name: str
@@ -44,6 +48,7 @@ class Case:
     variants: dict[str, Variant] = field(default_factory=dict)
     timeout_s: float = 900.0
     extra_report: Callable[[dict[str, Metrics], Path, bool], str] | None = None
+    rounds: int = 1
 
 
 CASES: dict[str, Case] = {}
@@ -82,6 +87,26 @@ def run_variant(case: Case, label: str, quick: bool) -> Metrics:
     return {"error": f"exit {done.returncode}: " + " | ".join(tail)}
 
 
+def median_over_rounds(rounds: list[Metrics]) -> Metrics:
+    """One variant's figures over rounds: the median of each number (and, when there are several
+    rounds, its spread as ``NAME_min``/``NAME_max`` and every round's value in order as the list
+    ``NAME_rounds``, for ratios between variants of the same round); anything else from the last
+    round. A round with an error makes the result that error."""
+    errors = [r for r in rounds if "error" in r]
+    if errors:
+        return errors[0]
+    merged: Metrics = {}
+    for name, value in rounds[-1].items():
+        values = [r[name] for r in rounds if isinstance(r.get(name), (int, float))]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or len(values) < 2:
+            merged[name] = value
+            continue
+        merged[name] = statistics.median(values)
+        merged[f"{name}_min"], merged[f"{name}_max"] = min(values), max(values)
+        merged[f"{name}_rounds"] = values
+    return merged
+
+
 def ratios(results: dict[str, Metrics], baseline: str) -> dict[str, dict[str, float | None]]:
     """Each variant's metrics divided by the baseline's (None where the baseline has no value)."""
     base = results.get(baseline, {})
@@ -90,7 +115,8 @@ def ratios(results: dict[str, Metrics], baseline: str) -> dict[str, dict[str, fl
         out[label] = {}
         for name, value in metrics.items():
             reference = base.get(name)
-            ok = isinstance(value, (int, float)) and isinstance(reference, (int, float)) and reference != 0
+            spread = name.endswith(("_min", "_max"))  # not a figure of its own: no ratio
+            ok = not spread and isinstance(value, (int, float)) and isinstance(reference, (int, float)) and reference != 0
             if ok or not isinstance(value, (list, dict)):
                 out[label][name] = value / reference if ok else None
     return out
@@ -118,7 +144,8 @@ def write_results(case: Case, results: dict[str, Metrics], quick: bool, out_dir:
         "",
         case.description,
         "",
-        f"Produced by `{command}`; baseline: `{case.baseline}`; each variant in a fresh process.",
+        f"Produced by `{command}`; baseline: `{case.baseline}`; each variant in a fresh process"
+        + (f"; the median of {case.rounds} interleaved rounds (spread in `_min`/`_max`)." if case.rounds > 1 and not quick else "."),
         "",
         "| variant | metric | value | ratio to baseline |",
         "|---|---|---|---|",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.harness import CASES, RESULTS_DIR, run_variant, write_results
+from benchmarks.harness import CASES, RESULTS_DIR, median_over_rounds, run_variant, write_results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,11 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for name in args.only or list(CASES):
         case = CASES[name]
-        results = {}
-        for label in case.variants:
-            print(f"[{name}] {label} ...", flush=True)
-            results[label] = run_variant(case, label, args.quick)
-            failed |= "error" in results[label]
+        rounds = 1 if args.quick else case.rounds
+        measured: dict[str, list] = {label: [] for label in case.variants}
+        for round_index in range(rounds):
+            for label in case.variants:
+                print(f"[{name}] {label} ..." + (f" (round {round_index + 1}/{rounds})" if rounds > 1 else ""), flush=True)
+                measured[label].append(run_variant(case, label, args.quick))
+        results = {label: median_over_rounds(values) for label, values in measured.items()}
+        failed |= any("error" in metrics for metrics in results.values())
         paths = write_results(case, results, args.quick, args.out)
         print(paths[0].read_text(), flush=True)
     return 1 if failed else 0

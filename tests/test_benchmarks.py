@@ -35,3 +35,15 @@ def test_gpu_check_smoke_runs_every_check_at_toy_sizes_on_cpu():
     for check in ("end_to_end", "optim_step", "linear_ce"):
         assert f"| {check:<11} |" in done.stdout
     assert "error" not in done.stdout
+
+
+def test_rounds_merge_into_medians_with_their_spread():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.harness import median_over_rounds
+
+    merged = median_over_rounds([{"samples_per_s": 9.0, "note": "a"}, {"samples_per_s": 3.0, "note": "b"},
+                                 {"samples_per_s": 5.0, "note": "c"}])
+    assert merged == {"samples_per_s": 5.0, "samples_per_s_min": 3.0, "samples_per_s_max": 9.0,
+                      "samples_per_s_rounds": [9.0, 3.0, 5.0], "note": "c"}
+    assert median_over_rounds([{"x": 1.0}]) == {"x": 1.0}
+    assert "error" in median_over_rounds([{"x": 1.0}, {"error": "exit 1"}])
