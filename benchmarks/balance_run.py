@@ -2,7 +2,8 @@
 for rank 1). Usage: python benchmarks/balance_run.py STRATEGY SLOW MODEL STEPS OUT.json
 
 Rank 1 is made ``SLOW`` times slower by sleeping ``(SLOW - 1)`` times its own compute time per
-sample (calibrated before training) times its batch size, each step.
+sample (calibrated before training, after a warm-up, at plain DDP's per-rank batch) times its
+batch size, each step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class MLPModule(lightning.LightningModule):
         self.net, self.slow, self.per_sample = mlp(), slow, 0.0
 
     def calibrate(self, x):
+        self.net(x).sum().backward()  # warm-up: first-call costs are not per-sample compute
         start = time.perf_counter()
         for _ in range(3):
             self.net(x).sum().backward()
@@ -59,6 +61,7 @@ class DemoModule(lightning.LightningModule):
         self.slow, self.per_sample = slow, 0.0
 
     def calibrate(self, x):
+        self.gpt.token_losses({"input_ids": x, "labels": x})["loss"].backward()  # warm-up
         start = time.perf_counter()
         for _ in range(3):
             self.gpt.token_losses({"input_ids": x, "labels": x})["loss"].backward()
@@ -102,12 +105,12 @@ def main() -> None:
         global_batch, n = 2048, 2048 * (steps + 2)
         data = TensorDataset(torch.randn(n, 512), torch.randint(0, 10, (n,)))
         module = MLPModule(slow)
-        module.calibrate(torch.randn(256, 512))
+        module.calibrate(torch.randn(global_batch // 2, 512))  # at the per-rank batch of plain DDP
     else:
         global_batch, n = 64, 64 * (steps + 2)
         data = TensorDataset(torch.randint(0, 2048, (n, 64)), torch.zeros(n))
         module = DemoModule(slow)
-        module.calibrate(torch.randint(0, 2048, (16, 64)))
+        module.calibrate(torch.randint(0, 2048, (global_batch // 2, 64)))
     warmup = min(10, steps // 3)
     if strategy_name == "hetero_ddp":
         strategy = HeterogeneousDDPStrategy(global_batch_size=global_batch, warmup_steps=3, rebalance_every=3)
