@@ -29,18 +29,24 @@ def mlp() -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
 
 
+def seconds_per_sample(forward_backward, samples: int) -> float:
+    """Compute seconds per sample of ``forward_backward()`` over ``samples``: one warm-up call
+    (first-call costs are not per-sample compute), then the mean of 3."""
+    forward_backward()
+    start = time.perf_counter()
+    for _ in range(3):
+        forward_backward()
+    return (time.perf_counter() - start) / (3 * samples)
+
+
 class MLPModule(lightning.LightningModule):
     def __init__(self, slow: float):
         super().__init__()
         self.net, self.slow, self.per_sample = mlp(), slow, 0.0
 
     def calibrate(self, x):
-        self.net(x).sum().backward()  # warm-up: first-call costs are not per-sample compute
-        start = time.perf_counter()
-        for _ in range(3):
-            self.net(x).sum().backward()
+        self.per_sample = seconds_per_sample(lambda: self.net(x).sum().backward(), len(x))
         self.net.zero_grad()
-        self.per_sample = (time.perf_counter() - start) / (3 * len(x))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -61,12 +67,9 @@ class DemoModule(lightning.LightningModule):
         self.slow, self.per_sample = slow, 0.0
 
     def calibrate(self, x):
-        self.gpt.token_losses({"input_ids": x, "labels": x})["loss"].backward()  # warm-up
-        start = time.perf_counter()
-        for _ in range(3):
-            self.gpt.token_losses({"input_ids": x, "labels": x})["loss"].backward()
+        batch = {"input_ids": x, "labels": x}
+        self.per_sample = seconds_per_sample(lambda: self.gpt.token_losses(batch)["loss"].backward(), len(x))
         self.gpt.zero_grad()
-        self.per_sample = (time.perf_counter() - start) / (3 * len(x))
 
     def training_step(self, batch, batch_idx):
         ids, _ = batch
