@@ -118,10 +118,6 @@ class EightBitOptimizer(Callback):
                 rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) has no 8-bit twin; left as it is.")
                 replaced.append(optimizer)
                 continue
-            for param in _flat_params(optimizer):
-                if id(param) in reasons:
-                    manager.override_config(param, "optim_bits", 32)
-                    self._overridden.add(id(param))
             try:
                 twin = build_twin(optimizer, min_8bit_size=self.min_8bit_size, paged=paged)
             except NoTwinError:
@@ -130,6 +126,11 @@ class EightBitOptimizer(Callback):
                 rank_zero_warn(f"EightBitOptimizer: optimizer {index} cannot become 8-bit; left as it is.")
                 replaced.append(optimizer)
                 continue
+            # registered only once the twin exists: bitsandbytes reads them when a state is first made
+            for param in _flat_params(optimizer):
+                if id(param) in reasons:
+                    manager.override_config(param, "optim_bits", 32)
+                    self._overridden.add(id(param))
             if offload:
                 twin = self._offloaded(twin)
             self._rebind_schedulers(trainer, optimizer, twin)
@@ -198,8 +199,21 @@ class EightBitOptimizer(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._drop_overrides()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Lightning skips callbacks' teardown when fit raises
+        self._drop_overrides()
+
+    def _drop_overrides(self) -> None:
+        """Remove our 32-bit overrides from bitsandbytes' process-wide manager.
+
+        bitsandbytes keys them by ``id(param)``; one left behind would silently make a later
+        parameter that reuses the id keep 32-bit states, in any 8-bit optimizer of the process.
+        """
         manager = bnb.optim.GlobalOptimManager.get_instance()
-        for key in self._overridden:  # bitsandbytes keys its overrides by id(): drop ours before ids are reused
+        for key in self._overridden:
             manager.pid2config.pop(key, None)
         self._overridden.clear()
 

@@ -91,8 +91,11 @@ def test_no_twin_raises_or_with_strict_false_is_left_with_a_warning():
         def configure_optimizers(self):
             return torch.optim.Adadelta(self.parameters())
 
+    overrides = bnb.optim.GlobalOptimManager.get_instance().pid2config
+    before = dict(overrides)
     with pytest.raises(TypeError, match="Adadelta has no bitsandbytes 8-bit twin"):
         trainer(1, [EightBitOptimizer()]).fit(Adadelta())
+    assert overrides == before  # a refused conversion leaves no 32-bit override behind for reused ids
     t = trainer(1, [EightBitOptimizer(strict=False)])
     with pytest.warns(UserWarning, match="no 8-bit twin; left as it is"):
         t.fit(Adadelta())
@@ -212,3 +215,19 @@ def test_demo_state_bytes_with_embeddings_32bit_and_8bit(small_datamodule_kwargs
         figures[embeddings_32bit] = hand / sum(p.numel() for p in params)
     print(f"demo optimizer-state bytes per parameter: embeddings 32-bit {figures[True]:.3f}, 8-bit {figures[False]:.3f}")
     assert figures[False] < figures[True] and figures[False] <= 2.5
+
+
+def test_a_fit_that_raises_leaves_no_32bit_override_behind():
+    class Failing(Regression):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 1:
+                raise RuntimeError("user code failed")
+            return super().training_step(batch, batch_idx)
+
+    overrides = bnb.optim.GlobalOptimManager.get_instance().pid2config
+    before = dict(overrides)
+    model = Failing()
+    with pytest.raises(RuntimeError, match="user code failed"):
+        trainer(3, [EightBitOptimizer()]).fit(model)
+    assert id(model.embed.weight) not in overrides
+    assert overrides == before
