@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -13,6 +14,17 @@ import torch
 def _deterministic_threads():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_bitsandbytes_override_left_behind():
+    """bitsandbytes keys 32-bit overrides by ``id(param)`` process-wide: one left by a test would
+    silently change a later test's optimizer whose parameter reuses the id."""
+    yield
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is not None:
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        assert not manager.pid2config and not manager.index2config, "a bitsandbytes override was left behind"
 
 
 @pytest.fixture(scope="session")
