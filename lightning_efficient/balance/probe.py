@@ -51,8 +51,9 @@ def _restored(strategy: DDPStrategy) -> Iterator[None]:
                 torch.cuda.empty_cache()
 
 
-def _micro_step(strategy: DDPStrategy, dataloader: DataLoader, size: int, step_optimizers: bool) -> None:
-    """One training micro-step of ``size`` samples with DDP's gradient sync off (raises when out of memory)."""
+def _micro_step(strategy: DDPStrategy, dataloader: DataLoader, size: int, to_step: list[torch.optim.Optimizer]) -> None:
+    """One training micro-step of ``size`` samples with DDP's gradient sync off, stepping the
+    optimizers ``to_step`` (raises when out of memory)."""
     module, dataset = strategy.lightning_module, dataloader.dataset
     batch = strategy.batch_to_device(dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)]))
     logging = module.log, module.log_dict
@@ -63,9 +64,8 @@ def _micro_step(strategy: DDPStrategy, dataloader: DataLoader, size: int, step_o
             loss = output["loss"] if isinstance(output, Mapping) else output
         loss.backward()
         del output, loss
-        if step_optimizers:
-            for optimizer in strategy.optimizers:
-                optimizer.step()
+        for optimizer in to_step:
+            optimizer.step()
         module.zero_grad(set_to_none=False)  # keep the gradients held, as they are during the next forward
     finally:
         module.log, module.log_dict = logging
@@ -77,11 +77,13 @@ def probe_micro_batch(strategy: DDPStrategy, dataloader: DataLoader, upper: int)
     Raises:
         ValueError: when not even one sample fits.
     """
-    needs_state = any(len(optimizer.state) == 0 for optimizer in strategy.optimizers)
+    # only optimizers with no state yet are stepped: their state is what the probe must hold, and
+    # it is dropped afterwards; a state loaded from a checkpoint is already held and is not touched
+    stateless = [optimizer for optimizer in strategy.optimizers if len(optimizer.state) == 0]
 
     def fits(size: int) -> bool:
         try:
-            _micro_step(strategy, dataloader, size, step_optimizers=needs_state)
+            _micro_step(strategy, dataloader, size, stateless)
         except RuntimeError as error:
             if not is_out_of_memory(error):
                 raise
