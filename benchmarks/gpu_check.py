@@ -228,7 +228,7 @@ def check_probe(b: Bench) -> list[Row]:
         if on_cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
     rows: list[Row] = [
-        ("probe", "auto", "max_micro_batch", float(strategy._probed_caps[0]), None),
+        ("probe", "auto", "max_micro_batch", float(strategy.micro_batch_caps[0]), None),
         ("probe", "auto", "accumulation", float(trainer.accumulate_grad_batches), None),
         ("probe", "auto", "fit_incl_probe_s", seconds, None),
         ("probe", "auto", "train_peak_bytes", b.peak(), None),

@@ -373,6 +373,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                            f"from global batch {start} (predicted gain {gain:.1%})")
 
     @property
+    def micro_batch_caps(self) -> list[int | None]:
+        """Each rank's largest micro-batch in force (probed with ``max_micro_batch="auto"``; None: no cap)."""
+        return self._caps()
+
+    @property
     def current_shares(self) -> list[int]:
         """The shares in force for the next global batch to train."""
         return list(self._sampler.plan_at(self._micro_done // self._plan.accumulation).shares)

@@ -104,7 +104,7 @@ class MemoryLimit(lightning.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.micro_batches += 1
         if trainer.global_rank == 0:
-            json.dump({"caps": trainer.strategy._probed_caps, "accumulation": trainer.accumulate_grad_batches,
+            json.dump({"caps": trainer.strategy.micro_batch_caps, "accumulation": trainer.accumulate_grad_batches,
                        "shares": trainer.strategy.current_shares, "micro_batches": self.micro_batches,
                        "untouched": self.untouched}, open(self.out, "w"))
 
