@@ -13,9 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor
 
-
-def _storage_key(tensor: Tensor) -> tuple[str, int]:
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+from lightning_efficient._torch import storage_key
 
 
 def _iter_tensors(obj: object) -> Iterator[Tensor]:
@@ -40,7 +38,7 @@ def distinct_storage_bytes(tensors: Iterable[Tensor]) -> int:
     for tensor in tensors:
         if tensor.layout != torch.strided:
             continue
-        seen.setdefault(_storage_key(tensor), tensor.untyped_storage().nbytes())
+        seen.setdefault(storage_key(tensor), tensor.untyped_storage().nbytes())
     return sum(seen.values())
 
 
@@ -76,13 +74,13 @@ class SavedTensorCounter:
     """
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self._excluded = {_storage_key(t) for t in exclude if t.layout == torch.strided}
+        self._excluded = {storage_key(t) for t in exclude if t.layout == torch.strided}
         self._seen: dict[tuple[str, int], int] = {}
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def _pack(self, tensor: Tensor) -> Tensor:
         if tensor.layout == torch.strided:
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if key not in self._excluded:
                 self._seen.setdefault(key, tensor.untyped_storage().nbytes())
         return tensor
