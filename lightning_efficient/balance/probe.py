@@ -10,14 +10,13 @@ nothing in the run. Out of memory is what the allocator says: CUDA's out-of-memo
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch.utils.data import DataLoader
 
+from lightning_efficient._step import restored_run_state, step_loss
 from lightning_efficient.balance.planner import largest_fitting_batch
 
 if TYPE_CHECKING:
@@ -29,46 +28,18 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or is_oom_error(error)
 
 
-@contextlib.contextmanager
-def _restored(strategy: DDPStrategy) -> Iterator[None]:
-    """Put the module's parameters and buffers, the optimizers' state and the random streams back."""
-    module = strategy.lightning_module
-    saved_tensors = {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict(keep_vars=True).items()}
-    had_state = [len(optimizer.state) > 0 for optimizer in strategy.optimizers]
-    devices = [strategy.root_device] if strategy.root_device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            module.zero_grad(set_to_none=True)
-            for optimizer, had in zip(strategy.optimizers, had_state):
-                if not had:  # only the probe's own step made it: drop it (created again at the first step)
-                    optimizer.state.clear()
-            with torch.no_grad():
-                for name, tensor in module.state_dict(keep_vars=True).items():
-                    tensor.copy_(saved_tensors[name])
-            if strategy.root_device.type == "cuda":
-                torch.cuda.empty_cache()
-
-
 def _micro_step(strategy: DDPStrategy, dataloader: DataLoader, size: int, to_step: list[torch.optim.Optimizer]) -> None:
     """One training micro-step of ``size`` samples with DDP's gradient sync off, stepping the
     optimizers ``to_step`` (raises when out of memory)."""
     module, dataset = strategy.lightning_module, dataloader.dataset
     batch = strategy.batch_to_device(dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)]))
-    logging = module.log, module.log_dict
-    module.log = module.log_dict = lambda *a, **k: None  # not inside the loop: nothing to log to
-    try:
-        with strategy.model.no_sync(), strategy.precision_plugin.train_step_context():
-            output = type(module).training_step(module, batch, 0)  # the class's step: no plugin collectives
-            loss = output["loss"] if isinstance(output, Mapping) else output
-        loss.backward()
-        del output, loss
-        for optimizer in to_step:
-            optimizer.step()
-        module.zero_grad(set_to_none=False)  # keep the gradients held, as they are during the next forward
-    finally:
-        module.log, module.log_dict = logging
+    with strategy.model.no_sync():
+        loss = step_loss(strategy, batch)
+    loss.backward()
+    del loss
+    for optimizer in to_step:
+        optimizer.step()
+    module.zero_grad(set_to_none=False)  # keep the gradients held, as they are during the next forward
 
 
 def probe_micro_batch(strategy: DDPStrategy, dataloader: DataLoader, upper: int) -> int:
@@ -93,6 +64,6 @@ def probe_micro_batch(strategy: DDPStrategy, dataloader: DataLoader, upper: int)
                 torch.cuda.empty_cache()
         return True
 
-    with _restored(strategy):
+    with restored_run_state(strategy):
         return largest_fitting_batch(fits, upper)
 

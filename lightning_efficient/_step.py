@@ -1,0 +1,70 @@
+"""Running a training step outside Lightning's loop, as the auto planner's profile and the
+micro-batch probe do: the same precision context as a real step, nothing logged, and the run's
+state (parameters, buffers, optimizer state, random streams) put back afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+
+@contextlib.contextmanager
+def quiet_logging(module: LightningModule) -> Iterator[None]:
+    """``module.log`` and ``log_dict`` do nothing inside (outside the loop there is nothing to log to)."""
+    saved = {name: vars(module)[name] for name in ("log", "log_dict") if name in vars(module)}
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool = True) -> Tensor:
+    """The loss of one ``training_step`` on ``batch``, run as the loop runs it (precision context) but
+    outside the loop: nothing is logged.
+
+    Args:
+        strategy: the trainer's strategy (its precision plugin gives the autocast context).
+        batch: a batch already on the device.
+        batch_idx: passed to ``training_step``.
+        class_step: call the class's ``training_step``, not a plugin's wrapper on the instance, so no
+            plugin collective runs on one rank alone.
+    """
+    module = strategy.lightning_module
+    step = type(module).training_step.__get__(module) if class_step else module.training_step
+    with quiet_logging(module), strategy.precision_plugin.train_step_context():
+        output = step(batch, batch_idx)
+    return output["loss"] if isinstance(output, Mapping) else output
+
+
+@contextlib.contextmanager
+def restored_run_state(strategy: Any) -> Iterator[None]:
+    """Put the module's parameters and buffers, the optimizers' state and the random streams back.
+
+    An optimizer that had state keeps it untouched only if the body does not step it; one that had
+    none loses whatever the body created (it is created again at the first real step).
+    """
+    module = strategy.lightning_module
+    saved_tensors = {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict(keep_vars=True).items()}
+    had_state = [len(optimizer.state) > 0 for optimizer in strategy.optimizers]
+    devices = [strategy.root_device] if strategy.root_device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            module.zero_grad(set_to_none=True)
+            for optimizer, had in zip(strategy.optimizers, had_state):
+                if not had:
+                    optimizer.state.clear()
+            with torch.no_grad():
+                for name, tensor in module.state_dict(keep_vars=True).items():
+                    tensor.copy_(saved_tensors[name])
+            if strategy.root_device.type == "cuda":
+                torch.cuda.empty_cache()
