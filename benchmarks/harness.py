@@ -37,6 +37,8 @@ class Case:
         timeout_s: the most seconds one variant may take.
         extra_report: optional ``fn(results, out_dir, quick) -> markdown`` appended to the results
             page (for derived tables and charts of its own).
+        chart: optional ``fn(case, results, path)`` drawing the case's own PNG (what the case is about);
+            the default draws one panel per model with each variant's ratios to that model's baseline.
         rounds: full runs are repeated this many times, the variants interleaved (all of them, then
             all again), and each figure is the median over rounds — for timings on a machine whose
             speed drifts; ``--quick`` runs one round.
@@ -49,6 +51,7 @@ class Case:
     timeout_s: float = 900.0
     extra_report: Callable[[dict[str, Metrics], Path, bool], str] | None = None
     rounds: int = 1
+    chart: Callable[[Case, dict[str, Metrics], Path], None] | None = None
 
 
 CASES: dict[str, Case] = {}
@@ -164,29 +167,63 @@ def write_results(case: Case, results: dict[str, Metrics], quick: bool, out_dir:
     md.write_text("\n".join(lines) + "\n")
     payload = {"case": case.name, "baseline": case.baseline, "quick": quick, "results": results, "ratios": rel}
     js.write_text(json.dumps(payload, indent=2, sort_keys=True))
-    _chart(case, rel, png)
+    (case.chart or ratio_chart)(case, results, png)
     return [md, js, png]
 
 
-def _chart(case: Case, rel: dict[str, dict[str, float | None]], path: Path) -> None:
+def model_groups(results: dict[str, Metrics]) -> dict[str, dict[str, Metrics]]:
+    """Variants grouped by model: ``"demo/keep"`` goes to ``"demo"`` as ``"keep"`` (no ``/``: group ``""``)."""
+    groups: dict[str, dict[str, Metrics]] = {}
+    for label, metrics in results.items():
+        model, _, variant = label.rpartition("/")
+        groups.setdefault(model, {})[variant] = metrics
+    return groups
+
+
+def panels(count: int, width: float = 5.0, height: float = 3.8):
+    """A figure with ``count`` side-by-side axes (matplotlib on the Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = sorted({name for values in rel.values() for name, r in values.items() if isinstance(r, float)})
-    labels = list(rel)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(metrics) * max(1, len(labels)) / 2), 4))
-    width = 0.8 / max(1, len(labels))
-    for i, label in enumerate(labels):
-        heights = [rel[label].get(m) or 0.0 for m in metrics]
-        ax.bar([x + i * width for x in range(len(metrics))], heights, width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(metrics))])
-    ax.set_xticklabels(metrics, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(f"ratio to {case.baseline}")
-    ax.set_title(case.name)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, count, figsize=(width * count, height), squeeze=False)
+    return plt, fig, list(axes[0])
+
+
+def ratio_chart(case: Case, results: dict[str, Metrics], path: Path) -> None:
+    """One panel per model: each variant's figures as ratios to that model's own baseline (the
+    variant named like the case's baseline), so models of different sizes never share a scale."""
+    groups = model_groups(results)
+    base_variant = case.baseline.rpartition("/")[2]
+    plt, fig, axes = panels(len(groups))
+    for ax, (model, variants) in zip(axes, groups.items()):
+        baseline = base_variant if base_variant in variants else next(iter(variants))
+        rel = ratios(variants, baseline)
+        metrics = sorted({n for values in rel.values() for n, r in values.items() if isinstance(r, float)})
+        labels = [label for label in variants if "error" not in variants[label]]
+        width = 0.8 / max(1, len(labels))
+        colours = plt.get_cmap("tab20").colors
+        for i, label in enumerate(labels):
+            heights = [rel[label].get(m) or 0.0 for m in metrics]
+            ax.bar([x + i * width for x in range(len(metrics))], heights, width, label=label, color=colours[i % 20])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(metrics))])
+        ax.set_xticklabels(metrics, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(f"ratio to {baseline}")
+        ax.set_title(f"{case.name}: {model}" if model else case.name)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def redraw(name: str, out_dir: Path = RESULTS_DIR) -> Path:
+    """Draw ``NAME.png`` again from ``NAME.json`` (after a change to a chart, without re-measuring)."""
+    from benchmarks import cases  # noqa: F401  (registers the cases)
+
+    case = CASES[name]
+    results = json.loads((out_dir / f"{name}.json").read_text())["results"]
+    path = out_dir / f"{name}.png"
+    (case.chart or ratio_chart)(case, results, path)
+    return path

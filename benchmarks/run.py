@@ -1,11 +1,11 @@
-"""``python -m benchmarks.run [--only NAME ...] [--quick] [--out DIR]``: run the registered cases."""
+"""``python -m benchmarks.run [--only NAME ...] [--quick] [--out DIR] [--redraw]``: run the registered cases."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from benchmarks.harness import CASES, RESULTS_DIR, median_over_rounds, run_variant, write_results
+from benchmarks.harness import CASES, RESULTS_DIR, median_over_rounds, redraw, run_variant, write_results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=sorted(CASES), help="run only this case (repeatable)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few steps")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where result files go")
+    parser.add_argument("--redraw", action="store_true", help="draw the charts again from the saved JSON, measure nothing")
     args = parser.parse_args(argv)
+    if args.redraw:
+        for name in args.only or list(CASES):
+            print(redraw(name, args.out))
+        return 0
     failed = False
     for name in args.only or list(CASES):
         case = CASES[name]

@@ -47,3 +47,20 @@ def test_rounds_merge_into_medians_with_their_spread():
                       "samples_per_s_rounds": [9.0, 3.0, 5.0], "note": "c"}
     assert median_over_rounds([{"x": 1.0}]) == {"x": 1.0}
     assert "error" in median_over_rounds([{"x": 1.0}, {"error": "exit 1"}])
+
+
+def test_charts_have_one_panel_per_model_and_redraw_from_saved_results(tmp_path):
+    """Each chart is drawn per model (ratios within the model, never across models of different sizes)."""
+    import shutil
+
+    import matplotlib.image
+
+    from benchmarks.harness import model_groups, redraw
+
+    for name in ("activations", "balance", "tokens_quality"):
+        saved = REPO / "benchmarks" / "results" / f"{name}.json"
+        shutil.copy(saved, tmp_path / saved.name)
+        models = model_groups(json.loads(saved.read_text())["results"])
+        assert len(models) == 2, (name, list(models))
+        height, width, _ = matplotlib.image.imread(redraw(name, tmp_path)).shape
+        assert width >= 2 * height, (name, width, height)  # two side-by-side panels

@@ -9,7 +9,7 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.harness import Case, register
+from benchmarks.harness import Case, model_groups, panels, register
 from lightning_efficient.memory import SavedTensorCounter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 CONFIGS = {
@@ -124,6 +124,31 @@ def measure(config: str, variant: str, quick: bool) -> dict[str, float]:
     return figures
 
 
+def chart(case: Case, results: dict, path) -> None:
+    """Per model, each policy as a point: bytes held for backward against step time, both as ratios
+    to that model's ``keep`` — the trade the planner chooses along."""
+    groups = model_groups(results)
+    plt, fig, axes = panels(len(groups))
+    for ax, (model, variants) in zip(axes, groups.items()):
+        keep = variants.get("keep", {})
+        for index, (variant, figures) in enumerate(variants.items()):
+            if "error" in figures or not keep:
+                continue
+            x = figures["step_time_s"] / keep["step_time_s"]
+            y = figures["held_bytes"] / keep["held_bytes"]
+            ax.scatter([x], [y], s=60, marker="os^Dv<>p"[index % 8], color=plt.get_cmap("tab10")(index % 10), label=variant)
+        ax.legend(fontsize=7)
+        ax.set_xlabel("step time / keep")
+        ax.set_ylabel("bytes held for backward / keep")
+        ax.set_ylim(bottom=0)
+        ax.axhline(1.0, color="grey", linewidth=0.6)
+        ax.axvline(1.0, color="grey", linewidth=0.6)
+        ax.set_title(f"activations: {model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 register(
     Case(
         name="activations",
@@ -138,5 +163,6 @@ register(
         baseline="demo/keep",
         variants={f"{c}/{v}": functools.partial(measure, c, v) for c in CONFIGS for v in VARIANTS},
         timeout_s=1200.0,
+        chart=chart,
     )
 )

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness import Case, register
+from benchmarks.harness import Case, model_groups, panels, register
 
 SCRIPT = Path(__file__).resolve().parent.parent / "balance_run.py"
 
@@ -71,6 +71,28 @@ def report(results: dict, out_dir: Path, quick: bool) -> str:
     return "\n".join(lines)
 
 
+def chart(case: Case, results: dict, path: Path) -> None:
+    """Per model, samples/s of each variant, with the ideal of a balanced split under rank 1's 2x
+    slowdown (plain DDP unslowed x 3/4) as a dashed line."""
+    groups = model_groups(results)
+    plt, fig, axes = panels(len(groups))
+    for ax, (model, variants) in zip(axes, groups.items()):
+        labels = [label for label in VARIANTS if "samples_per_s" in variants.get(label, {})]
+        values = [variants[label]["samples_per_s"] for label in labels]
+        ax.bar(range(len(labels)), values, color=["#999999", "#d62728", "#2ca02c", "#1f77b4"][: len(labels)])
+        if "ddp_no_slowdown" in labels:
+            ideal = variants["ddp_no_slowdown"]["samples_per_s"] * (1 + 1 / 2) / 2
+            ax.axhline(ideal, color="black", linestyle="--", linewidth=1, label="ideal with rank 1 at 2x")
+            ax.legend(fontsize=8)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"balance: {model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 VARIANTS = {
     "ddp_no_slowdown": ("ddp", 1.0),
     "ddp_slowed": ("ddp", 2.0),
@@ -92,5 +114,6 @@ register(
         timeout_s=1500.0,
         extra_report=report,
         rounds=3,
+        chart=chart,
     )
 )
