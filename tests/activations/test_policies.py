@@ -129,3 +129,57 @@ def test_a_full_disk_names_the_path_and_the_bytes(tmp_path, monkeypatch):
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy='swap'"):
         wrap_block(torch.nn.Linear(2, 2), "swap")
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=100, use_cache=False)
+    return transformers.LlamaForCausalLM(config).double().train()
+
+
+def _llama_loss(model):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 12), generator=g)
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hugging_face_layers_called_with_keywords_checkpoint_to_the_gradients_of_keep(reentrant):
+    torch.manual_seed(0)
+    model = _llama()
+    reference = _grads(model, _llama_loss)
+    for _, block in find_blocks(model):
+        wrap_block(block, "checkpoint", reentrant=reentrant)
+    got = _grads(model, _llama_loss)
+    for name, grad in reference.items():
+        assert (got[name] - grad).abs().max() <= 1e-12, name
+
+
+class _KeywordBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, *, scale, pair):
+        return torch.tanh(self.lin(x) * scale + pair[0]) * pair[1]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_tensors_passed_by_keyword_and_nested_get_their_gradients_under_checkpoint(reentrant):
+    torch.manual_seed(0)
+    block = _KeywordBlock().double()
+    inputs = [torch.randn(3, 8, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+
+    def grads():
+        for t in [*inputs, *block.parameters()]:
+            t.grad = None
+        x, scale, a, b = inputs
+        block(x, scale=scale, pair=(a, b)).pow(2).sum().backward()
+        return [t.grad.clone() for t in [*inputs, *block.parameters()]]
+
+    reference = grads()
+    wrap_block(block, "checkpoint", reentrant=reentrant)
+    got = grads()
+    for want, have in zip(reference, got):
+        assert (have - want).abs().max() <= 1e-12
