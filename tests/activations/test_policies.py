@@ -77,7 +77,7 @@ def test_disk_files_are_removed_after_backward_and_the_directory_is_private(tmp_
         wrap_block(block, "disk", hooks=lambda i=index: disk.hooks(i))
     assert stat.S_IMODE(os.stat(disk.root).st_mode) == 0o700
     loss = _demo_loss(model)
-    disk._writer.submit(lambda: None).result()
+    disk.flush()
     assert len(disk.files()) > 0
     loss.backward()
     del loss
@@ -183,3 +183,45 @@ def test_tensors_passed_by_keyword_and_nested_get_their_gradients_under_checkpoi
     got = grads()
     for want, have in zip(reference, got):
         assert (have - want).abs().max() <= 1e-12
+
+
+class _SavesOneTensorManyTimes(torch.nn.Module):
+    """``h`` is saved by sin and cos, and two views of it (a chunk, a transposed chunk) by two more ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a, b = h.chunk(2, dim=-1)
+        return torch.sin(h) + torch.cos(h) + torch.cat([torch.sin(a), torch.cos(b.t()).t()], dim=-1)
+
+
+def test_disk_writes_a_storage_saved_several_times_once_and_restores_its_views(tmp_path):
+    from lightning_efficient.memory import SavedTensorCounter
+
+    torch.manual_seed(0)
+    block = _SavesOneTensorManyTimes().double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+
+    def grads():
+        for t in [x, *block.parameters()]:
+            t.grad = None
+        block(x).pow(2).sum().backward()
+        return [t.grad.clone() for t in [x, *block.parameters()]]
+
+    reference = grads()
+    with SavedTensorCounter(exclude=list(block.parameters())) as counter:
+        block(x)
+    assert counter.bytes == 5 * 8 * 8 + 5 * 16 * 8  # x and h, each once
+    disk = DiskOffload(str(tmp_path), min_bytes=0, exclude=_exclude(block))
+    wrap_block(block, "disk", hooks=lambda: disk.hooks(0))
+    out = block(x)
+    disk.flush()
+    assert len(disk.files()) == 2 and disk.bytes_written == counter.bytes
+    del out
+    got = grads()
+    for want, have in zip(reference, got):
+        assert (have - want).abs().max() <= 1e-12
+    disk.close()
