@@ -335,3 +335,33 @@ def test_reentrant_checkpoint_of_hugging_face_layers_turns_off_use_cache_and_giv
     assert caplog.text.count("config.use_cache set to False on model") == 1
     for name, grad in got["keep"].grads.items():
         assert (got["checkpoint"].grads[name] - grad).abs().max() <= 1e-12, name
+
+
+def _auto_plan_under_hetero_ddp(budget, out_dir):
+    import json
+
+    from tests.ddp import run_script
+
+    out_dir.mkdir()
+    run_script(HERE / "ddp_auto_plan.py", budget, out_dir)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_auto_under_hetero_ddp_plans_each_rank_for_its_own_micro_batch(tmp_path):
+    # every block kept: about 680 KB on rank 0 (micro-batch 2), 2.04 MB on rank 1 (micro-batch 6);
+    # every block checkpointed: about 182 KB and 546 KB
+    ranks = _auto_plan_under_hetero_ddp(600_000, tmp_path / "out")
+    assert [r["micro_batch"] for r in ranks] == [2, 6]
+    for rank in ranks:
+        assert "error" not in rank
+        assert rank["saved_bytes"] <= 600_000, rank
+        assert rank["planned_bytes"] <= 600_000
+    assert ranks[1]["plan"] == ["checkpoint"] * 4 and ranks[0]["plan"] != ranks[1]["plan"]
+
+
+def test_auto_budget_infeasible_on_one_rank_fails_on_every_rank_with_the_numbers(tmp_path):
+    ranks = _auto_plan_under_hetero_ddp(400_000, tmp_path / "out")  # rank 0 could plan for it, rank 1 cannot
+    for rank in ranks:
+        assert rank["error"].startswith("ValueError: ActivationMemory(policy='auto') could not plan: rank 1 (micro-batch 6): "
+                                        "budget=400,000 bytes is below what the leanest plan reaches"), rank["error"]
+    assert ranks[0]["error"] == ranks[1]["error"]
