@@ -104,7 +104,7 @@ class ActivationMemory(Callback):
         self.reentrant = reentrant
         self._block_list: list[tuple[str, torch.nn.Module]] = []
         self._plan: list[str] | None = None
-        self._rank_plans: list[list[str]] | None = None
+        self._rank_plans: list[dict[str, Any]] | None = None  # each rank's auto plan and its figures
         self._restored: dict[str, Any] | None = None
         self._disk: DiskOffload | None = None
         self._host: HostOffload | None = None
@@ -153,7 +153,7 @@ class ActivationMemory(Callback):
             return None
         saved = restored["plan"]
         names = [name for name, _ in self._block_list]
-        plans = restored.get("plans_by_rank") or [saved]
+        plans = restored.get("plans_by_rank") or [{"policies": saved}]
         reason = None
         if restored.get("policy") != ["auto"]:
             reason = f"it was made for policy={restored.get('policy')!r}, not an auto plan"
@@ -169,13 +169,13 @@ class ActivationMemory(Callback):
             rank_zero_info(f"ActivationMemory: the checkpoint's plan ({_counts(saved)}) is not restored: {reason}; "
                            "planning again on the first batch.")
             return None
-        summary = restored.get("summary")
-        if summary is not None:
-            self._plan_summary = Plan(list(saved), summary["held_bytes"], summary["cost_s"], summary["baseline_bytes"])
-        self._rank_plans = [list(p) for p in plans]
+        mine = plans[trainer.global_rank]
+        if mine.get("held_bytes") is not None:
+            self._plan_summary = Plan(list(mine["policies"]), mine["held_bytes"], mine["cost_s"], mine["baseline_bytes"])
+        self._rank_plans = [dict(p) for p in plans]
         rank_zero_info(f"ActivationMemory: the checkpoint's auto plan is restored ({_counts(saved)}, budget={self.budget!r}); "
                        "not profiled again.")
-        return list(plans[trainer.global_rank])
+        return list(mine["policies"])
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -280,6 +280,8 @@ class ActivationMemory(Callback):
         # fails makes every rank fail with its message, rather than leaving the others in a collective
         outcome = {"micro_batch": micro_batch, "policies": None if plan is None else plan.policies,
                    "held_bytes": None if plan is None else plan.held_bytes,
+                   "cost_s": None if plan is None else plan.cost_s,
+                   "baseline_bytes": None if plan is None else plan.baseline_bytes,
                    "error": None if failure is None else (type(failure).__name__, str(failure))}
         outcomes = _gather(outcome)
         failed = [(rank, o) for rank, o in enumerate(outcomes) if o["error"] is not None]
@@ -289,7 +291,7 @@ class ActivationMemory(Callback):
             kind = ValueError if all(o["error"][0] == "ValueError" for _, o in failed) else RuntimeError
             raise kind(message) from failure
         assert plan is not None
-        self._rank_plans = [o["policies"] for o in outcomes]
+        self._rank_plans = [{k: o[k] for k in ("policies", "held_bytes", "cost_s", "baseline_bytes")} for o in outcomes]
         self._plan_summary = plan
         self._print_plan(plan, budget, outcomes)
         self._apply(plan.policies, pl_module)
@@ -338,7 +340,6 @@ class ActivationMemory(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        summary = self._plan_summary
         return {
             "plan": self._plan,
             "blocks": [name for name, _ in self._block_list],
@@ -346,8 +347,6 @@ class ActivationMemory(Callback):
             "budget": self.budget,
             "auto_policies": list(self.auto_policies),
             "plans_by_rank": self._rank_plans,
-            "summary": None if summary is None else {
-                "held_bytes": summary.held_bytes, "cost_s": summary.cost_s, "baseline_bytes": summary.baseline_bytes},
         }
 
     @override

@@ -1,5 +1,3 @@
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -111,6 +109,7 @@ def test_auto_plan_fits_the_budget_and_is_restored_on_resume(small_datamodule_kw
     resumed = ActivationMemory(policy="auto", budget=0.5, auto_policies=["keep", "selective", "checkpoint"])
     _trainer([resumed], steps=3).fit(DemoGPT(**{**tiny_gpt_kwargs(), "n_layers": 4}), datamodule=data, ckpt_path=path)
     assert resumed.plan == plan and resumed.profiles == []  # not profiled again
+    assert resumed.plan_summary == summary
 
 
 def test_disk_policy_leaves_no_file_after_fit_and_after_a_failure(small_datamodule_kwargs, tmp_path):
@@ -150,10 +149,10 @@ def test_reentrant_with_find_unused_parameters_is_refused(small_datamodule_kwarg
 
 
 def test_two_process_ddp_with_checkpoint_matches_one_process(tmp_path):
+    from tests.ddp import run_script
+
     out = tmp_path / "grads.pt"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent))
-    done = subprocess.run([sys.executable, str(HERE / "ddp_checkpoint.py"), str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(HERE / "ddp_checkpoint.py", out)
     saved = torch.load(out)
     sys.path.insert(0, str(HERE))
     import ddp_checkpoint
