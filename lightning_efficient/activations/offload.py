@@ -6,10 +6,12 @@ Parameters and buffers (``exclude``) and tensors under ``min_bytes`` are left wh
 * :class:`HostOffload` (CUDA): each saved tensor is copied into pinned host memory on a side
   stream; in backward, the first unpack in a block starts copying the *previous* block's tensors
   back (backward runs blocks in reverse), so transfers overlap compute.
-* :class:`DiskOffload`: each saved tensor is written by a background writer into a private
-  directory (mode 0700) and read back in backward, the previous block's files prefetched by
-  reader threads. A file is removed as soon as autograd frees its saved tensor (after backward,
-  or when an exception drops the graph), and :meth:`DiskOffload.clear` removes whatever is left.
+* :class:`DiskOffload`: each saved storage is written once (however many saved tensors are views
+  of it) by a background writer into a private directory (mode 0700) and read back in backward,
+  the previous block's files prefetched by reader threads. A file is removed as soon as autograd
+  frees its saved tensors (after backward, or when an exception drops the graph), and
+  :meth:`DiskOffload.clear` removes whatever is left. A failed write raises
+  :class:`DiskFullError` (path and bytes) on the training thread.
 """
 
 from __future__ import annotations
