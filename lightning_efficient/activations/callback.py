@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_efficient._step import restored_run_state, step_loss
+from lightning_efficient._torch import storage_key
 from lightning_efficient._validation import require, require_int
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
-from lightning_efficient.activations.planner import Plan, parse_budget, plan_blocks
+from lightning_efficient.activations.planner import BlockProfile, Plan, parse_budget, plan_blocks
 from lightning_efficient.activations.policies import POLICIES, unwrap_block, wrap_block
 from lightning_efficient.activations.profile import profile_blocks
-from lightning_efficient.memory import SavedTensorCounter
+from lightning_efficient.memory import SavedTensorCounter, first_tensor
+
+Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
+_RECOMPUTED = ("checkpoint", "selective")
 
 
-def _storage_exclusion(pl_module: LightningModule):
-    excluded = {t.untyped_storage().data_ptr() for t in [*pl_module.parameters(), *pl_module.buffers()]}
-    return lambda t: t.untyped_storage().data_ptr() in excluded
+def _storage_exclusion(pl_module: LightningModule) -> Callable[[Tensor], bool]:
+    excluded = {storage_key(t) for t in [*pl_module.parameters(), *pl_module.buffers()]}
+    return lambda t: storage_key(t) in excluded
+
+
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _counts(plan: list[str]) -> str:
+    return ", ".join(f"{plan.count(p)} {p}" for p in dict.fromkeys(plan))
 
 
 class ActivationMemory(Callback):
@@ -30,11 +50,12 @@ class ActivationMemory(Callback):
     Args:
         policy: one of ``keep``, ``checkpoint``, ``selective``, ``offload``, ``disk`` for every block, a
             list with one per block, or ``auto`` (with ``budget``): profile one real training step
-            and choose per block the policy of least time cost that fits the budget.
+            and choose per block the policy of least time cost that fits the budget. Under data
+            parallelism each rank profiles its own first micro-batch and plans for it.
         blocks: ``"auto"`` (the largest ModuleList/Sequential of same-class modules) or a list of
             class names / qualified-name patterns.
-        budget: for ``auto``: activation bytes held for backward, as bytes, a string like ``"6GiB"``,
-            or a float in (0, 1] — that fraction of the measured every-block-kept figure.
+        budget: for ``auto``: activation bytes held for backward per rank, as bytes, a string like
+            ``"6GiB"``, or a float in (0, 1] — that fraction of the measured every-block-kept figure.
         offload_dir: where ``disk`` makes its private directory (None: the system temp directory).
         use_streams: ``offload`` copies on a side stream and prefetches in backward (CUDA).
         min_offload_bytes: saved tensors smaller than this stay on the device under offload/disk.
@@ -43,19 +64,20 @@ class ActivationMemory(Callback):
 
     Raises:
         ValueError: naming the argument for an unknown policy, a missing/invalid budget, or a bad
-            block specification; before the first step, for a budget no plan meets (with the minimum).
+            block specification; before the first step, for a budget no plan meets (with the minimum),
+            on every rank when it is so on any rank.
     """
 
     def __init__(
         self,
-        policy: str | list[str] = "checkpoint",
-        blocks: str | list[str] = "auto",
+        policy: Policy | Literal["auto"] | list[Policy] = "checkpoint",
+        blocks: Literal["auto"] | list[str] = "auto",
         budget: int | float | str | None = None,
         offload_dir: str | None = None,
         use_streams: bool = True,
         min_offload_bytes: int = 2**16,
         reentrant: bool = False,
-        auto_policies: list[str] | None = None,
+        auto_policies: list[Policy] | None = None,
     ) -> None:
         allowed = (*POLICIES, "auto")
         policies = [policy] if isinstance(policy, str) else list(policy)
@@ -82,11 +104,14 @@ class ActivationMemory(Callback):
         self.reentrant = reentrant
         self._block_list: list[tuple[str, torch.nn.Module]] = []
         self._plan: list[str] | None = None
-        self._restored_plan: list[str] | None = None
+        self._rank_plans: list[dict[str, Any]] | None = None  # each rank's auto plan and its figures
+        self._restored: dict[str, Any] | None = None
         self._disk: DiskOffload | None = None
         self._host: HostOffload | None = None
-        self._profiles: list = []
+        self._profiles: list[BlockProfile] = []
         self._plan_summary: Plan | None = None
+        self._use_cache_off: list[Any] = []
+        self._disk_written: int | None = None  # what the last fit's disk offload wrote
         self._warned_cpu_offload = False
 
     # -- wiring ------------------------------------------------------------------------------
@@ -98,26 +123,74 @@ class ActivationMemory(Callback):
                 "runs the block's backward outside the autograd graph DDP inspects, so DDP marks its "
                 "parameters ready twice or never; use reentrant=False."
             )
+        restored, self._restored = self._restored, None  # a later fit without a checkpoint starts afresh
+        self._plan, self._rank_plans, self._plan_summary, self._profiles = None, None, None, []
+        self._disk_written = None
         self._block_list = find_blocks(pl_module, self.blocks)
         self._exclude = _storage_exclusion(pl_module)
-        if self._restored_plan is not None:
-            if len(self._restored_plan) != len(self._block_list):
-                raise ValueError(
-                    f"the checkpoint's plan has {len(self._restored_plan)} blocks but the model has {len(self._block_list)}"
-                )
-            self._apply(self._restored_plan, pl_module)
-        elif self.policy != ["auto"]:
-            plan = self.policy * len(self._block_list) if len(self.policy) == 1 else self.policy
-            require(len(plan) == len(self._block_list), "policy", self.policy,
-                    f"one policy or a list of {len(self._block_list)} (one per block found)")
-            self._apply(plan, pl_module)
-        elif pl_module.automatic_optimization is False:
-            raise ValueError("policy='auto' profiles one training step, which needs automatic optimization")
+        if self.policy == ["auto"]:
+            if pl_module.automatic_optimization is False:
+                raise ValueError("policy='auto' profiles one training step, which needs automatic optimization")
+            plan = self._restorable(restored, trainer)
+            if plan is not None:
+                self._apply(plan, pl_module)
+            return
+        plan = self.policy * len(self._block_list) if len(self.policy) == 1 else self.policy
+        require(len(plan) == len(self._block_list), "policy", self.policy,
+                f"one policy or a list of {len(self._block_list)} (one per block found)")
+        if restored is not None and restored.get("plan") is not None and restored["plan"] != plan:
+            rank_zero_info(f"ActivationMemory: the checkpoint's plan ({_counts(restored['plan'])}) is not restored: "
+                           f"policy={self._policy_text()} set now wins.")
+        self._apply(plan, pl_module)
+
+    def _policy_text(self) -> str:
+        return repr(self.policy[0] if len(self.policy) == 1 else self.policy)
+
+    def _restorable(self, restored: dict[str, Any] | None, trainer: Trainer) -> list[str] | None:
+        """The checkpoint's auto plan for this rank, if it was made for the same settings and model
+        (else None: plan again); one info line says which."""
+        if restored is None or restored.get("plan") is None:
+            return None
+        saved = restored["plan"]
+        names = [name for name, _ in self._block_list]
+        plans = restored.get("plans_by_rank") or [{"policies": saved}]
+        reason = None
+        if restored.get("policy") != ["auto"]:
+            reason = f"it was made for policy={restored.get('policy')!r}, not an auto plan"
+        elif restored.get("budget") != self.budget:
+            reason = f"budget={self.budget!r} differs from the checkpoint's {restored.get('budget')!r}"
+        elif list(restored.get("auto_policies") or ()) != list(self.auto_policies):
+            reason = f"auto_policies={list(self.auto_policies)} differ from the checkpoint's {restored.get('auto_policies')}"
+        elif restored.get("blocks") != names:
+            reason = f"the blocks differ ({len(names)} now, {len(restored.get('blocks') or [])} in the checkpoint)"
+        elif len(plans) != trainer.world_size:
+            reason = f"it was made for {len(plans)} ranks, not {trainer.world_size}"
+        if reason is not None:
+            rank_zero_info(f"ActivationMemory: the checkpoint's plan ({_counts(saved)}) is not restored: {reason}; "
+                           "planning again on the first batch.")
+            return None
+        mine = plans[trainer.global_rank]
+        if mine.get("held_bytes") is not None:
+            self._plan_summary = Plan(list(mine["policies"]), mine["held_bytes"], mine["cost_s"], mine["baseline_bytes"])
+        self._rank_plans = [dict(p) for p in plans]
+        rank_zero_info(f"ActivationMemory: the checkpoint's auto plan is restored ({_counts(saved)}, budget={self.budget!r}); "
+                       "not profiled again.")
+        return list(mine["policies"])
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._plan is None and self.policy == ["auto"]:
             self._plan_automatically(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._disk is not None:
+            self._disk.check()  # a failed background write stops the fit here at the latest
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._disk is not None:
+            self._disk.check(wait=True)
 
     def _hooks_for(self, policy: str, index: int):
         if policy == "disk":
@@ -140,54 +213,100 @@ class ActivationMemory(Callback):
             effective = "keep" if policy == "offload" and not on_cuda else policy
             wrap_block(block, effective, hooks=self._hooks_for(effective, index), reentrant=self.reentrant)
         self._plan = list(plan)
-        counts = {p: plan.count(p) for p in dict.fromkeys(plan)}
-        rank_zero_info(f"ActivationMemory: {len(plan)} blocks ({self._block_list[0][0]} ...): " +
-                       ", ".join(f"{n} {p}" for p, n in counts.items()))
+        self._turn_off_use_cache(pl_module, plan)
+        rank_zero_info(f"ActivationMemory: {len(plan)} blocks ({self._block_list[0][0]} ...): {_counts(plan)}")
+
+    def _turn_off_use_cache(self, pl_module: LightningModule, plan: list[str]) -> None:
+        """A transformers model caches keys and values when ``config.use_cache``: a recomputed layer
+        would add its keys and values to the cache a second time. Off while its layers are recomputed,
+        as transformers' own gradient checkpointing does; restored when fit ends."""
+        recomputed = [block for (_, block), policy in zip(self._block_list, plan) if policy in _RECOMPUTED]
+        if not recomputed:
+            return
+        names = []
+        for name, module in pl_module.named_modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "use_cache", None) is not True or any(c is config for c in self._use_cache_off):
+                continue
+            inside = set(module.modules())
+            if any(block in inside for block in recomputed):
+                config.use_cache = False
+                self._use_cache_off.append(config)
+                names.append(name or type(module).__name__)
+        if names:
+            rank_zero_info(f"ActivationMemory: config.use_cache set to False on {', '.join(names)} while its layers are "
+                           "recomputed (as transformers' gradient checkpointing does); restored when fit ends.")
 
     # -- auto ---------------------------------------------------------------------------------
-    def _plan_automatically(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        policies = tuple(p for p in self.auto_policies if p != "offload" or pl_module.device.type == "cuda")
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    def _profile(self, trainer: Trainer, batch: Any, batch_idx: int, policies: tuple[str, ...]) -> tuple[list[BlockProfile], int]:
+        """Per-block profiles and the bytes saved outside the blocks, from one step of the class's
+        ``training_step`` (no plugin's wrapper) in the precision plugin's context, state restored."""
+        strategy = trainer.strategy
+        module = strategy.lightning_module
+        outside: dict[str, int] = {}
 
         def step_output() -> Tensor:
-            out = pl_module.training_step(batch, batch_idx)
-            return out["loss"] if isinstance(out, dict) else out
+            return step_loss(strategy, batch, batch_idx)
 
         def run_step() -> None:
-            with SavedTensorCounter(exclude=[*pl_module.parameters(), *pl_module.buffers()]) as counter:
+            with SavedTensorCounter(exclude=[*module.parameters(), *module.buffers()]) as counter:
                 loss = step_output()
-            self._profiled_total = counter.bytes
+            outside["bytes"] = counter.bytes
             loss.backward()
 
-        try:
-            self._profiles = profile_blocks(
-                run_step, step_output, self._block_list, self._exclude, pl_module.device,
+        with restored_run_state(strategy):
+            profiles = profile_blocks(
+                run_step, step_output, self._block_list, self._exclude, module.device,
                 min_offload_bytes=self.min_offload_bytes, policies=policies, offload_dir=self.offload_dir,
             )
-        finally:
-            pl_module.zero_grad(set_to_none=True)
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
         # inside blocks the profiler's own hooks shadow this outer count: it sees the tensors saved
         # outside the blocks (embeddings, head, loss), which no policy changes
-        fixed = self._profiled_total
-        baseline = fixed + sum(p.held_bytes["keep"] for p in self._profiles)
-        budget = parse_budget(self.budget, baseline)
-        plan = plan_blocks(self._profiles, budget, fixed, policies)
-        plan = trainer.strategy.broadcast(plan, src=0)  # every rank runs rank 0's plan
+        return profiles, outside["bytes"]
+
+    def _plan_automatically(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        policies = tuple(p for p in self.auto_policies if p != "offload" or pl_module.device.type == "cuda")
+        first = first_tensor(batch)
+        micro_batch = int(first.shape[0]) if first is not None and first.dim() else 1
+        plan: Plan | None = None
+        failure: BaseException | None = None
+        try:
+            self._profiles, fixed = self._profile(trainer, batch, batch_idx, policies)
+            baseline = fixed + sum(p.held_bytes["keep"] for p in self._profiles)
+            budget = parse_budget(self.budget, baseline)
+            plan = plan_blocks(self._profiles, budget, fixed, policies)
+        except Exception as error:  # noqa: BLE001 - every rank learns of it below and raises it together
+            failure = error
+        # each rank plans for its own micro-batch (hetero_ddp gives ranks different ones); a rank that
+        # fails makes every rank fail with its message, rather than leaving the others in a collective
+        outcome = {"micro_batch": micro_batch, "policies": None if plan is None else plan.policies,
+                   "held_bytes": None if plan is None else plan.held_bytes,
+                   "cost_s": None if plan is None else plan.cost_s,
+                   "baseline_bytes": None if plan is None else plan.baseline_bytes,
+                   "error": None if failure is None else (type(failure).__name__, str(failure))}
+        outcomes = _gather(outcome)
+        failed = [(rank, o) for rank, o in enumerate(outcomes) if o["error"] is not None]
+        if failed:
+            lines = [f"rank {rank} (micro-batch {o['micro_batch']}): {o['error'][1]}" for rank, o in failed]
+            message = "ActivationMemory(policy='auto') could not plan: " + "; ".join(lines)
+            kind = ValueError if all(o["error"][0] == "ValueError" for _, o in failed) else RuntimeError
+            raise kind(message) from failure
+        assert plan is not None
+        self._rank_plans = [{k: o[k] for k in ("policies", "held_bytes", "cost_s", "baseline_bytes")} for o in outcomes]
         self._plan_summary = plan
-        self._print_plan(plan, budget)
+        self._print_plan(plan, budget, outcomes)
         self._apply(plan.policies, pl_module)
 
-    def _print_plan(self, plan: Plan, budget: int) -> None:
+    def _print_plan(self, plan: Plan, budget: int, outcomes: list[dict[str, Any]]) -> None:
         lines = [f"ActivationMemory auto plan: budget {budget / 2**20:,.1f} MiB, every block kept "
                  f"{plan.baseline_bytes / 2**20:,.1f} MiB, planned {plan.held_bytes / 2**20:,.1f} MiB, "
                  f"estimated cost {plan.cost_s * 1e3:,.1f} ms/step",
                  f"  {'block':<28} {'policy':<11} {'saved MiB':>10} {'cost ms':>9}"]
         for name, policy, saved, cost in plan.rows(self._profiles):
             lines.append(f"  {name:<28} {policy:<11} {saved / 2**20:>10.2f} {cost * 1e3:>9.2f}")
+        if len(outcomes) > 1:
+            lines.append("  per rank: " + "; ".join(
+                f"rank {rank} (micro-batch {o['micro_batch']}): {_counts(o['policies'])}, planned {o['held_bytes'] / 2**20:,.2f} MiB"
+                for rank, o in enumerate(outcomes)))
         rank_zero_info("\n".join(lines))
 
     # -- reporting, checkpoints, clean-up -----------------------------------------------------
@@ -199,6 +318,8 @@ class ActivationMemory(Callback):
             figures["activation_unplanned_bytes"] = self._plan_summary.baseline_bytes
         if self._disk is not None:
             figures["activation_disk_written_bytes"] = self._disk.bytes_written
+        elif self._disk_written is not None:
+            figures["activation_disk_written_bytes"] = self._disk_written
         return figures
 
     @property
@@ -206,24 +327,48 @@ class ActivationMemory(Callback):
         """The policy applied to each block (None before it is known)."""
         return None if self._plan is None else list(self._plan)
 
+    @property
+    def plan_summary(self) -> Plan | None:
+        """This rank's ``auto`` plan with its planned and every-block-kept bytes and its estimated
+        cost (None for a fixed policy, or before the first batch)."""
+        return self._plan_summary
+
+    @property
+    def profiles(self) -> list[BlockProfile]:
+        """What ``auto`` measured per block in this fit (empty when the plan came from a checkpoint)."""
+        return list(self._profiles)
+
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"plan": self._plan, "blocks": [name for name, _ in self._block_list]}
+        return {
+            "plan": self._plan,
+            "blocks": [name for name, _ in self._block_list],
+            "policy": list(self.policy),
+            "budget": self.budget,
+            "auto_policies": list(self.auto_policies),
+            "plans_by_rank": self._rank_plans,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored_plan = state_dict.get("plan")
+        self._restored = dict(state_dict)
+
+    def _undo(self) -> None:
+        """Unwrap every block, stop disk offload (threads, files, directory), restore ``use_cache``."""
+        for _, block in self._block_list:
+            unwrap_block(block)
+        for config in self._use_cache_off:
+            config.use_cache = True
+        self._use_cache_off = []
+        disk, self._disk, self._host = self._disk, None, None
+        if disk is not None:
+            self._disk_written = disk.bytes_written
+            disk.close()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._disk is not None:
-            self._disk.clear()
+        self._undo()  # Lightning skips teardown when fit raises
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        for _, block in self._block_list:
-            unwrap_block(block)
-        if self._disk is not None:
-            self._disk.close()
-            self._disk = None
-        self._host = None
+        self._undo()

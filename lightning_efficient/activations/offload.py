@@ -6,10 +6,12 @@ Parameters and buffers (``exclude``) and tensors under ``min_bytes`` are left wh
 * :class:`HostOffload` (CUDA): each saved tensor is copied into pinned host memory on a side
   stream; in backward, the first unpack in a block starts copying the *previous* block's tensors
   back (backward runs blocks in reverse), so transfers overlap compute.
-* :class:`DiskOffload`: each saved tensor is written by a background writer into a private
-  directory (mode 0700) and read back in backward, the previous block's files prefetched by
-  reader threads. A file is removed as soon as autograd frees its saved tensor (after backward,
-  or when an exception drops the graph), and :meth:`DiskOffload.clear` removes whatever is left.
+* :class:`DiskOffload`: each saved storage is written once (however many saved tensors are views
+  of it) by a background writer into a private directory (mode 0700) and read back in backward,
+  the previous block's files prefetched by reader threads. A file is removed as soon as autograd
+  frees its saved tensors (after backward, or when an exception drops the graph), and
+  :meth:`DiskOffload.clear` removes whatever is left. A failed write raises
+  :class:`DiskFullError` (path and bytes) on the training thread.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_efficient._torch import storage_key
+
 Exclude = Callable[[Tensor], bool]
 
 
@@ -41,44 +45,71 @@ def _remove(path: str) -> None:
         pass
 
 
-class _DiskHandle:
-    """One saved tensor on disk (or still in memory while its write is under way)."""
+class _StorageFile:
+    """One saved storage on disk (or still in memory while its write is under way).
+
+    Tensors that share a storage (a tensor saved by two ops, views such as ``q``/``k``/``v`` of one
+    projection) share one file: it holds the whole storage, and each :class:`_DiskView` restores
+    its own shape, strides and offset from it.
+    """
 
     def __init__(self, store: DiskOffload, path: Path, tensor: Tensor) -> None:
         self.path = path
-        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
-        self._tensor: Tensor | None = tensor
+        self.device = tensor.device
+        self.nbytes = tensor.untyped_storage().nbytes()
+        whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+        self._bytes: Tensor | None = whole  # the storage itself, until it is on disk
         self._read: Future | None = None
-        self._write: Future = store._writer.submit(self._write_file, tensor)
+        self._write: Future = store._writer.submit(self._write_file, store, whole)
         weakref.finalize(self, _remove, str(path))
 
-    def _write_file(self, tensor: Tensor) -> None:
-        flat = tensor.detach().reshape(-1).contiguous()
-        data = flat.cpu().view(torch.uint8) if flat.numel() else flat.cpu().to(torch.uint8)
+    def _write_file(self, store: DiskOffload, whole: Tensor) -> None:
         try:
-            data.numpy().tofile(self.path)
+            whole.detach().cpu().numpy().tofile(self.path)
         except OSError as error:
-            raise DiskFullError(
-                f"disk offload could not write {data.numel():,} bytes to {self.path}: {error.strerror or error}"
-            ) from error
-        self._tensor = None  # on disk now: release the memory
+            failure = DiskFullError(
+                f"disk offload could not write {self.nbytes:,} bytes to {self.path}: {error.strerror or error}"
+            )
+            store._failed(failure)
+            raise failure from error
+        store.bytes_written += self.nbytes  # only this thread adds to it
+        self._bytes = None  # on disk now: release the memory
 
     def _read_file(self) -> Tensor:
         self._write.result()
         raw = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8))
-        return raw.view(self.dtype).reshape(self.shape).to(self.device, non_blocking=True)
+        return raw.to(self.device, non_blocking=True)
 
     def prefetch(self, reader: ThreadPoolExecutor) -> None:
         """Start reading the file back in the background."""
-        if self._read is None and self._tensor is None:
+        if self._read is None and self._bytes is None:
             self._read = reader.submit(self._read_file)
 
     def load(self) -> Tensor:
-        """The saved tensor, from memory if its write has not finished, else from the file."""
-        tensor = self._tensor
-        if tensor is not None:
-            return tensor
-        return self._read.result() if self._read is not None else self._read_file()
+        """The storage's bytes (a flat uint8 tensor), from memory if the write has not finished, else the file."""
+        whole = self._bytes
+        if whole is not None:
+            return whole
+        if self._read is None:
+            self._read = Future()
+            self._read.set_result(self._read_file())
+        return self._read.result()  # read once, shared by the storage's views
+
+
+class _DiskView:
+    """A saved tensor as a view (dtype, shape, strides, offset) of a :class:`_StorageFile`."""
+
+    def __init__(self, file: _StorageFile, tensor: Tensor) -> None:
+        self.file = file
+        self.dtype, self.shape, self.stride = tensor.dtype, tensor.shape, tensor.stride()
+        self.offset = tensor.storage_offset()
+
+    def load(self) -> Tensor:
+        """The saved tensor, restored as the same view of its storage."""
+        whole = self.file.load()
+        return torch.empty(0, dtype=self.dtype, device=whole.device).set_(
+            whole.untyped_storage(), self.offset, self.shape, self.stride
+        )
 
 
 class _BlockHooks:
@@ -93,6 +124,11 @@ class _BlockHooks:
 
 class DiskOffload(_BlockHooks):
     """Saved-tensor hooks that keep a block's saved tensors in files.
+
+    Each storage is written once, however many saved tensors (the same tensor saved by two ops,
+    views of one storage) refer to it. A write that fails (a full disk, a file-size limit, a
+    directory made read-only) raises :class:`DiskFullError`, naming the path and the bytes, on the
+    training thread: at the next pack or unpack, or at :meth:`check`.
 
     Args:
         directory: where the private directory is made (None: the system's temporary directory).
@@ -110,28 +146,61 @@ class DiskOffload(_BlockHooks):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="activation-writer")
         self._reader = ThreadPoolExecutor(2, thread_name_prefix="activation-reader")
         self._counter = itertools.count()
-        self._by_block: dict[int, weakref.WeakSet[_DiskHandle]] = {}
+        self._by_block: dict[int, weakref.WeakSet[_StorageFile]] = {}
+        # storage key -> (a weak reference to a tensor on that storage, its file): while the tensor
+        # lives, so does the storage, so its address cannot belong to another storage
+        self._files: dict[tuple[str, int], tuple[weakref.ref, weakref.ref]] = {}
+        self._error: DiskFullError | None = None
         self.bytes_written = 0
 
-    def _pack(self, block_index: int, tensor: Tensor) -> Tensor | _DiskHandle:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.exclude(tensor) or nbytes < self.min_bytes or tensor.layout != torch.strided:
-            return tensor
+    def _failed(self, error: DiskFullError) -> None:
+        if self._error is None:
+            self._error = error
+
+    def check(self, wait: bool = False) -> None:
+        """Raise the first failed write's :class:`DiskFullError` (after the writes under way if ``wait``)."""
+        if wait:
+            self.flush()
+        if self._error is not None:
+            raise self._error
+
+    def flush(self) -> None:
+        """Wait until the writes under way have finished (or failed)."""
+        self._writer.submit(lambda: None).result()
+
+    def _file_for(self, block_index: int, tensor: Tensor) -> _StorageFile:
+        key = storage_key(tensor)
+        known = self._files.get(key)
+        if known is not None:
+            alive, file = known[0](), known[1]()
+            if alive is not None and file is not None:
+                return file
+        if len(self._files) > 4096:  # forget entries whose tensors are gone
+            self._files = {k: v for k, v in self._files.items() if v[0]() is not None and v[1]() is not None}
+        nbytes = tensor.untyped_storage().nbytes()
         free = shutil.disk_usage(self.root).free
         if free < nbytes:
             raise DiskFullError(
                 f"disk offload needs {nbytes:,} more bytes at {self.root} but the disk has {free:,} free"
             )
-        handle = _DiskHandle(self, self.root / f"{next(self._counter)}.bin", tensor)
-        self._by_block.setdefault(block_index, weakref.WeakSet()).add(handle)
-        self.bytes_written += nbytes
-        return handle
+        file = _StorageFile(self, self.root / f"{next(self._counter)}.bin", tensor)
+        self._files[key] = (weakref.ref(tensor), weakref.ref(file))
+        self._by_block.setdefault(block_index, weakref.WeakSet()).add(file)
+        return file
 
-    def _unpack(self, block_index: int, packed: Tensor | _DiskHandle) -> Tensor:
+    def _pack(self, block_index: int, tensor: Tensor) -> Tensor | _DiskView:
+        self.check()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.exclude(tensor) or nbytes < self.min_bytes or tensor.layout != torch.strided or nbytes == 0:
+            return tensor
+        return _DiskView(self._file_for(block_index, tensor), tensor)
+
+    def _unpack(self, block_index: int, packed: Tensor | _DiskView) -> Tensor:
+        self.check()
         if isinstance(packed, Tensor):
             return packed
-        for handle in list(self._by_block.get(block_index - 1, ())):
-            handle.prefetch(self._reader)
+        for file in list(self._by_block.get(block_index - 1, ())):
+            file.prefetch(self._reader)
         return packed.load()
 
     def files(self) -> list[Path]:
@@ -140,7 +209,7 @@ class DiskOffload(_BlockHooks):
 
     def clear(self) -> None:
         """Remove every file (after an exception, or at the end)."""
-        self._writer.submit(lambda: None).result()  # let a write under way finish first
+        self.flush()  # let a write under way finish first
         for path in self.files():
             _remove(str(path))
 

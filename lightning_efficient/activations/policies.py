@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 POLICIES = ("keep", "checkpoint", "selective", "offload", "disk")
@@ -44,13 +45,35 @@ def selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+def _reentrant_checkpoint(forward: Callable, args: tuple, kwargs: dict) -> Any:
+    """Reentrant checkpointing of ``forward(*args, **kwargs)``.
+
+    Reentrant checkpointing takes positional arguments only, and gives gradients only to tensors
+    passed positionally at the top level; Hugging Face decoder layers take most of their inputs as
+    keywords (``attention_mask``, ``position_embeddings`` as a tuple, ...). So every tensor found in
+    ``args`` and ``kwargs`` (nested too) is passed positionally and put back in its place inside.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    template = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]  # no second reference to the tensors
+
+    def run(*tensors: Tensor) -> Any:
+        filled = list(template)
+        for i, tensor in zip(where, tensors):
+            filled[i] = tensor
+        call_args, call_kwargs = tree_unflatten(filled, spec)
+        return forward(*call_args, **call_kwargs)
+
+    return checkpoint(run, *(leaves[i] for i in where), use_reentrant=True, preserve_rng_state=True)
+
+
 def _checkpointed(forward: Callable, selective: bool, reentrant: bool) -> Callable:
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if reentrant:
-            return checkpoint(forward, *args, use_reentrant=True, preserve_rng_state=True, **kwargs)
+        if reentrant and not selective:  # selective checkpointing exists only in the non-reentrant form
+            return _reentrant_checkpoint(forward, args, kwargs)
         extra = {"context_fn": selective_context} if selective else {}
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
@@ -81,7 +104,8 @@ def wrap_block(
         block: the module.
         policy: one of :data:`POLICIES`.
         hooks: for ``offload``/``disk``, a factory of the ``saved_tensors_hooks`` context to run in.
-        reentrant: use reentrant checkpointing for ``checkpoint`` (not with DDP's find_unused_parameters).
+        reentrant: use reentrant checkpointing for ``checkpoint`` (not with DDP's find_unused_parameters);
+            tensors passed as keywords, nested ones too, get their gradients as positional ones do.
 
     Raises:
         ValueError: for an unknown policy, or offload/disk without ``hooks``.

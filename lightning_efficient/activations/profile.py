@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_efficient._torch import storage_key, synchronize
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import SAVED_BY_SELECTIVE
 from lightning_efficient.memory import distinct_storage_bytes
@@ -52,11 +53,6 @@ class _OpTimer(TorchDispatchMode):
         else:
             self.other_time += elapsed
         return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def disk_bandwidth(directory: str | None, nbytes: int = 32 * 2**20) -> tuple[float, float]:
@@ -117,18 +113,18 @@ def profile_blocks(
 
             def pack(t: Tensor) -> Tensor:
                 if not exclude(t) and t.layout == torch.strided:
-                    key = (str(t.device), t.untyped_storage().data_ptr())
+                    key = storage_key(t)
                     if key not in record["saved"]:
                         record["saved"][key] = t.untyped_storage().nbytes()
                         if t.untyped_storage().nbytes() < min_offload_bytes:
                             record["small"] += t.untyped_storage().nbytes()
                 return t
 
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = _forward(*args, **kwargs)
-            _sync(device)
+            synchronize(device)
             record["time"] = time.perf_counter() - start
             return out
 

@@ -1,5 +1,3 @@
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -103,14 +101,15 @@ def test_auto_plan_fits_the_budget_and_is_restored_on_resume(small_datamodule_kw
     t.fit(model, datamodule=data)
     plan = callback.plan
     assert plan is not None and len(plan) == 4 and set(plan) != {"keep"}
-    summary = callback._plan_summary
+    summary = callback.plan_summary
     assert summary.held_bytes <= 0.5 * summary.baseline_bytes
     path = tmp_path / "auto.ckpt"
     t.save_checkpoint(path)
     assert torch.load(path, weights_only=True)["callbacks"]["ActivationMemory"]["plan"] == plan
     resumed = ActivationMemory(policy="auto", budget=0.5, auto_policies=["keep", "selective", "checkpoint"])
     _trainer([resumed], steps=3).fit(DemoGPT(**{**tiny_gpt_kwargs(), "n_layers": 4}), datamodule=data, ckpt_path=path)
-    assert resumed.plan == plan and resumed._profiles == []  # not profiled again
+    assert resumed.plan == plan and resumed.profiles == []  # not profiled again
+    assert resumed.plan_summary == summary
 
 
 def test_disk_policy_leaves_no_file_after_fit_and_after_a_failure(small_datamodule_kwargs, tmp_path):
@@ -150,10 +149,10 @@ def test_reentrant_with_find_unused_parameters_is_refused(small_datamodule_kwarg
 
 
 def test_two_process_ddp_with_checkpoint_matches_one_process(tmp_path):
+    from tests.ddp import run_script
+
     out = tmp_path / "grads.pt"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent))
-    done = subprocess.run([sys.executable, str(HERE / "ddp_checkpoint.py"), str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(HERE / "ddp_checkpoint.py", out)
     saved = torch.load(out)
     sys.path.insert(0, str(HERE))
     import ddp_checkpoint
@@ -165,3 +164,203 @@ def test_two_process_ddp_with_checkpoint_matches_one_process(tmp_path):
     model.token_losses(batch)["loss"].backward()  # dropout off: the reference needs no RNG alignment
     for name, param in model.named_parameters():
         assert (saved["grads"][name] - param.grad).abs().max() <= 1e-12, name
+
+
+def test_a_failed_disk_write_stops_the_fit_naming_the_path_and_the_bytes(tmp_path):
+    import json
+    import re
+
+    from tests.ddp import run_script
+
+    offload_dir = tmp_path / "offload"
+    done = run_script(HERE / "disk_write_failure.py", offload_dir, 20_000)  # files over 20,000 bytes fail
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"] is not None, f"the fit ran {result['global_step']} steps with failing writes"
+    match = re.search(r"could not write ([0-9,]+) bytes to (\S+\.bin)", result["error"])
+    assert match, result["error"]
+    assert int(match.group(1).replace(",", "")) > 20_000
+    assert match.group(2).startswith(str(offload_dir))
+    assert result["global_step"] <= 1
+    assert result["left"] == []  # on_exception removed the files and the private directory
+
+
+class _Rows(torch.utils.data.Dataset):
+    """16 fixed rows of the tiny demo's shape."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"input_ids": torch.randint(0, 512, (32,), generator=g), "labels": torch.randint(0, 512, (32,), generator=g)}
+
+
+def _loader():
+    return torch.utils.data.DataLoader(_Rows(), batch_size=4)
+
+
+class _Losses(lightning.Callback):
+    def __init__(self, fail_at=None):
+        self.losses, self.fail_at = [], fail_at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        if trainer.global_step == self.fail_at:
+            raise RuntimeError(f"stop at step {self.fail_at}")
+
+
+def _activation_threads():
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("activation-")]
+
+
+def test_a_fit_that_raises_leaves_nothing_behind_and_the_callback_fits_again(tmp_path):
+    offload_dir = tmp_path / "offload"
+    callback = ActivationMemory(policy="disk", offload_dir=str(offload_dir), min_offload_bytes=0)
+    lightning.seed_everything(0)
+    model = DemoGPT(**tiny_gpt_kwargs())
+    with pytest.raises(RuntimeError, match="stop at step 2"):
+        _trainer([callback, _Losses(fail_at=2)], steps=4).fit(model, _loader())
+    assert [name for name, block in model.named_modules() if "forward" in vars(block)] == []
+    assert _activation_threads() == []
+    assert list(offload_dir.iterdir()) == []
+    after_failure = {k: v.clone() for k, v in model.state_dict().items()}
+
+    again = _Losses()
+    lightning.seed_everything(1)
+    _trainer([callback, again], steps=3).fit(model, _loader())
+    assert callback.plan == ["disk", "disk"] and callback.memory_figures()["activation_disk_written_bytes"] > 0
+    fresh_model = DemoGPT(**tiny_gpt_kwargs())
+    fresh_model.load_state_dict(after_failure)
+    fresh = _Losses()
+    lightning.seed_everything(1)
+    _trainer([fresh], steps=3).fit(fresh_model, _loader())
+    assert again.losses == fresh.losses
+    assert _activation_threads() == [] and list(offload_dir.iterdir()) == []
+
+
+class _SavedBytesOfFirstStep(lightning.Callback):
+    """Counts what the real first training step saves for backward (it runs after ActivationMemory's hook)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            from lightning_efficient.memory import SavedTensorCounter
+
+            self.counter = SavedTensorCounter(exclude=[*pl_module.parameters(), *pl_module.buffers()]).__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            self.counter.__exit__(None, None, None)
+            self.bytes = self.counter.bytes
+
+
+def test_auto_profiles_in_the_precision_context_of_the_real_step():
+    callback = ActivationMemory(policy="auto", budget=1.0, auto_policies=["keep", "checkpoint"])
+    real = _SavedBytesOfFirstStep()
+    lightning.seed_everything(0)
+    _trainer([callback, real], steps=1, precision="bf16-mixed").fit(DemoGPT(**tiny_gpt_kwargs()), _loader())
+    assert callback.plan == ["keep", "keep"]  # the whole baseline fits: the real step saves what was profiled
+    profiled = callback.plan_summary.baseline_bytes
+    assert abs(profiled - real.bytes) <= 0.01 * real.bytes, (profiled, real.bytes)  # equal here; float32 would be ~1.2x
+
+
+class _WrappedBlocksDuringFit(lightning.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.wrapped = [name for name, block in pl_module.named_modules() if "forward" in vars(block)]
+
+
+def test_a_policy_set_now_wins_over_the_checkpoints_plan(tmp_path, caplog):
+    import logging
+
+    lightning.seed_everything(0)
+    model = DemoGPT(**tiny_gpt_kwargs())
+    t = _trainer([ActivationMemory(policy="checkpoint")], steps=1)
+    t.fit(model, _loader())
+    path = tmp_path / "checkpointed.ckpt"
+    t.save_checkpoint(path)
+
+    resumed, seen = ActivationMemory(policy="keep"), _WrappedBlocksDuringFit()
+    with caplog.at_level(logging.INFO):
+        _trainer([resumed, seen], steps=2).fit(DemoGPT(**tiny_gpt_kwargs()), _loader(), ckpt_path=path)
+    assert resumed.plan == ["keep", "keep"] and seen.wrapped == []
+    assert "the checkpoint's plan (2 checkpoint) is not restored: policy='keep' set now wins" in caplog.text
+
+    # an auto run replans when the checkpoint's plan was not an auto plan for the same budget
+    auto = ActivationMemory(policy="auto", budget=1.0, auto_policies=["keep", "checkpoint"])
+    _trainer([auto], steps=2).fit(DemoGPT(**tiny_gpt_kwargs()), _loader(), ckpt_path=path)
+    assert auto.plan == ["keep", "keep"] and auto.profiles != []
+
+
+class _Llama(lightning.LightningModule):
+    """A tiny transformers LlamaForCausalLM with its default ``use_cache=True``, trained on its own loss."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        torch.manual_seed(0)
+        self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=512, use_cache=True))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class _FirstGrads(lightning.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.use_cache = pl_module.model.config.use_cache
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
+
+
+def test_reentrant_checkpoint_of_hugging_face_layers_turns_off_use_cache_and_gives_keeps_gradients(caplog):
+    import logging
+
+    got = {}
+    for policy, reentrant in [("keep", False), ("checkpoint", True)]:
+        model, grads = _Llama().double(), _FirstGrads()
+        with caplog.at_level(logging.INFO):
+            _trainer([ActivationMemory(policy=policy, reentrant=reentrant), grads], steps=1, precision="64-true").fit(
+                model, _loader())
+        got[policy] = grads
+        assert model.model.config.use_cache is True  # restored
+    assert got["keep"].use_cache is True and got["checkpoint"].use_cache is False
+    assert caplog.text.count("config.use_cache set to False on model") == 1
+    for name, grad in got["keep"].grads.items():
+        assert (got["checkpoint"].grads[name] - grad).abs().max() <= 1e-12, name
+
+
+def _auto_plan_under_hetero_ddp(budget, out_dir):
+    import json
+
+    from tests.ddp import run_script
+
+    out_dir.mkdir()
+    run_script(HERE / "ddp_auto_plan.py", budget, out_dir)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_auto_under_hetero_ddp_plans_each_rank_for_its_own_micro_batch(tmp_path):
+    # every block kept: about 680 KB on rank 0 (micro-batch 2), 2.04 MB on rank 1 (micro-batch 6);
+    # every block checkpointed: about 182 KB and 546 KB
+    ranks = _auto_plan_under_hetero_ddp(600_000, tmp_path / "out")
+    assert [r["micro_batch"] for r in ranks] == [2, 6]
+    for rank in ranks:
+        assert "error" not in rank
+        assert rank["saved_bytes"] <= 600_000, rank
+        assert rank["planned_bytes"] <= 600_000
+    assert ranks[1]["plan"] == ["checkpoint"] * 4 and ranks[0]["plan"] != ranks[1]["plan"]
+
+
+def test_auto_budget_infeasible_on_one_rank_fails_on_every_rank_with_the_numbers(tmp_path):
+    ranks = _auto_plan_under_hetero_ddp(400_000, tmp_path / "out")  # rank 0 could plan for it, rank 1 cannot
+    for rank in ranks:
+        assert rank["error"].startswith("ValueError: ActivationMemory(policy='auto') could not plan: rank 1 (micro-batch 6): "
+                                        "budget=400,000 bytes is below what the leanest plan reaches"), rank["error"]
+    assert ranks[0]["error"] == ranks[1]["error"]

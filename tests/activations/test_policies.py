@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch.demos import Transformer
 
 from lightning_efficient import DemoGPT
+from lightning_efficient._torch import storage_key
 from lightning_efficient.activations import DiskOffload, HostOffload, find_blocks, unwrap_block, wrap_block
 from tests.conftest import tiny_gpt_kwargs
 
@@ -41,8 +42,8 @@ def _grads(model, loss_fn, seed=123):
 
 
 def _exclude(model):
-    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return lambda t: t.untyped_storage().data_ptr() in ptrs
+    keys = {storage_key(p) for p in model.parameters()}
+    return lambda t: storage_key(t) in keys
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -77,7 +78,7 @@ def test_disk_files_are_removed_after_backward_and_the_directory_is_private(tmp_
         wrap_block(block, "disk", hooks=lambda i=index: disk.hooks(i))
     assert stat.S_IMODE(os.stat(disk.root).st_mode) == 0o700
     loss = _demo_loss(model)
-    disk._writer.submit(lambda: None).result()
+    disk.flush()
     assert len(disk.files()) > 0
     loss.backward()
     del loss
@@ -129,3 +130,99 @@ def test_a_full_disk_names_the_path_and_the_bytes(tmp_path, monkeypatch):
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy='swap'"):
         wrap_block(torch.nn.Linear(2, 2), "swap")
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=100, use_cache=False)
+    return transformers.LlamaForCausalLM(config).double().train()
+
+
+def _llama_loss(model):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 12), generator=g)
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hugging_face_layers_called_with_keywords_checkpoint_to_the_gradients_of_keep(reentrant):
+    torch.manual_seed(0)
+    model = _llama()
+    reference = _grads(model, _llama_loss)
+    for _, block in find_blocks(model):
+        wrap_block(block, "checkpoint", reentrant=reentrant)
+    got = _grads(model, _llama_loss)
+    for name, grad in reference.items():
+        assert (got[name] - grad).abs().max() <= 1e-12, name
+
+
+class _KeywordBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, *, scale, pair):
+        return torch.tanh(self.lin(x) * scale + pair[0]) * pair[1]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_tensors_passed_by_keyword_and_nested_get_their_gradients_under_checkpoint(reentrant):
+    torch.manual_seed(0)
+    block = _KeywordBlock().double()
+    inputs = [torch.randn(3, 8, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+
+    def grads():
+        for t in [*inputs, *block.parameters()]:
+            t.grad = None
+        x, scale, a, b = inputs
+        block(x, scale=scale, pair=(a, b)).pow(2).sum().backward()
+        return [t.grad.clone() for t in [*inputs, *block.parameters()]]
+
+    reference = grads()
+    wrap_block(block, "checkpoint", reentrant=reentrant)
+    got = grads()
+    for want, have in zip(reference, got):
+        assert (have - want).abs().max() <= 1e-12
+
+
+class _SavesOneTensorManyTimes(torch.nn.Module):
+    """``h`` is saved by sin and cos, and two views of it (a chunk, a transposed chunk) by two more ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a, b = h.chunk(2, dim=-1)
+        return torch.sin(h) + torch.cos(h) + torch.cat([torch.sin(a), torch.cos(b.t()).t()], dim=-1)
+
+
+def test_disk_writes_a_storage_saved_several_times_once_and_restores_its_views(tmp_path):
+    from lightning_efficient.memory import SavedTensorCounter
+
+    torch.manual_seed(0)
+    block = _SavesOneTensorManyTimes().double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+
+    def grads():
+        for t in [x, *block.parameters()]:
+            t.grad = None
+        block(x).pow(2).sum().backward()
+        return [t.grad.clone() for t in [x, *block.parameters()]]
+
+    reference = grads()
+    with SavedTensorCounter(exclude=list(block.parameters())) as counter:
+        block(x)
+    assert counter.bytes == 5 * 8 * 8 + 5 * 16 * 8  # x and h, each once
+    disk = DiskOffload(str(tmp_path), min_bytes=0, exclude=_exclude(block))
+    wrap_block(block, "disk", hooks=lambda: disk.hooks(0))
+    out = block(x)
+    disk.flush()
+    assert len(disk.files()) == 2 and disk.bytes_written == counter.bytes
+    del out
+    got = grads()
+    for want, have in zip(reference, got):
+        assert (have - want).abs().max() <= 1e-12
+    disk.close()
