@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-import bitsandbytes as bnb
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -13,9 +12,10 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_efficient._validation import require, require_choice, require_int
+from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.offload import host_offloaded
 from lightning_efficient.optim.state import BNB_BLOCKWISE, TORCH_32BIT, convert_optimizer_state, param_state_layout
-from lightning_efficient.optim.twins import EIGHT_BIT_CLASSES, NoTwinError, build_twin, find_twin, is_stateless
+from lightning_efficient.optim.twins import NoTwinError, build_twin, eight_bit_classes, find_twin, is_stateless
 
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -29,7 +29,8 @@ class EightBitOptimizer(Callback):
     to the new optimizer. Parameters with fewer than ``min_8bit_size`` elements, embedding weights
     (unless ``embeddings_32bit=False``) and parameters whose names match ``keep_32bit`` keep 32-bit
     states, through bitsandbytes' ``GlobalOptimManager.override_config``. What was converted is
-    printed at the start of fit and given to :class:`MemoryReport`.
+    printed at the start of fit and given to :class:`MemoryReport`. bitsandbytes is imported at the
+    start of fit, not when this package is.
 
     Checkpoints resume exactly. A checkpoint whose Adam/AdamW states are in the other layout is
     converted on load with a warning: a 32-bit checkpoint's moments are quantized for the 8-bit
@@ -108,10 +109,10 @@ class EightBitOptimizer(Callback):
 
     def _convert_optimizers(self, trainer: Trainer, pl_module: LightningModule, paged: bool, offload: bool) -> None:
         reasons = self._kept_32bit(pl_module)
-        manager = bnb.optim.GlobalOptimManager.get_instance()
+        manager = bitsandbytes().optim.GlobalOptimManager.get_instance()
         replaced: list[torch.optim.Optimizer] = []
         for index, optimizer in enumerate(trainer.strategy.optimizers):
-            if isinstance(optimizer, EIGHT_BIT_CLASSES) or is_stateless(optimizer):
+            if isinstance(optimizer, eight_bit_classes()) or is_stateless(optimizer):
                 replaced.append(optimizer)
                 continue
             if find_twin(optimizer) is None and not self.strict:
@@ -153,7 +154,7 @@ class EightBitOptimizer(Callback):
     def _report(self, trainer: Trainer, reasons: dict[int, str]) -> None:
         counts = {"8bit": [0, 0], "32bit_small": [0, 0], "32bit_embedding": [0, 0], "32bit_pattern": [0, 0]}
         for optimizer in trainer.strategy.optimizers:
-            if not isinstance(optimizer, EIGHT_BIT_CLASSES):
+            if not isinstance(optimizer, eight_bit_classes()):
                 continue
             for param in _flat_params(optimizer):
                 if id(param) in reasons:
@@ -180,7 +181,7 @@ class EightBitOptimizer(Callback):
             return
         states = self._loaded_checkpoint.get("optimizer_states", [])
         for index, (optimizer, state) in enumerate(zip(trainer.strategy.optimizers, states)):
-            target = BNB_BLOCKWISE if isinstance(optimizer, EIGHT_BIT_CLASSES) else TORCH_32BIT
+            target = BNB_BLOCKWISE if isinstance(optimizer, eight_bit_classes()) else TORCH_32BIT
             layouts = {param_state_layout(s) for s in state["state"].values()} - {None}
             if not layouts or layouts == {target}:
                 continue
@@ -195,7 +196,7 @@ class EightBitOptimizer(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"bitsandbytes_version": bnb.__version__, "bits": self.bits, "layout": BNB_BLOCKWISE if self.bits == 8 else TORCH_32BIT}
+        return {"bitsandbytes_version": bitsandbytes().__version__, "bits": self.bits, "layout": BNB_BLOCKWISE if self.bits == 8 else TORCH_32BIT}
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -212,7 +213,9 @@ class EightBitOptimizer(Callback):
         bitsandbytes keys them by ``id(param)``; one left behind would silently make a later
         parameter that reuses the id keep 32-bit states, in any 8-bit optimizer of the process.
         """
-        manager = bnb.optim.GlobalOptimManager.get_instance()
+        if not self._overridden:
+            return
+        manager = bitsandbytes().optim.GlobalOptimManager.get_instance()
         for key in self._overridden:
             manager.pid2config.pop(key, None)
         self._overridden.clear()

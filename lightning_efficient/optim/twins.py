@@ -3,15 +3,20 @@
 Every hyperparameter of every param group is carried over by keyword (bitsandbytes 0.50 removed
 positional arguments, so positional calls would bind to other parameters). Options the twin cannot
 honour are refused with a sentence saying why, never dropped silently.
+
+bitsandbytes is imported when the table of twins is first needed, not when this module is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
-import bitsandbytes as bnb
 import torch
+
+from lightning_efficient.optim._bnb import bitsandbytes
 
 # torch implementation switches with no meaning for bitsandbytes (checked separately when they matter)
 _IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay"}
@@ -89,27 +94,48 @@ def _lion(group: dict) -> str | None:
 
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
-TWINS: dict[type, Twin] = {
-    torch.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
-    torch.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(False), "adam"),
-    torch.optim.SGD: Twin(bnb.optim.SGD8bit, None, ("lr", "momentum", "dampening", "weight_decay", "nesterov"), _sgd, "momentum"),
-    torch.optim.RMSprop: Twin(bnb.optim.RMSprop8bit, None, ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"), _rmsprop, "rmsprop"),
-    torch.optim.Adagrad: Twin(bnb.optim.Adagrad8bit, None, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"), _adagrad, "adagrad"),
-    bnb.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
-    bnb.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(True), "adam"),
-    bnb.optim.Lion: Twin(bnb.optim.Lion8bit, bnb.optim.PagedLion8bit, ("lr", "betas", "weight_decay"), _lion, "lion"),
-}
-EIGHT_BIT_CLASSES = tuple({t.eight_bit for t in TWINS.values()} | {t.paged for t in TWINS.values() if t.paged})
+
+
+@cache
+def twins() -> dict[type, Twin]:
+    """The twin of each supported optimizer class (imports bitsandbytes on the first call)."""
+    bnb = bitsandbytes()
+    return {
+        torch.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
+        torch.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(False), "adam"),
+        torch.optim.SGD: Twin(bnb.optim.SGD8bit, None, ("lr", "momentum", "dampening", "weight_decay", "nesterov"), _sgd, "momentum"),
+        torch.optim.RMSprop: Twin(bnb.optim.RMSprop8bit, None, ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"), _rmsprop, "rmsprop"),
+        torch.optim.Adagrad: Twin(bnb.optim.Adagrad8bit, None, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"), _adagrad, "adagrad"),
+        bnb.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
+        bnb.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(True), "adam"),
+        bnb.optim.Lion: Twin(bnb.optim.Lion8bit, bnb.optim.PagedLion8bit, ("lr", "betas", "weight_decay"), _lion, "lion"),
+    }
+
+
+@cache
+def eight_bit_classes() -> tuple[type[torch.optim.Optimizer], ...]:
+    """Every bitsandbytes class a twin can be (8-bit and paged 8-bit), for ``isinstance`` checks."""
+    table = twins().values()
+    return tuple({t.eight_bit for t in table} | {t.paged for t in table if t.paged})
+
+
+def __getattr__(name: str) -> Any:
+    # the tables under their former constant names, built (and bitsandbytes imported) on first access
+    if name == "TWINS":
+        return twins()
+    if name == "EIGHT_BIT_CLASSES":
+        return eight_bit_classes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def supported_names() -> str:
     """The optimizers that have a twin, for error messages."""
-    return ", ".join(f"{cls.__module__}.{cls.__name__}" for cls in TWINS)
+    return ", ".join(f"{cls.__module__}.{cls.__name__}" for cls in twins())
 
 
 def find_twin(optimizer: torch.optim.Optimizer) -> Twin | None:
     """The twin of ``optimizer``'s exact class (a subclass may change the update, so it has none)."""
-    return TWINS.get(type(optimizer))
+    return twins().get(type(optimizer))
 
 
 def is_stateless(optimizer: torch.optim.Optimizer) -> bool:
