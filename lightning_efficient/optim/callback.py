@@ -14,8 +14,9 @@ from typing_extensions import override
 from lightning_efficient._validation import require, require_choice, require_int
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.offload import host_offloaded
+from lightning_efficient.optim.schedulers import rebind_schedulers
 from lightning_efficient.optim.state import BNB_BLOCKWISE, TORCH_32BIT, convert_optimizer_state, param_state_layout
-from lightning_efficient.optim.twins import NoTwinError, build_twin, eight_bit_classes, find_twin, is_stateless
+from lightning_efficient.optim.twins import NoTwinError, build_twin, eight_bit_classes, find_twin, follow_torch_names, is_stateless
 
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -25,12 +26,17 @@ def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class EightBitOptimizer(Callback):
     """Replaces every optimizer the module (or the LightningCLI) built with its bitsandbytes 8-bit twin.
 
-    Same param groups and hyperparameters, passed by keyword; learning-rate schedulers are re-bound
-    to the new optimizer. Parameters with fewer than ``min_8bit_size`` elements, embedding weights
-    (unless ``embeddings_32bit=False``) and parameters whose names match ``keep_32bit`` keep 32-bit
-    states, through bitsandbytes' ``GlobalOptimManager.override_config``. What was converted is
-    printed at the start of fit and given to :class:`MemoryReport`. bitsandbytes is imported at the
-    start of fit, not when this package is.
+    Same param groups and hyperparameters, passed by keyword. Every learning-rate scheduler that
+    steps the replaced optimizer is re-bound to the new one, including the schedulers inside
+    ``SequentialLR`` and ``ChainedScheduler`` at any depth, so every scheduled hyperparameter (``lr``,
+    and the ``momentum``/``betas`` of ``OneCycleLR`` and ``CyclicLR``) reaches the 8-bit optimizer at
+    every step, exactly as it would reach the module's own optimizer.
+
+    Parameters with fewer than ``min_8bit_size`` elements, embedding weights (unless
+    ``embeddings_32bit=False``) and parameters whose names match ``keep_32bit`` keep 32-bit states,
+    through bitsandbytes' ``GlobalOptimManager.override_config``. What was converted is printed at the
+    start of fit and given to :class:`MemoryReport`. bitsandbytes is imported at the start of fit,
+    not when this package is.
 
     Checkpoints resume exactly. A checkpoint whose Adam/AdamW states are in the other layout is
     converted on load with a warning: a 32-bit checkpoint's moments are quantized for the 8-bit
@@ -134,7 +140,7 @@ class EightBitOptimizer(Callback):
                     self._overridden.add(id(param))
             if offload:
                 twin = self._offloaded(twin)
-            self._rebind_schedulers(trainer, optimizer, twin)
+            rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
             replaced.append(twin)
         trainer.strategy.optimizers = replaced
         self._report(trainer, reasons)
@@ -142,14 +148,9 @@ class EightBitOptimizer(Callback):
     def _offloaded(self, twin: torch.optim.Optimizer) -> torch.optim.Optimizer:
         cls = host_offloaded(type(twin))
         groups = twin.param_groups
-        return cls(groups, **{k: groups[0][k] for k in twin.defaults if k in groups[0]}, min_8bit_size=self.min_8bit_size)
-
-    @staticmethod
-    def _rebind_schedulers(trainer: Trainer, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-        for config in trainer.strategy.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if getattr(scheduler, "optimizer", None) is old:
-                scheduler.optimizer = new
+        offloaded = cls(groups, **{k: groups[0][k] for k in twin.defaults if k in groups[0]}, min_8bit_size=self.min_8bit_size)
+        follow_torch_names(offloaded)
+        return offloaded
 
     def _report(self, trainer: Trainer, reasons: dict[int, str]) -> None:
         counts = {"8bit": [0, 0], "32bit_small": [0, 0], "32bit_embedding": [0, 0], "32bit_pattern": [0, 0]}

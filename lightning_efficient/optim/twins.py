@@ -35,7 +35,8 @@ class Twin:
 
     bitsandbytes reads every family's coefficients from a group's ``betas``: momentum keeps
     ``(momentum, dampening)``, RMSprop ``(alpha, momentum)``, Adagrad ``(0, 0)``; :func:`build_twin`
-    writes them per group so that groups with different coefficients keep them.
+    writes them per group so that groups with different coefficients keep them, and again before
+    every step so that scheduled ``momentum``/``alpha`` are used (:func:`follow_torch_names`).
     """
 
     eight_bit: type[torch.optim.Optimizer]
@@ -157,11 +158,41 @@ def _translate(family: str, group: dict) -> dict:
     return group
 
 
+def family_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """The twin family of a bitsandbytes 8-bit ``optimizer`` (or a subclass of one), else None."""
+    for twin in twins().values():
+        for cls in (twin.eight_bit, twin.paged):
+            if cls is not None and isinstance(optimizer, cls):
+                return twin.family
+    return None
+
+
+def follow_torch_names(optimizer: torch.optim.Optimizer) -> None:
+    """Make the 8-bit ``optimizer`` read its coefficients from torch's group keys at every step.
+
+    bitsandbytes reads SGD's momentum and RMSprop's alpha from a group's ``betas``; a scheduler
+    (``OneCycleLR``, ``CyclicLR`` with ``cycle_momentum``, a user's own) writes ``momentum`` or
+    ``alpha``. A step pre-hook rewrites each group's ``betas`` from those keys before every step, so
+    the scheduled values are the ones used. Adam, AdamW and Lion read ``betas`` as torch does: nothing
+    to do.
+    """
+    family = family_of(optimizer)
+    if family not in ("momentum", "rmsprop"):
+        return
+
+    def translate(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in opt.param_groups:
+            _translate(family, group)
+
+    optimizer.register_step_pre_hook(translate)
+
+
 def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: bool) -> torch.optim.Optimizer:
     """The 8-bit twin of ``optimizer``: same parameters, param groups and hyperparameters.
 
     Every group key is carried over (``initial_lr`` for schedulers and user keys included) except
-    torch's implementation switches. Existing state is not carried: convert it with
+    torch's implementation switches. Scheduled ``momentum``/``alpha`` keep reaching the update
+    (:func:`follow_torch_names`). Existing state is not carried: convert it with
     :mod:`lightning_efficient.optim.state`.
 
     Raises:
@@ -178,4 +209,6 @@ def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: b
     groups = [_translate(twin.family, {k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}) for g in optimizer.param_groups]
     defaults = {k: groups[0][k] for k in twin.hyperparameters if k in groups[0]}
     cls = twin.paged if paged and twin.paged is not None else twin.eight_bit
-    return cls(groups, **defaults, min_8bit_size=min_8bit_size)
+    built = cls(groups, **defaults, min_8bit_size=min_8bit_size)
+    follow_torch_names(built)
+    return built

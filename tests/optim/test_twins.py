@@ -81,3 +81,22 @@ def test_eight_bit_state_bytes_per_parameter():
     per_param = optimizer_state_bytes(optimizer) / big.numel()
     assert per_param <= 2.05
     assert per_param == (2 * big.numel() + 2 * 4 * big.numel() // 256 + 2 * 1024) / big.numel()
+
+
+def test_a_scheduled_sgd_momentum_is_the_momentum_bitsandbytes_uses():
+    params = _params()
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = build_twin(torch.optim.SGD(params, lr=0.1, momentum=0.9), min_8bit_size=4096, paged=False)
+    direct = bnb.optim.SGD8bit(clones, lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step == 2:
+            twin.param_groups[0]["momentum"] = 0.5  # what OneCycleLR/CyclicLR write into an SGD group
+            direct.param_groups[0]["betas"] = (0.5, 0.0)  # what bitsandbytes reads
+        for p, c in zip(params, clones):
+            p.grad = torch.randn(p.shape, generator=g)
+            c.grad = p.grad.clone()
+        twin.step()
+        direct.step()
+    for p, c in zip(params, clones):
+        assert torch.equal(p, c)
