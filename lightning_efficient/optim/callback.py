@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from typing import Any
 
 import torch
@@ -16,7 +17,15 @@ from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.offload import host_offloaded
 from lightning_efficient.optim.schedulers import rebind_schedulers
 from lightning_efficient.optim.state import BNB_BLOCKWISE, TORCH_32BIT, convert_optimizer_state, param_state_layout
-from lightning_efficient.optim.twins import NoTwinError, build_twin, eight_bit_classes, find_twin, follow_torch_names, is_stateless
+from lightning_efficient.optim.twins import (
+    NoTwinError,
+    build_twin,
+    eight_bit_classes,
+    find_twin,
+    follow_torch_names,
+    is_stateless,
+    paged_refusal,
+)
 
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -48,7 +57,8 @@ class EightBitOptimizer(Callback):
         min_8bit_size: tensors with fewer elements keep 32-bit states (>= 1; bitsandbytes' default 4096).
         keep_32bit: ``fnmatch`` patterns of parameter names that keep 32-bit states.
         embeddings_32bit: keep the weights of ``nn.Embedding`` modules (and what is tied to them) 32-bit.
-        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU).
+        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU). bitsandbytes has
+            paged twins for Adam, AdamW and Lion only: for SGD, RMSprop or Adagrad fit raises ``ValueError``.
         offload: ``"cpu"`` keeps the 8-bit states in host memory between steps, copied in and out per
             parameter with the next one prefetched (CUDA; warns once and is ignored on CPU); or None.
         strict: raise for an optimizer with no 8-bit twin; with False, leave it as it is and warn.
@@ -125,6 +135,8 @@ class EightBitOptimizer(Callback):
                 rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) has no 8-bit twin; left as it is.")
                 replaced.append(optimizer)
                 continue
+            if self.paged and paged_refusal(optimizer):  # refused on CPU too, where paging is off anyway
+                raise ValueError(f"paged=True is not allowed for optimizer {index}: {paged_refusal(optimizer)}; use paged=False.")
             try:
                 twin = build_twin(optimizer, min_8bit_size=self.min_8bit_size, paged=paged)
             except NoTwinError:
@@ -146,9 +158,15 @@ class EightBitOptimizer(Callback):
         self._report(trainer, reasons)
 
     def _offloaded(self, twin: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        cls = host_offloaded(type(twin))
+        """``twin`` rebuilt as its host-offloaded class, same param groups.
+
+        Only the keyword arguments ``type(twin)``'s constructor accepts are passed: ``twin.defaults``
+        also holds keys its constructor refuses (``alpha`` for AdamW8bit, ``betas`` for SGD8bit).
+        """
+        accepted = set(inspect.signature(type(twin).__init__).parameters) - {"self", "params", "args", "min_8bit_size"}
         groups = twin.param_groups
-        offloaded = cls(groups, **{k: groups[0][k] for k in twin.defaults if k in groups[0]}, min_8bit_size=self.min_8bit_size)
+        kwargs = {k: groups[0][k] for k in accepted if k in groups[0]}
+        offloaded = host_offloaded(type(twin))(groups, **kwargs, min_8bit_size=self.min_8bit_size)
         follow_torch_names(offloaded)
         return offloaded
 

@@ -187,6 +187,17 @@ def follow_torch_names(optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_step_pre_hook(translate)
 
 
+def paged_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot have a paged 8-bit twin (bitsandbytes has paged Adam, AdamW and Lion only), or None."""
+    twin = find_twin(optimizer)
+    if twin is None or twin.paged is not None:
+        return None
+    return (
+        f"{type(optimizer).__module__}.{type(optimizer).__name__}'s 8-bit twin {twin.eight_bit.__name__} has no "
+        "paged variant in bitsandbytes (only Adam, AdamW and Lion do)"
+    )
+
+
 def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: bool) -> torch.optim.Optimizer:
     """The 8-bit twin of ``optimizer``: same parameters, param groups and hyperparameters.
 
@@ -197,6 +208,7 @@ def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: b
 
     Raises:
         NoTwinError: naming the optimizer (and the supported ones) or the setting that cannot be honoured.
+        ValueError: for ``paged=True`` where bitsandbytes has no paged twin.
     """
     twin = find_twin(optimizer)
     name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
@@ -206,9 +218,11 @@ def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: b
         reason = twin.refuse(group)
         if reason:
             raise NoTwinError(f"{name} param group {index} cannot become 8-bit: {reason}")
+    if paged and twin.paged is None:
+        raise ValueError(f"paged=True is not allowed: {paged_refusal(optimizer)}; use paged=False.")
     groups = [_translate(twin.family, {k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}) for g in optimizer.param_groups]
     defaults = {k: groups[0][k] for k in twin.hyperparameters if k in groups[0]}
-    cls = twin.paged if paged and twin.paged is not None else twin.eight_bit
+    cls = twin.paged if paged else twin.eight_bit
     built = cls(groups, **defaults, min_8bit_size=min_8bit_size)
     follow_torch_names(built)
     return built
