@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -74,9 +74,9 @@ class EightBitOptimizer(Callback):
         keep_32bit: list[str] | None = None,
         embeddings_32bit: bool = True,
         paged: bool = False,
-        offload: str | None = None,
+        offload: Literal["cpu"] | None = None,
         strict: bool = True,
-        bits: int = 8,
+        bits: Literal[8, 32] = 8,
     ) -> None:
         require_int("min_8bit_size", min_8bit_size, 1)
         require(keep_32bit is None or all(isinstance(p, str) for p in keep_32bit), "keep_32bit", keep_32bit, "a list of name patterns")
