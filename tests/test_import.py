@@ -6,38 +6,47 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300,
-    )
-
-
-def test_import_lightning_efficient_does_not_import_bitsandbytes():
-    done = _run("import sys, lightning_efficient; print(sorted(m for m in sys.modules if m.split('.')[0] == 'bitsandbytes'))")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "[]", done.stdout
-    assert "kernels-community" not in done.stdout + done.stderr
-
-
-def test_eight_bit_optimizer_imports_bitsandbytes_at_fit_start_without_the_kernels_note():
-    code = """
+_SCRIPT = """
 import sys
+
+def loaded():
+    return sorted(m for m in sys.modules if m.split(".")[0] == "bitsandbytes")
+
+import lightning_efficient
+print("after import:", loaded())
 from lightning_efficient import EightBitOptimizer
 callback = EightBitOptimizer(min_8bit_size=1024, offload="cpu")  # validated without bitsandbytes
-assert "bitsandbytes" not in sys.modules, "constructing EightBitOptimizer imported bitsandbytes"
+print("after construction:", loaded())
 from tests.optim.helpers import Regression, trainer
 t = trainer(1, [callback])
 t.fit(Regression())
-assert "bitsandbytes" in sys.modules
-print("stepped with", type(t.optimizers[0]).__name__)
+print("after fit:", "bitsandbytes" in loaded(), type(t.optimizers[0]).__name__)
 """
-    done = _run(code)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    assert "stepped with AdamW8bit" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def fresh_process() -> subprocess.CompletedProcess:
+    """One fresh interpreter: import the package, build the callback, fit one step."""
+    return subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600,
+    )
+
+
+def test_import_lightning_efficient_does_not_import_bitsandbytes(fresh_process):
+    assert fresh_process.returncode == 0, (fresh_process.stdout + fresh_process.stderr)[-3000:]
+    assert "after import: []" in fresh_process.stdout.splitlines(), fresh_process.stdout
+    assert "after construction: []" in fresh_process.stdout.splitlines(), fresh_process.stdout
+
+
+def test_eight_bit_optimizer_imports_bitsandbytes_at_fit_start_without_the_kernels_note(fresh_process):
+    output = fresh_process.stdout + fresh_process.stderr
+    assert fresh_process.returncode == 0, output[-3000:]
+    assert "after fit: True AdamW8bit" in fresh_process.stdout.splitlines()
     assert "kernels-community" not in output, output[-3000:]
 
 
