@@ -31,8 +31,8 @@ def bitsandbytes() -> ModuleType:
     logger.addFilter(note_filter)
     try:
         import bitsandbytes
-        import bitsandbytes.functional  # noqa: F401  (state conversion uses it)
-        import bitsandbytes.optim  # noqa: F401
+        import bitsandbytes.functional
+        import bitsandbytes.optim
     finally:
         logger.removeFilter(note_filter)
     return bitsandbytes

@@ -16,7 +16,12 @@ from lightning_efficient._validation import require, require_choice, require_int
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.offload import host_offloaded
 from lightning_efficient.optim.schedulers import rebind_schedulers
-from lightning_efficient.optim.state import BNB_BLOCKWISE, TORCH_32BIT, convert_optimizer_state, param_state_layout
+from lightning_efficient.optim.state import (
+    BNB_BLOCKWISE,
+    TORCH_32BIT,
+    convert_optimizer_state,
+    param_state_layout,
+)
 from lightning_efficient.optim.twins import (
     NoTwinError,
     build_twin,

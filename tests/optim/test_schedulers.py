@@ -203,3 +203,39 @@ def test_a_run_resumed_mid_schedule_continues_the_sequential_schedule_on_the_twi
     assert resumed.scheduled == straight.scheduled[2:]
     assert resumed.used == straight.used[4:]
     assert not [w for w in caught if _OVERRIDDEN in str(w.message)]
+
+
+def test_rebind_schedulers_without_a_trainer_follows_plain_torch():
+    from lightning_efficient.optim import build_twin, rebind_schedulers
+
+    def setup():
+        params = [torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))]
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        inner = lr_scheduler.SequentialLR(
+            optimizer, [lr_scheduler.LinearLR(optimizer, 0.25, total_iters=2), lr_scheduler.ExponentialLR(optimizer, 0.5)], milestones=[2]
+        )
+        return params, optimizer, lr_scheduler.ChainedScheduler([inner, lr_scheduler.MultiplicativeLR(optimizer, lambda _: 0.9)])
+
+    params, optimizer, scheduler = setup()
+    expected = []
+    for _ in range(6):
+        params[0].grad = torch.ones_like(params[0])
+        optimizer.step()
+        scheduler.step()
+        expected.append(optimizer.param_groups[0]["lr"])
+
+    params, optimizer, scheduler = setup()
+    twin = build_twin(optimizer, min_8bit_size=4096, paged=False)
+    lr_before = optimizer.param_groups[0]["lr"]
+    assert rebind_schedulers([scheduler], optimizer, twin) == 5  # the chain, the sequence and its two, the multiplicative
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            params[0].grad = torch.ones_like(params[0])
+            twin.step()
+            scheduler.step()
+            got.append(twin.param_groups[0]["lr"])
+    assert got == expected
+    assert optimizer.param_groups[0]["lr"] == lr_before  # the replaced optimizer is no longer scheduled
+    assert not caught, [str(w.message) for w in caught]
