@@ -2,7 +2,12 @@
 
 from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.offload import host_offloaded
-from lightning_efficient.optim.state import convert_optimizer_state, dequantize_adam_state, quantize_adam_state
+from lightning_efficient.optim.schedulers import rebind_schedulers
+from lightning_efficient.optim.state import (
+    convert_optimizer_state,
+    dequantize_adam_state,
+    quantize_adam_state,
+)
 from lightning_efficient.optim.twins import NoTwinError, build_twin
 
 __all__ = [
@@ -13,4 +18,5 @@ __all__ = [
     "dequantize_adam_state",
     "host_offloaded",
     "quantize_adam_state",
+    "rebind_schedulers",
 ]

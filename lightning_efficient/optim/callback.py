@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Any
+import inspect
+from typing import Any, Literal
 
-import bitsandbytes as bnb
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -13,9 +13,24 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_efficient._validation import require, require_choice, require_int
+from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.offload import host_offloaded
-from lightning_efficient.optim.state import BNB_BLOCKWISE, TORCH_32BIT, convert_optimizer_state, param_state_layout
-from lightning_efficient.optim.twins import EIGHT_BIT_CLASSES, NoTwinError, build_twin, find_twin, is_stateless
+from lightning_efficient.optim.schedulers import rebind_schedulers
+from lightning_efficient.optim.state import (
+    BNB_BLOCKWISE,
+    TORCH_32BIT,
+    convert_optimizer_state,
+    param_state_layout,
+)
+from lightning_efficient.optim.twins import (
+    NoTwinError,
+    build_twin,
+    eight_bit_classes,
+    find_twin,
+    follow_torch_names,
+    is_stateless,
+    paged_refusal,
+)
 
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -25,11 +40,17 @@ def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class EightBitOptimizer(Callback):
     """Replaces every optimizer the module (or the LightningCLI) built with its bitsandbytes 8-bit twin.
 
-    Same param groups and hyperparameters, passed by keyword; learning-rate schedulers are re-bound
-    to the new optimizer. Parameters with fewer than ``min_8bit_size`` elements, embedding weights
-    (unless ``embeddings_32bit=False``) and parameters whose names match ``keep_32bit`` keep 32-bit
-    states, through bitsandbytes' ``GlobalOptimManager.override_config``. What was converted is
-    printed at the start of fit and given to :class:`MemoryReport`.
+    Same param groups and hyperparameters, passed by keyword. Every learning-rate scheduler that
+    steps the replaced optimizer is re-bound to the new one, including the schedulers inside
+    ``SequentialLR`` and ``ChainedScheduler`` at any depth, so every scheduled hyperparameter (``lr``,
+    and the ``momentum``/``betas`` of ``OneCycleLR`` and ``CyclicLR``) reaches the 8-bit optimizer at
+    every step, exactly as it would reach the module's own optimizer.
+
+    Parameters with fewer than ``min_8bit_size`` elements, embedding weights (unless
+    ``embeddings_32bit=False``) and parameters whose names match ``keep_32bit`` keep 32-bit states,
+    through bitsandbytes' ``GlobalOptimManager.override_config``. What was converted is printed at the
+    start of fit and given to :class:`MemoryReport`. bitsandbytes is imported at the start of fit,
+    not when this package is.
 
     Checkpoints resume exactly. A checkpoint whose Adam/AdamW states are in the other layout is
     converted on load with a warning: a 32-bit checkpoint's moments are quantized for the 8-bit
@@ -41,7 +62,8 @@ class EightBitOptimizer(Callback):
         min_8bit_size: tensors with fewer elements keep 32-bit states (>= 1; bitsandbytes' default 4096).
         keep_32bit: ``fnmatch`` patterns of parameter names that keep 32-bit states.
         embeddings_32bit: keep the weights of ``nn.Embedding`` modules (and what is tied to them) 32-bit.
-        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU).
+        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU). bitsandbytes has
+            paged twins for Adam, AdamW and Lion only: for SGD, RMSprop or Adagrad fit raises ``ValueError``.
         offload: ``"cpu"`` keeps the 8-bit states in host memory between steps, copied in and out per
             parameter with the next one prefetched (CUDA; warns once and is ignored on CPU); or None.
         strict: raise for an optimizer with no 8-bit twin; with False, leave it as it is and warn.
@@ -57,9 +79,9 @@ class EightBitOptimizer(Callback):
         keep_32bit: list[str] | None = None,
         embeddings_32bit: bool = True,
         paged: bool = False,
-        offload: str | None = None,
+        offload: Literal["cpu"] | None = None,
         strict: bool = True,
-        bits: int = 8,
+        bits: Literal[8, 32] = 8,
     ) -> None:
         require_int("min_8bit_size", min_8bit_size, 1)
         require(keep_32bit is None or all(isinstance(p, str) for p in keep_32bit), "keep_32bit", keep_32bit, "a list of name patterns")
@@ -108,16 +130,18 @@ class EightBitOptimizer(Callback):
 
     def _convert_optimizers(self, trainer: Trainer, pl_module: LightningModule, paged: bool, offload: bool) -> None:
         reasons = self._kept_32bit(pl_module)
-        manager = bnb.optim.GlobalOptimManager.get_instance()
+        manager = bitsandbytes().optim.GlobalOptimManager.get_instance()
         replaced: list[torch.optim.Optimizer] = []
         for index, optimizer in enumerate(trainer.strategy.optimizers):
-            if isinstance(optimizer, EIGHT_BIT_CLASSES) or is_stateless(optimizer):
+            if isinstance(optimizer, eight_bit_classes()) or is_stateless(optimizer):
                 replaced.append(optimizer)
                 continue
             if find_twin(optimizer) is None and not self.strict:
                 rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) has no 8-bit twin; left as it is.")
                 replaced.append(optimizer)
                 continue
+            if self.paged and paged_refusal(optimizer):  # refused on CPU too, where paging is off anyway
+                raise ValueError(f"paged=True is not allowed for optimizer {index}: {paged_refusal(optimizer)}; use paged=False.")
             try:
                 twin = build_twin(optimizer, min_8bit_size=self.min_8bit_size, paged=paged)
             except NoTwinError:
@@ -133,27 +157,28 @@ class EightBitOptimizer(Callback):
                     self._overridden.add(id(param))
             if offload:
                 twin = self._offloaded(twin)
-            self._rebind_schedulers(trainer, optimizer, twin)
+            rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
             replaced.append(twin)
         trainer.strategy.optimizers = replaced
         self._report(trainer, reasons)
 
     def _offloaded(self, twin: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        cls = host_offloaded(type(twin))
-        groups = twin.param_groups
-        return cls(groups, **{k: groups[0][k] for k in twin.defaults if k in groups[0]}, min_8bit_size=self.min_8bit_size)
+        """``twin`` rebuilt as its host-offloaded class, same param groups.
 
-    @staticmethod
-    def _rebind_schedulers(trainer: Trainer, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-        for config in trainer.strategy.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if getattr(scheduler, "optimizer", None) is old:
-                scheduler.optimizer = new
+        Only the keyword arguments ``type(twin)``'s constructor accepts are passed: ``twin.defaults``
+        also holds keys its constructor refuses (``alpha`` for AdamW8bit, ``betas`` for SGD8bit).
+        """
+        accepted = set(inspect.signature(type(twin).__init__).parameters) - {"self", "params", "args", "min_8bit_size"}
+        groups = twin.param_groups
+        kwargs = {k: groups[0][k] for k in accepted if k in groups[0]}
+        offloaded = host_offloaded(type(twin))(groups, **kwargs, min_8bit_size=self.min_8bit_size)
+        follow_torch_names(offloaded)
+        return offloaded
 
     def _report(self, trainer: Trainer, reasons: dict[int, str]) -> None:
         counts = {"8bit": [0, 0], "32bit_small": [0, 0], "32bit_embedding": [0, 0], "32bit_pattern": [0, 0]}
         for optimizer in trainer.strategy.optimizers:
-            if not isinstance(optimizer, EIGHT_BIT_CLASSES):
+            if not isinstance(optimizer, eight_bit_classes()):
                 continue
             for param in _flat_params(optimizer):
                 if id(param) in reasons:
@@ -180,7 +205,7 @@ class EightBitOptimizer(Callback):
             return
         states = self._loaded_checkpoint.get("optimizer_states", [])
         for index, (optimizer, state) in enumerate(zip(trainer.strategy.optimizers, states)):
-            target = BNB_BLOCKWISE if isinstance(optimizer, EIGHT_BIT_CLASSES) else TORCH_32BIT
+            target = BNB_BLOCKWISE if isinstance(optimizer, eight_bit_classes()) else TORCH_32BIT
             layouts = {param_state_layout(s) for s in state["state"].values()} - {None}
             if not layouts or layouts == {target}:
                 continue
@@ -195,7 +220,7 @@ class EightBitOptimizer(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"bitsandbytes_version": bnb.__version__, "bits": self.bits, "layout": BNB_BLOCKWISE if self.bits == 8 else TORCH_32BIT}
+        return {"bitsandbytes_version": bitsandbytes().__version__, "bits": self.bits, "layout": BNB_BLOCKWISE if self.bits == 8 else TORCH_32BIT}
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -212,7 +237,9 @@ class EightBitOptimizer(Callback):
         bitsandbytes keys them by ``id(param)``; one left behind would silently make a later
         parameter that reuses the id keep 32-bit states, in any 8-bit optimizer of the process.
         """
-        manager = bnb.optim.GlobalOptimManager.get_instance()
+        if not self._overridden:
+            return
+        manager = bitsandbytes().optim.GlobalOptimManager.get_instance()
         for key in self._overridden:
             manager.pid2config.pop(key, None)
         self._overridden.clear()

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from copy import copy
 
-import bitsandbytes.functional as bnbF
 import torch
 from torch import Tensor
+
+from lightning_efficient.optim._bnb import bitsandbytes
 
 TORCH_32BIT = "torch-32bit"
 BNB_BLOCKWISE = "bitsandbytes-blockwise-256"
@@ -26,7 +27,7 @@ _MAPS: dict[bool, Tensor] = {}
 
 def _qmap(signed: bool, device: torch.device) -> Tensor:
     if signed not in _MAPS:
-        _MAPS[signed] = bnbF.create_dynamic_map(signed=signed)
+        _MAPS[signed] = bitsandbytes().functional.create_dynamic_map(signed=signed)
     return _MAPS[signed].to(device)
 
 
@@ -61,7 +62,7 @@ def quantize_adam_state(state: dict, eight_bit: bool) -> dict:
         return out
     for index, (moment, signed) in enumerate(((exp_avg, True), (exp_avg_sq, False)), start=1):
         qmap = _qmap(signed, moment.device)
-        codes, quant_state = bnbF.quantize_blockwise(moment.contiguous(), code=qmap, blocksize=BLOCKSIZE)
+        codes, quant_state = bitsandbytes().functional.quantize_blockwise(moment.contiguous(), code=qmap, blocksize=BLOCKSIZE)
         out[f"state{index}"], out[f"qmap{index}"], out[f"absmax{index}"] = codes, qmap, quant_state.absmax
     return out
 
@@ -72,7 +73,7 @@ def dequantize_adam_state(state: dict, dtype: torch.dtype = torch.float32) -> di
     for index in (1, 2):
         values = state[f"state{index}"]
         if values.dtype == torch.uint8:
-            values = bnbF.dequantize_blockwise(
+            values = bitsandbytes().functional.dequantize_blockwise(
                 values, absmax=state[f"absmax{index}"], code=state[f"qmap{index}"], blocksize=BLOCKSIZE
             )
         moments.append(values.to(dtype))

@@ -3,15 +3,20 @@
 Every hyperparameter of every param group is carried over by keyword (bitsandbytes 0.50 removed
 positional arguments, so positional calls would bind to other parameters). Options the twin cannot
 honour are refused with a sentence saying why, never dropped silently.
+
+bitsandbytes is imported when the table of twins is first needed, not when this module is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
-import bitsandbytes as bnb
 import torch
+
+from lightning_efficient.optim._bnb import bitsandbytes
 
 # torch implementation switches with no meaning for bitsandbytes (checked separately when they matter)
 _IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay"}
@@ -30,7 +35,8 @@ class Twin:
 
     bitsandbytes reads every family's coefficients from a group's ``betas``: momentum keeps
     ``(momentum, dampening)``, RMSprop ``(alpha, momentum)``, Adagrad ``(0, 0)``; :func:`build_twin`
-    writes them per group so that groups with different coefficients keep them.
+    writes them per group so that groups with different coefficients keep them, and again before
+    every step so that scheduled ``momentum``/``alpha`` are used (:func:`follow_torch_names`).
     """
 
     eight_bit: type[torch.optim.Optimizer]
@@ -89,27 +95,48 @@ def _lion(group: dict) -> str | None:
 
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
-TWINS: dict[type, Twin] = {
-    torch.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
-    torch.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(False), "adam"),
-    torch.optim.SGD: Twin(bnb.optim.SGD8bit, None, ("lr", "momentum", "dampening", "weight_decay", "nesterov"), _sgd, "momentum"),
-    torch.optim.RMSprop: Twin(bnb.optim.RMSprop8bit, None, ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"), _rmsprop, "rmsprop"),
-    torch.optim.Adagrad: Twin(bnb.optim.Adagrad8bit, None, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"), _adagrad, "adagrad"),
-    bnb.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
-    bnb.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(True), "adam"),
-    bnb.optim.Lion: Twin(bnb.optim.Lion8bit, bnb.optim.PagedLion8bit, ("lr", "betas", "weight_decay"), _lion, "lion"),
-}
-EIGHT_BIT_CLASSES = tuple({t.eight_bit for t in TWINS.values()} | {t.paged for t in TWINS.values() if t.paged})
+
+
+@cache
+def twins() -> dict[type, Twin]:
+    """The twin of each supported optimizer class (imports bitsandbytes on the first call)."""
+    bnb = bitsandbytes()
+    return {
+        torch.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
+        torch.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(False), "adam"),
+        torch.optim.SGD: Twin(bnb.optim.SGD8bit, None, ("lr", "momentum", "dampening", "weight_decay", "nesterov"), _sgd, "momentum"),
+        torch.optim.RMSprop: Twin(bnb.optim.RMSprop8bit, None, ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"), _rmsprop, "rmsprop"),
+        torch.optim.Adagrad: Twin(bnb.optim.Adagrad8bit, None, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"), _adagrad, "adagrad"),
+        bnb.optim.AdamW: Twin(bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit, _ADAM_KEYS, _adam(True), "adam"),
+        bnb.optim.Adam: Twin(bnb.optim.Adam8bit, bnb.optim.PagedAdam8bit, _ADAM_KEYS, _adam(True), "adam"),
+        bnb.optim.Lion: Twin(bnb.optim.Lion8bit, bnb.optim.PagedLion8bit, ("lr", "betas", "weight_decay"), _lion, "lion"),
+    }
+
+
+@cache
+def eight_bit_classes() -> tuple[type[torch.optim.Optimizer], ...]:
+    """Every bitsandbytes class a twin can be (8-bit and paged 8-bit), for ``isinstance`` checks."""
+    table = twins().values()
+    return tuple({t.eight_bit for t in table} | {t.paged for t in table if t.paged})
+
+
+def __getattr__(name: str) -> Any:
+    # the tables under their former constant names, built (and bitsandbytes imported) on first access
+    if name == "TWINS":
+        return twins()
+    if name == "EIGHT_BIT_CLASSES":
+        return eight_bit_classes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def supported_names() -> str:
     """The optimizers that have a twin, for error messages."""
-    return ", ".join(f"{cls.__module__}.{cls.__name__}" for cls in TWINS)
+    return ", ".join(f"{cls.__module__}.{cls.__name__}" for cls in twins())
 
 
 def find_twin(optimizer: torch.optim.Optimizer) -> Twin | None:
     """The twin of ``optimizer``'s exact class (a subclass may change the update, so it has none)."""
-    return TWINS.get(type(optimizer))
+    return twins().get(type(optimizer))
 
 
 def is_stateless(optimizer: torch.optim.Optimizer) -> bool:
@@ -131,15 +158,57 @@ def _translate(family: str, group: dict) -> dict:
     return group
 
 
+def family_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """The twin family of a bitsandbytes 8-bit ``optimizer`` (or a subclass of one), else None."""
+    for twin in twins().values():
+        for cls in (twin.eight_bit, twin.paged):
+            if cls is not None and isinstance(optimizer, cls):
+                return twin.family
+    return None
+
+
+def follow_torch_names(optimizer: torch.optim.Optimizer) -> None:
+    """Make the 8-bit ``optimizer`` read its coefficients from torch's group keys at every step.
+
+    bitsandbytes reads SGD's momentum and RMSprop's alpha from a group's ``betas``; a scheduler
+    (``OneCycleLR``, ``CyclicLR`` with ``cycle_momentum``, a user's own) writes ``momentum`` or
+    ``alpha``. A step pre-hook rewrites each group's ``betas`` from those keys before every step, so
+    the scheduled values are the ones used. Adam, AdamW and Lion read ``betas`` as torch does: nothing
+    to do.
+    """
+    family = family_of(optimizer)
+    if family not in ("momentum", "rmsprop"):
+        return
+
+    def translate(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in opt.param_groups:
+            _translate(family, group)
+
+    optimizer.register_step_pre_hook(translate)
+
+
+def paged_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot have a paged 8-bit twin (bitsandbytes has paged Adam, AdamW and Lion only), or None."""
+    twin = find_twin(optimizer)
+    if twin is None or twin.paged is not None:
+        return None
+    return (
+        f"{type(optimizer).__module__}.{type(optimizer).__name__}'s 8-bit twin {twin.eight_bit.__name__} has no "
+        "paged variant in bitsandbytes (only Adam, AdamW and Lion do)"
+    )
+
+
 def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: bool) -> torch.optim.Optimizer:
     """The 8-bit twin of ``optimizer``: same parameters, param groups and hyperparameters.
 
     Every group key is carried over (``initial_lr`` for schedulers and user keys included) except
-    torch's implementation switches. Existing state is not carried: convert it with
+    torch's implementation switches. Scheduled ``momentum``/``alpha`` keep reaching the update
+    (:func:`follow_torch_names`). Existing state is not carried: convert it with
     :mod:`lightning_efficient.optim.state`.
 
     Raises:
         NoTwinError: naming the optimizer (and the supported ones) or the setting that cannot be honoured.
+        ValueError: for ``paged=True`` where bitsandbytes has no paged twin.
     """
     twin = find_twin(optimizer)
     name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
@@ -149,7 +218,11 @@ def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: b
         reason = twin.refuse(group)
         if reason:
             raise NoTwinError(f"{name} param group {index} cannot become 8-bit: {reason}")
+    if paged and twin.paged is None:
+        raise ValueError(f"paged=True is not allowed: {paged_refusal(optimizer)}; use paged=False.")
     groups = [_translate(twin.family, {k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}) for g in optimizer.param_groups]
     defaults = {k: groups[0][k] for k in twin.hyperparameters if k in groups[0]}
-    cls = twin.paged if paged and twin.paged is not None else twin.eight_bit
-    return cls(groups, **defaults, min_8bit_size=min_8bit_size)
+    cls = twin.paged if paged else twin.eight_bit
+    built = cls(groups, **defaults, min_8bit_size=min_8bit_size)
+    follow_torch_names(built)
+    return built

@@ -231,3 +231,8 @@ def test_a_fit_that_raises_leaves_no_32bit_override_behind():
         trainer(3, [EightBitOptimizer()]).fit(model)
     assert id(model.embed.weight) not in overrides
     assert overrides == before
+
+
+def test_paged_with_an_sgd_module_is_refused_at_fit_start_even_on_cpu():
+    with pytest.raises(ValueError, match=r"paged=True is not allowed for optimizer 0: torch\.optim\.sgd\.SGD's 8-bit twin SGD8bit"):
+        trainer(1, [EightBitOptimizer(paged=True)]).fit(Regression(optimizer="sgd"))

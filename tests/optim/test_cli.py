@@ -28,5 +28,23 @@ def test_cli_optimizer_adamw_with_the_callback(tmp_path, small_datamodule_kwargs
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "EightBitOptimizer: optimizer states by precision" in output
+    assert "kernels-community" not in output  # bitsandbytes' note about optional CPU kernels is not shown
     eight_bit_line = next(line for line in output.splitlines() if line.strip().startswith("8bit"))
     assert int(eight_bit_line.split()[1]) > 0  # some tensors hold 8-bit states
+
+
+def test_choice_arguments_are_literals_the_cli_parser_checks():
+    from argparse import ArgumentError
+
+    import pytest
+    from jsonargparse import ArgumentParser
+
+    from lightning_efficient import EightBitOptimizer
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(EightBitOptimizer, "eight_bit")
+    parsed = parser.parse_args(["--eight_bit.bits=32", "--eight_bit.offload=cpu"])
+    assert parsed.eight_bit.bits == 32 and parsed.eight_bit.offload == "cpu"
+    for bad, key in (("--eight_bit.bits=16", "bits"), ("--eight_bit.offload=disk", "offload")):
+        with pytest.raises(ArgumentError, match=rf'"eight_bit\.{key}"(.|\n)*Expected a typing\.Literal\['):
+            parser.parse_args([bad])

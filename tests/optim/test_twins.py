@@ -81,3 +81,74 @@ def test_eight_bit_state_bytes_per_parameter():
     per_param = optimizer_state_bytes(optimizer) / big.numel()
     assert per_param <= 2.05
     assert per_param == (2 * big.numel() + 2 * 4 * big.numel() // 256 + 2 * 1024) / big.numel()
+
+
+OFFLOAD_CASES = [
+    (torch.optim.AdamW, {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-7, "weight_decay": 0.2}),
+    (torch.optim.Adam, {"lr": 3e-3, "betas": (0.85, 0.9), "eps": 1e-6}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
+    (torch.optim.RMSprop, {"lr": 0.01, "alpha": 0.95, "eps": 1e-6, "weight_decay": 1e-4}),
+    (torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-9, "weight_decay": 1e-3}),
+    (bnb.optim.Lion, {"lr": 1e-4, "betas": (0.95, 0.98), "weight_decay": 0.1}),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), OFFLOAD_CASES, ids=[c[0].__name__ for c in OFFLOAD_CASES])
+def test_offload_cpu_builds_the_host_offloaded_twin_and_it_steps_like_the_twin(cls, kwargs):
+    from lightning_efficient import EightBitOptimizer
+    from lightning_efficient.optim.offload import host_offloaded
+
+    params = _params()
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    plain = build_twin(cls(_groups(params, lr=kwargs["lr"] / 2), **kwargs), min_8bit_size=4096, paged=False)
+    # what EightBitOptimizer(offload="cpu") does with a twin at fit start (on CUDA)
+    offloaded = EightBitOptimizer(offload="cpu")._offloaded(
+        build_twin(cls(_groups(clones, lr=kwargs["lr"] / 2), **kwargs), min_8bit_size=4096, paged=False)
+    )
+    assert type(offloaded) is host_offloaded(type(plain))
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step == 2:  # as a scheduler would: every scheduled key reaches the offloaded twin's update
+            for optimizer in (plain, offloaded):
+                for group in optimizer.param_groups:
+                    group["lr"] *= 0.5
+                    if "momentum" in group:
+                        group["momentum"] = 0.6
+        for p, c in zip(params, clones):
+            p.grad = torch.randn(p.shape, generator=g)
+            c.grad = p.grad.clone()
+        plain.step()
+        offloaded.step()
+    for p, c in zip(params, clones):
+        assert torch.equal(p, c)
+
+
+def test_a_scheduled_sgd_momentum_is_the_momentum_bitsandbytes_uses():
+    params = _params()
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = build_twin(torch.optim.SGD(params, lr=0.1, momentum=0.9), min_8bit_size=4096, paged=False)
+    direct = bnb.optim.SGD8bit(clones, lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step == 2:
+            twin.param_groups[0]["momentum"] = 0.5  # what OneCycleLR/CyclicLR write into an SGD group
+            direct.param_groups[0]["betas"] = (0.5, 0.0)  # what bitsandbytes reads
+        for p, c in zip(params, clones):
+            p.grad = torch.randn(p.shape, generator=g)
+            c.grad = p.grad.clone()
+        twin.step()
+        direct.step()
+    for p, c in zip(params, clones):
+        assert torch.equal(p, c)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad])
+def test_paged_is_refused_where_bitsandbytes_has_no_paged_twin(cls):
+    optimizer = cls(_params(), lr=0.01, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
+    with pytest.raises(ValueError, match=rf"paged=True is not allowed: .*{cls.__name__}'s 8-bit twin {cls.__name__}8bit has no paged"):
+        build_twin(optimizer, min_8bit_size=4096, paged=True)
+
+
+@pytest.mark.parametrize(("cls", "paged_cls"), [(torch.optim.AdamW, bnb.optim.PagedAdamW8bit), (bnb.optim.Lion, bnb.optim.PagedLion8bit)])
+def test_paged_twins_where_bitsandbytes_has_them(cls, paged_cls):
+    assert type(build_twin(cls(_params(), lr=1e-3), min_8bit_size=4096, paged=True)) is paged_cls
