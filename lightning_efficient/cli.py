@@ -70,6 +70,7 @@ class RunDirConfigSaver(SaveConfigCallback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Save as Lightning does, unless the only place would be the working directory."""
         if not trainer.loggers and Path(trainer.default_root_dir).resolve() == Path.cwd().resolve():
             return
         super().setup(trainer, pl_module, stage)
@@ -86,6 +87,8 @@ class EfficientCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse ``args`` (``sys.argv[1:]`` when None) with the packaged config inserted when no
+        ``--config`` is given (:func:`with_default_config`); dicts and Namespaces as LightningCLI does."""
         if args is None or (isinstance(args, (list, tuple)) and all(isinstance(a, str) for a in args)):
             self.config = parser.parse_args(with_default_config(sys.argv[1:] if args is None else args))
         else:
@@ -93,6 +96,7 @@ class EfficientCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer, with :class:`StepsProgressBar` where Lightning would add its default rich bar."""
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         trainer_config = {**(config.get("trainer") or {}), **kwargs}
         callbacks = trainer_config.get("callbacks") or []
