@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(VENV)/bin/lightning-efficient fit --config configs/demo.yaml
+	$(VENV)/bin/lightning-efficient fit   # the packaged default: lightning_efficient/demo/default.yaml
 
 test: setup
 	$(PY) -m pytest -q

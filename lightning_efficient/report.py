@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_efficient._validation import require_int
+from lightning_efficient._torch import synchronize
+from lightning_efficient._validation import require, require_int
 from lightning_efficient.memory import (
     SavedTensorCounter,
     first_tensor,
@@ -23,6 +25,11 @@ from lightning_efficient.memory import (
     parameter_bytes,
     peak_rss_bytes,
 )
+
+#: memory figures that differ by rank: under several processes each rank's is reported as
+#: ``rank{i}/<name>`` and ``<name>`` is the largest over the ranks
+PER_RANK_FIGURES = ("peak_rss_bytes", "cuda_max_allocated_bytes", "activation_bytes")
+
 
 def _format(name: str, value: float | int | None) -> str:
     if value is None:
@@ -50,20 +57,38 @@ class MemoryReport(Callback):
     Tokens per step are the valid tokens of a :class:`~lightning_efficient.tokens.TokenLosses`
     output, else the elements of the batch's first tensor when it has two or more dimensions.
 
+    Under several processes (DDP, ``hetero_ddp``) the figures are the run's, gathered from every
+    rank on the sampled steps and at the end of fit: ``samples_per_s``/``tokens_per_s`` and
+    ``samples_per_step``/``tokens_per_step`` count every rank's samples and tokens (the whole global
+    batch) over the slowest rank's time, ``step_time_s`` is the slowest rank's, ``world_size`` is
+    the number of ranks, and each rank's ``peak_rss_bytes``, ``cuda_max_allocated_bytes`` and
+    ``activation_bytes`` appear as ``rank{i}/<name>`` with ``<name>`` the largest over the ranks.
+    The other figures are rank zero's (parameters, gradients and optimizer state are alike on
+    every rank under DDP).
+
     Args:
         every_n_steps: how often (in training batches) the memory figures are sampled (>= 1).
         log: log the figures through the Trainer's loggers.
         print_table: print the summary table at the end of fit.
-        json_path: also write the figures to this JSON file at the end of fit.
+        json_path: also write the figures to this JSON file at the end of fit; its directory is
+            created at construction if missing.
 
     Raises:
-        ValueError: when ``every_n_steps`` < 1.
+        ValueError: when ``every_n_steps`` < 1, or ``json_path`` is a directory or its directory
+            cannot be created.
     """
 
     def __init__(
         self, every_n_steps: int = 50, log: bool = True, print_table: bool = True, json_path: str | None = None
     ) -> None:
         require_int("every_n_steps", every_n_steps, 1)
+        if json_path is not None:
+            target = Path(json_path).expanduser()
+            require(not target.is_dir(), "json_path", json_path, "a file path, not a directory")
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                require(False, "json_path", json_path, f"a path whose directory can be created ({error})")
         self.every_n_steps = every_n_steps
         self.log = log
         self.print_table = print_table
@@ -78,10 +103,10 @@ class MemoryReport(Callback):
         self._step_start = 0.0
         self._counter: SavedTensorCounter | None = None
         self._sampling = False
+        self._run: dict[str, Any] = {}
 
     def _sync(self, pl_module: LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
+        synchronize(pl_module.device)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -121,6 +146,7 @@ class MemoryReport(Callback):
         for callback in trainer.callbacks:
             if callback is not self and callable(getattr(callback, "memory_figures", None)):
                 self._figures.update(callback.memory_figures())
+        self._gather(trainer, pl_module)
         if self.log:
             numbers = {f"memory/{k}": float(v) for k, v in self.report().items() if isinstance(v, (int, float))}
             pl_module.log_dict(numbers, on_step=True, on_epoch=False, rank_zero_only=True)
@@ -149,36 +175,86 @@ class MemoryReport(Callback):
         if first is not None and first.dim() >= 1:
             self._samples.append(first.shape[0])
 
-    def report(self) -> dict[str, Any]:
-        """The figures measured so far, as a dict of plain numbers."""
-        figures = dict(self._figures)
+    def _local_totals(self) -> tuple[int, float, int, int]:
+        """This rank's timed steps (all after the first), their seconds, samples and tokens."""
         times = self._step_times[1:] or self._step_times
+        skip = len(self._step_times) - len(times)
+        return len(times), sum(times), sum(self._samples[skip:]), sum(self._tokens[skip:])
+
+    def _gather(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Collect every rank's totals and memory (a collective: called on every rank alike)."""
+        if trainer.world_size <= 1:
+            return
+        steps, elapsed, samples, tokens = self._local_totals()
+        local = [float(steps), elapsed, float(samples), float(tokens), float(bool(self._tokens))]
+        local += [float(self._figures.get(name, -1)) for name in PER_RANK_FIGURES]
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        mine = torch.tensor(local, dtype=torch.float64, device=pl_module.device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        rows = [row.cpu().tolist() for row in gathered]
+        run: dict[str, Any] = {"world_size": len(rows)}
+        run_steps = int(max(row[0] for row in rows))
+        run_elapsed = max(row[1] for row in rows)
+        if run_steps and run_elapsed > 0:
+            run["step_time_s"] = run_elapsed / run_steps
+            run["samples_per_s"] = sum(row[2] for row in rows) / run_elapsed
+            run["samples_per_step"] = sum(row[2] for row in rows) / run_steps
+            if all(row[4] for row in rows):
+                run["tokens_per_s"] = sum(row[3] for row in rows) / run_elapsed
+                run["tokens_per_step"] = sum(row[3] for row in rows) / run_steps
+        for offset, name in enumerate(PER_RANK_FIGURES, start=5):
+            values = [int(row[offset]) for row in rows]
+            if all(v >= 0 for v in values):
+                run[name] = max(values)
+                run.update({f"rank{rank}/{name}": value for rank, value in enumerate(values)})
+        self._run = run
+
+    def report(self) -> dict[str, Any]:
+        """The figures measured so far, as a dict of plain numbers.
+
+        Under several processes the throughput and per-rank memory are the run's as gathered at the
+        last sampled step or the end of fit (see the class description); before any gathering, and
+        in a single process, they are this process's.
+        """
+        figures = dict(self._figures)
+        steps, elapsed, samples, tokens = self._local_totals()
         figures["steps"] = len(self._step_times)
-        if times:
-            elapsed = sum(times)
-            skip = len(self._step_times) - len(times)
-            figures["step_time_s"] = elapsed / len(times)
+        if steps and elapsed > 0:
+            figures["step_time_s"] = elapsed / steps
             if self._tokens:
-                figures["tokens_per_s"] = sum(self._tokens[skip:]) / elapsed
+                figures["tokens_per_s"] = tokens / elapsed
+                figures["tokens_per_step"] = tokens / steps
             if self._samples:
-                figures["samples_per_s"] = sum(self._samples[skip:]) / elapsed
+                figures["samples_per_s"] = samples / elapsed
+                figures["samples_per_step"] = samples / steps
+        figures.update(self._run)
         return figures
 
     def table(self) -> str:
         """The figures as a two-column text table."""
-        rows = [(name, _format(name, value)) for name, value in self.report().items()]
+        figures = self.report()
+        rows = [(name, _format(name, value)) for name, value in figures.items()]
         width = max(len(name) for name, _ in rows)
-        lines = ["MemoryReport", "-" * (width + 20)]
+        title = "MemoryReport"
+        if figures.get("world_size", 1) > 1:
+            title += (
+                f" ({figures['world_size']} ranks: throughput of all ranks together; rank<i>/ memory is each"
+                " rank's, unprefixed the largest; the rest rank 0's)"
+            )
+        lines = [title, "-" * (width + 20)]
         lines += [f"{name:<{width}}  {value:>16}" for name, value in rows]
         return "\n".join(lines)
 
     def to_json(self, path: str | Path) -> None:
         """Write the figures to ``path`` as JSON."""
-        Path(path).write_text(json.dumps(self.report(), indent=2, sort_keys=True))
+        Path(path).expanduser().write_text(json.dumps(self.report(), indent=2, sort_keys=True))
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_counter()
+        self._gather(trainer, pl_module)
         self._finish()
 
     @rank_zero_only

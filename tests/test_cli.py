@@ -1,18 +1,135 @@
 import os
+import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_efficient.cli import default_config_path, run_cli, with_default_config
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_demo_config_fits_three_steps(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [
-        sys.executable, "-m", "lightning_efficient.cli", "fit", "--config", str(REPO / "configs" / "demo.yaml"),
-        "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false",
+def _cli(args, cwd):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "lightning_efficient.cli", *map(str, args)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _tiny_corpus(root: Path) -> Path:
+    """Four small text files: about 20 training batches of 4 x 32 tokens, fewer than the default
+    config's val_check_interval of 80."""
+    corpus = root / "corpus"
+    corpus.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("bisect.py", "abc.py", "colorsys.py", "keyword.py"):
+        (corpus / name).write_text((stdlib / name).read_text(encoding="utf-8")[:2000])
+    return corpus
+
+
+def _tiny(root: Path) -> list[str]:
+    """Overrides that shrink the default config's demo to a few seconds of CPU."""
+    return [
+        "--data.init_args.data_path", str(_tiny_corpus(root)), "--data.init_args.cache_dir", str(root / "cache"),
+        "--data.init_args.vocab_size", "300", "--model.init_args.vocab_size", "300",
+        "--data.init_args.seq_len", "32", "--model.init_args.seq_len", "32",
+        "--model.init_args.d_model", "32", "--model.init_args.n_heads", "2",
+        "--data.init_args.batch_size", "4", "--trainer.strategy.init_args.global_batch_size", "4",
+        "--trainer.limit_val_batches", "2",
     ]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _printed_config(args, capsys) -> dict:
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli([*args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_default_config_is_inserted_only_when_no_config_is_given():
+    packaged = default_config_path()
+    assert with_default_config(["fit", "--trainer.max_steps", "3"]) == ["fit", "--config", packaged, "--trainer.max_steps", "3"]
+    for given in (["fit", "--config", "a.yaml"], ["fit", "-c", "a.yaml"], ["fit", "--config=a.yaml"], ["--config", "a.yaml", "fit"]):
+        assert with_default_config(given) == given
+    assert with_default_config(["--help"]) == ["--help"]
+
+
+def test_a_given_config_is_not_merged_over_the_demo_config(capsys):
+    config = _printed_config(["fit", "--config", str(REPO / "configs" / "tokens.yaml")], capsys)
+    assert config["trainer"]["strategy"] == "auto"
+    assert config["trainer"]["gradient_clip_val"] is None
+    classes = [c["class_path"] for c in config["trainer"]["callbacks"]]
+    assert classes == ["lightning_efficient.SelectiveTokenLoss", "lightning_efficient.MemoryReport"]
+
+
+def test_without_config_the_packaged_demo_config_applies(capsys):
+    config = _printed_config(["fit", "--trainer.max_steps", "7"], capsys)
+    assert config["trainer"]["strategy"]["class_path"] == "lightning_efficient.HeterogeneousDDPStrategy"
+    assert config["trainer"]["gradient_clip_val"] == 1.0
+    assert config["trainer"]["max_steps"] == 7  # the command line still overrides it
+    assert config["model"]["class_path"] == "lightning_efficient.DemoGPT"
+
+
+def test_one_copy_of_the_demo_config():
+    assert not (REPO / "configs" / "demo.yaml").exists()
+    assert not (REPO / "config.yaml").exists()
+    makefile = (REPO / "Makefile").read_text()
+    assert "lightning-efficient fit" in makefile and "configs/demo.yaml" not in makefile
+
+
+def test_default_config_on_a_tiny_corpus_with_one_block_is_quiet_and_saves_no_config_here(tmp_path):
+    # one run for three regressions: about 20 batches an epoch, so 40 steps run into a second epoch
+    # below the default val_check_interval of 80; a single block; and the output a new user sees
+    work = tmp_path / "work"
+    work.mkdir()
+    done = _cli(["fit", *_tiny(tmp_path), "--model.init_args.n_layers", "1", "--trainer.max_steps", "40"], cwd=work)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=40` reached" in output
+    assert "ActivationMemory: 1 blocks" in output
+    assert "MemoryReport" in done.stdout and "tokens_per_s" in done.stdout
+    assert re.search(r"Epoch [1-9]", output)  # the progress bar is on, past the first epoch ...
+    assert "/-2" not in output  # ... and shows no epoch limit of -2
+    assert "sync_dist" not in output
+    assert list(work.iterdir()) == []  # no config.yaml (nor anything else) in the working directory
+
+
+_TEST_THEN_PREDICT = """
+import sys
+from lightning_efficient.cli import run_cli
+args = sys.argv[1:]
+tested = run_cli(["test", *args, "--trainer.limit_test_batches", "2", "--trainer.logger", "true"])
+print("TEST_METRICS", sorted(tested.trainer.callback_metrics))
+predicted = run_cli(["predict", *args, "--trainer.limit_predict_batches", "2"])
+print("PREDICTIONS", [tuple(p.shape) for p in predicted.trainer.predict_loop.predictions])
+"""
+
+
+def test_test_and_predict_run_on_the_demo_and_save_the_config_in_the_log_dir(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [*_tiny(tmp_path), "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "runs")]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _TEST_THEN_PREDICT, *args], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TEST_METRICS ['test_loss', 'test_ppl']" in done.stdout
+    assert "PREDICTIONS [(4, 32), (4, 32)]" in done.stdout
+    # the test run had a logger: its config is in its log dir; predict had none: default_root_dir
+    runs = tmp_path / "runs"
+    assert sorted(runs.rglob("config.yaml")) == [runs / "config.yaml", runs / "lightning_logs" / "version_0" / "config.yaml"]
+    assert yaml.safe_load((runs / "lightning_logs" / "version_0" / "config.yaml").read_text())["trainer"]["limit_test_batches"] == 2
+    assert yaml.safe_load((runs / "config.yaml").read_text())["trainer"]["limit_predict_batches"] == 2
+    assert list(work.iterdir()) == []
+
+
+def test_demo_config_fits_three_steps(tmp_path):
+    """The packaged default at its real size (the standard library corpus), three steps."""
+    done = _cli(["fit", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2",
+                 "--trainer.enable_progress_bar", "false"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MemoryReport" in done.stdout
     assert "tokens_per_s" in done.stdout

@@ -2,7 +2,7 @@
 
 Text is tokenized with a byte-level BPE trained by the ``tokenizers`` library on the training
 files, and the token ids are cached on disk (keyed by Python version, vocabulary size and a
-fingerprint of the files), so later runs start in a second.
+fingerprint of the files, each cached file checked by its SHA-256), so later runs start in a second.
 """
 
 from __future__ import annotations
@@ -46,9 +46,25 @@ def stdlib_source_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
 
 
-def _is_text(path: Path) -> bool:
+_BOMS = (  # longest first: the UTF-32 little-endian BOM starts with the UTF-16 one
+    (b"\xff\xfe\x00\x00", "utf-32"),
+    (b"\x00\x00\xfe\xff", "utf-32"),
+    (b"\xef\xbb\xbf", "utf-8-sig"),
+    (b"\xff\xfe", "utf-16"),
+    (b"\xfe\xff", "utf-16"),
+)
+
+
+def text_encoding(path: Path) -> str | None:
+    """The encoding ``path`` is read with: the one its byte-order mark names (UTF-8, UTF-16, UTF-32),
+    else ``"utf-8"`` (undecodable bytes replaced); None for a binary file (a NUL byte in its first
+    8 KiB and no byte-order mark)."""
     with open(path, "rb") as handle:
-        return b"\0" not in handle.read(_BINARY_PROBE_BYTES)
+        head = handle.read(_BINARY_PROBE_BYTES)
+    for bom, encoding in _BOMS:
+        if head.startswith(bom):
+            return encoding
+    return None if b"\0" in head else "utf-8"
 
 
 def corpus_files(data_path: str | None) -> list[Path]:
@@ -64,7 +80,14 @@ def corpus_files(data_path: str | None) -> list[Path]:
     path = Path(data_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"data_path {str(path)!r} does not exist")
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and _is_text(p))
+    if path.is_file():
+        return [path]
+    files, skipped = [], []
+    for candidate in sorted(p for p in path.rglob("*") if p.is_file()):
+        (files if text_encoding(candidate) is not None else skipped).append(candidate)
+    if skipped:
+        shown = ", ".join(str(p.relative_to(path)) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        rank_zero_info(f"data_path {str(path)!r}: skipped {len(skipped)} binary file(s) ({shown})")
     if not files:
         raise ValueError(f"data_path {str(path)!r} holds no text file")
     return files
@@ -81,7 +104,7 @@ def split_files(files: list[Path], val_fraction: float, seed: int) -> tuple[list
 
 
 def _read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+    return path.read_text(encoding=text_encoding(path) or "utf-8", errors="replace")
 
 
 def _fingerprint(files: list[Path], *settings: object) -> str:
@@ -92,9 +115,50 @@ def _fingerprint(files: list[Path], *settings: object) -> str:
     return digest.hexdigest()[:12]
 
 
+_CACHE_FILES = ("train.npy", "val.npy", "tokenizer.json")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_problem(directory: Path) -> str | None:
+    """Why the token cache in ``directory`` cannot be used (missing, unreadable, a file missing or
+    failing the SHA-256 recorded in its ``meta.json``), or None when it is intact."""
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        return "no meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as error:
+        return f"meta.json unreadable: {error}"
+    sums = meta.get("sha256") if isinstance(meta, dict) else None
+    if not isinstance(sums, dict):
+        return "no checksums in meta.json (an older cache)"
+    for name in _CACHE_FILES:
+        if not (directory / name).is_file():
+            return f"{name} is missing"
+        if _sha256(directory / name) != sums.get(name):
+            return f"{name} does not match its checksum"
+    return None
+
+
 def add_span_noise(ids: np.ndarray, fraction: float, span: int, vocab_size: int, seed: int) -> np.ndarray:
     """A copy of ``ids`` with about ``fraction`` of it, in spans of ``span`` tokens, replaced by
-    uniformly random token ids (deterministic for a seed)."""
+    uniformly random token ids (deterministic for a seed).
+
+    Raises:
+        ValueError: when ``fraction`` > 0 and ``span`` is longer than ``ids`` (no span would fit).
+    """
+    if fraction > 0 and span > len(ids):
+        raise ValueError(
+            f"noise_span={span} is longer than the {len(ids)} training tokens: no span of noise fits; "
+            f"give a noise_span <= {len(ids)} or noise_fraction=0"
+        )
     rng = np.random.default_rng(seed)
     noisy = np.array(ids, copy=True)
     n_spans = len(ids) // span
@@ -130,6 +194,10 @@ class TokenWindows(Dataset):
 class CorpusDataModule(LightningDataModule):
     """Next-token prediction over a text corpus, by default the Python standard library's sources.
 
+    Text files are read as UTF-8, or as the UTF-8/16/32 their byte-order mark names; binary files
+    below a directory are skipped and listed in one info line. The token cache records a SHA-256
+    of each file it holds: a damaged cache is rebuilt (one info line says so).
+
     Args:
         data_path: a text file or a directory of text files; None for the standard library.
         vocab_size: size of the byte-level BPE vocabulary to train (>= 257: 256 bytes and end-of-text).
@@ -142,10 +210,11 @@ class CorpusDataModule(LightningDataModule):
         seed: seed of the train/validation split.
         noise_fraction: share of the *training* tokens replaced by uniformly random tokens, in spans
             of ``noise_span`` (unlearnable tokens, as real web data has); validation stays clean.
-        noise_span: length of each noisy span (>= 1).
+        noise_span: length of each noisy span (>= 1; with noise, at most the training tokens).
 
     Raises:
-        ValueError: naming the argument when a setting is out of range.
+        ValueError: naming the argument when a setting is out of range (``noise_span`` longer than
+            the training tokens: at ``setup``).
     """
 
     def __init__(
@@ -184,11 +253,14 @@ class CorpusDataModule(LightningDataModule):
         self.cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.seed = seed
         self.loaded_from_cache: bool | None = None
+        self._corpus_files: list[Path] | None = None
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: TokenWindows | None = None
 
     def _files(self) -> list[Path]:
-        files = corpus_files(self.data_path)
+        if self._corpus_files is None:  # listed once: a skipped file is reported once
+            self._corpus_files = corpus_files(self.data_path)
+        files = self._corpus_files
         if self.max_files is not None and len(files) > self.max_files:
             shuffled = list(files)
             random.Random(self.seed).shuffle(shuffled)
@@ -233,7 +305,12 @@ class CorpusDataModule(LightningDataModule):
                 ids = np.fromiter((i for s in streams for i in s), dtype=dtype)
                 np.save(staging / f"{name}.npy", ids)
             tokenizer.save(str(staging / "tokenizer.json"))
-            meta = {"vocab_size": tokenizer.get_vocab_size(), "end_of_text": eot, "files": len(train_texts)}
+            meta = {
+                "vocab_size": tokenizer.get_vocab_size(),
+                "end_of_text": eot,
+                "files": len(train_texts),
+                "sha256": {name: _sha256(staging / name) for name in _CACHE_FILES},
+            }
             (staging / "meta.json").write_text(json.dumps(meta))
             try:
                 os.replace(staging, target)
@@ -244,21 +321,37 @@ class CorpusDataModule(LightningDataModule):
             raise
 
     def prepare_data(self) -> None:
-        """Train the tokenizer and tokenize the corpus unless the cache already holds them."""
+        """Train the tokenizer and tokenize the corpus unless the cache already holds them intact.
+
+        A damaged cache (a file missing, unreadable or not matching its recorded checksum) is
+        removed and rebuilt, with one info line saying why.
+        """
         target = self.cache_path
-        self.loaded_from_cache = (target / "meta.json").exists()
-        if not self.loaded_from_cache:
-            self._build(target)
+        problem = cache_problem(target)
+        self.loaded_from_cache = problem is None
+        if problem is None:
+            return
+        if target.exists():
+            rank_zero_info(f"the token cache at {target} is damaged ({problem}): rebuilding it")
+            discarded = target.with_name(f".discarded-{target.name}-{os.getpid()}")
+            try:
+                os.replace(target, discarded)
+            except FileNotFoundError:  # another process removed it first
+                pass
+            shutil.rmtree(discarded, ignore_errors=True)
+        self._build(target)
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the cached token ids into training and validation datasets.
+        """Load the cached token ids into training and held-out datasets (building or repairing the
+        cache first when needed); the held-out split serves validation, test and predict.
 
         Raises:
             ValueError: when the corpus gives fewer training sequences than one batch, or no
-                validation sequence, with the counts.
+                validation sequence, with the counts; when ``noise_span`` is longer than the
+                training tokens.
         """
         target = self.cache_path
-        if not (target / "meta.json").exists():
+        if cache_problem(target) is not None:
             self.prepare_data()
         meta = json.loads((target / "meta.json").read_text())
         pad = meta["end_of_text"]
@@ -299,3 +392,12 @@ class CorpusDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Validation batches in order."""
         return DataLoader(self.val_dataset, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """Test batches in order: the held-out split (the demo has no third split, so it is the
+        validation data; evaluate a trained checkpoint with ``lightning-efficient test --ckpt_path``)."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """Prediction batches in order: the held-out split, as for test."""
+        return self.val_dataloader()

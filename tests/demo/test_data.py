@@ -84,3 +84,68 @@ def test_span_noise_replaces_about_the_fraction_in_whole_spans():
     changed_spans = (noisy.reshape(-1, 16) != 0).any(axis=1)
     assert 0.2 < changed_spans.mean() < 0.3
     assert int(noisy.max()) < 1000 and ids.max() == 0  # the input is not modified
+
+
+def _tiny_texts(root):
+    """Three small text files (a few hundred tokens each): a tokenizer trains on them in a moment."""
+    root.mkdir()
+    for i, name in enumerate(("a.txt", "b.txt", "c.txt")):
+        (root / name).write_text("".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(60)))
+    return root
+
+
+@pytest.mark.parametrize("damaged", ["train.npy", "tokenizer.json", "meta.json"])
+def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, caplog, damaged):
+    kwargs = {"data_path": str(_tiny_texts(tmp_path / "texts")), "vocab_size": 300, "seq_len": 16, "batch_size": 2,
+              "cache_dir": str(tmp_path / "cache")}
+    first = CorpusDataModule(**kwargs)
+    first.setup("fit")
+    pristine = np.array(first.train_dataset.ids)
+    target = first.cache_path / damaged
+    target.write_bytes(target.read_bytes()[: len(target.read_bytes()) // 2])  # a truncated write
+    again = CorpusDataModule(**kwargs)
+    with caplog.at_level("INFO"):
+        again.prepare_data()
+    assert again.loaded_from_cache is False
+    assert any("damaged" in r.getMessage() and damaged in r.getMessage() for r in caplog.records), caplog.text
+    again.setup("fit")
+    assert np.array_equal(again.train_dataset.ids, pristine)
+    assert again.tokenizer().encode("def f(x):").ids == first.tokenizer().encode("def f(x):").ids
+    third = CorpusDataModule(**kwargs)
+    third.prepare_data()
+    assert third.loaded_from_cache is True
+
+
+def test_utf16_files_are_read_and_binary_files_reported_in_one_line(tmp_path, caplog):
+    from lightning_efficient.demo.data import corpus_files
+
+    root = tmp_path / "texts"
+    root.mkdir()
+    text = "zebra_marker = 'wide text'\n" * 200
+    (root / "plain.txt").write_text(text, encoding="utf-8")
+    (root / "wide.txt").write_text(text, encoding="utf-16")  # with a byte-order mark
+    (root / "wide32.txt").write_text(text, encoding="utf-32")
+    (root / "image.bin").write_bytes(bytes(range(256)) * 8)
+    with caplog.at_level("INFO"):
+        files = corpus_files(str(root))
+    assert [p.name for p in files] == ["plain.txt", "wide.txt", "wide32.txt"]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "1 binary file" in skipped[0] and "image.bin" in skipped[0]
+    # a UTF-16 file alone is the corpus: its text, not its bytes, is what the tokenizer sees
+    data = CorpusDataModule(data_path=str(root / "wide.txt"), vocab_size=300, seq_len=16, batch_size=2,
+                            cache_dir=str(tmp_path / "cache"))
+    data.setup("fit")
+    decoded = data.tokenizer().decode([int(i) for i in data.train_dataset.ids[:200]])
+    assert "zebra_marker = 'wide text'" in decoded
+
+
+def test_a_noise_span_longer_than_the_corpus_is_refused(tmp_path):
+    from lightning_efficient.demo.data import add_span_noise
+
+    with pytest.raises(ValueError, match=r"noise_span=100 is longer than the 50 training tokens"):
+        add_span_noise(np.zeros(50, dtype=np.uint16), 0.5, 100, vocab_size=300, seed=0)
+    assert np.array_equal(add_span_noise(np.zeros(50, dtype=np.uint16), 0.0, 100, vocab_size=300, seed=0), np.zeros(50))
+    data = CorpusDataModule(data_path=str(_tiny_texts(tmp_path / "texts")), vocab_size=300, seq_len=16, batch_size=2,
+                            cache_dir=str(tmp_path / "cache"), noise_fraction=0.2, noise_span=10**6)
+    with pytest.raises(ValueError, match=r"noise_span=1000000 is longer than the \d+ training tokens"):
+        data.setup("fit")

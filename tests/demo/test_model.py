@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,3 +67,35 @@ def test_too_long_input_is_refused():
     model = DemoGPT(**tiny_gpt_kwargs())
     with pytest.raises(ValueError, match="longer than seq_len=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_test_step_and_predict_step(small_datamodule_kwargs):
+    import lightning
+
+    from lightning_efficient import CorpusDataModule
+
+    model = DemoGPT(**tiny_gpt_kwargs())
+    data = CorpusDataModule(**small_datamodule_kwargs)
+    trainer = lightning.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=3, limit_test_batches=3, limit_predict_batches=2,
+    )
+    val_loss = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
+    tested = trainer.test(model, datamodule=data, verbose=False)[0]
+    predictions = trainer.predict(model, datamodule=data)
+    # reference: the token-weighted mean cross-entropy over the first three held-out batches, in float64
+    batches = [b for _, b in zip(range(3), data.test_dataloader())]
+    with torch.no_grad():
+        total = sum(
+            F.cross_entropy(model(b["input_ids"]).double().flatten(0, 1), b["labels"].flatten(), ignore_index=-100,
+                            reduction="sum")
+            for b in batches
+        )
+    count = sum(int((b["labels"] != -100).sum()) for b in batches)
+    assert tested["test_loss"] == pytest.approx(total.item() / count, rel=1e-5)
+    assert tested["test_loss"] == pytest.approx(val_loss, rel=1e-6)
+    assert tested["test_ppl"] == pytest.approx(math.exp(tested["test_loss"]), rel=1e-5)
+    assert len(predictions) == 2
+    with torch.no_grad():
+        expected = model(batches[0]["input_ids"]).argmax(-1)
+    assert torch.equal(predictions[0], expected)
