@@ -10,16 +10,21 @@ from torch import nn
 
 def _uniform_containers(model: nn.Module) -> list[tuple[str, nn.Module, type]]:
     """``(name, container, child class)`` for every ModuleList/Sequential of >= 2 children of one class
-    that hold parameters."""
-    found = []
+    that hold parameters; when there is none, every ModuleList holding a single such block (a
+    one-layer model is still a stack of blocks: a composite module with parameters, not a bare layer)."""
+    found, single = [], []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
         classes = {type(c) for c in children}
-        if len(children) >= 2 and len(classes) == 1 and any(True for _ in children[0].parameters()):
+        if len(classes) != 1 or not any(True for _ in children[0].parameters()):
+            continue
+        if len(children) >= 2:
             found.append((name, module, classes.pop()))
-    return found
+        elif isinstance(module, nn.ModuleList) and any(True for _ in children[0].children()):
+            single.append((name, module, classes.pop()))
+    return found or single
 
 
 def block_candidates(model: nn.Module) -> list[str]:

@@ -38,3 +38,11 @@ def test_names_and_patterns_and_candidates():
         find_blocks(model, ["Nope"])
     with pytest.raises(ValueError, match="found no ModuleList"):
         find_blocks(torch.nn.Linear(2, 2))
+
+
+def test_a_one_block_model_still_has_its_block():
+    model = DemoGPT(**{**tiny_gpt_kwargs(), "n_layers": 1})
+    assert [n for n, _ in find_blocks(model)] == ["blocks.0"]
+    # a lone layer in a list is not a block
+    with pytest.raises(ValueError, match="found no ModuleList"):
+        find_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])))
