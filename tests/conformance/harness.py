@@ -390,8 +390,15 @@ def _strategy(case: Case, world: int) -> Any:
 def make_trainer(case: Case, world: int, callbacks: list[Callback]) -> Trainer:
     accumulate = ACCUMULATE if case.loop == "accumulate" and not case.single_batch else 1
     validate = case.loop == "validate" or case.scheduler == "plateau"
+    # Trainer(precision="16-mixed") on CPU silently becomes bf16-mixed (Lightning 2.6): fp16 autocast with a
+    # GradScaler is only reached through the plugin itself
+    precision: Any = {"precision": case.precision}
+    if case.precision == "16-mixed":
+        from lightning.pytorch.plugins import MixedPrecision
+
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
     return Trainer(
-        accelerator="cpu", devices=world, strategy=_strategy(case, world), precision=case.precision,
+        accelerator="cpu", devices=world, strategy=_strategy(case, world), **precision,
         max_epochs=EPOCHS, accumulate_grad_batches=accumulate,
         gradient_clip_val=0.5 if case.loop == "clip" else None, gradient_clip_algorithm="norm",
         val_check_interval=0.5 if case.loop == "validate" else 1.0, limit_val_batches=1.0 if validate else 0,

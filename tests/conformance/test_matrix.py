@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,10 @@ MULTI = [c for c in CASES if c.multi_process]
 # Relative tolerance on a step's token-mean loss, and absolute on the final parameters (which are O(1)),
 # when the plugin run and its reference split the step's samples differently (ranks, micro-batches, one
 # batch): only the order of float sums differs, amplified by the precision's rounding.
-SPLIT_LOSS_RTOL = {"32-true": 1e-5, "16-mixed": 5e-3, "bf16-mixed": 3e-2, "bf16-true": 5e-2}
-SPLIT_PARAM_ATOL = {"32-true": 1e-4, "16-mixed": 2e-2, "bf16-mixed": 1e-1, "bf16-true": 1e-1}
+# Under 32-true the largest parameter difference is checked; under 16-bit precisions the mean one (Adam
+# turns rounding noise in a near-zero gradient into a full-size step of either sign on single elements).
+SPLIT_LOSS_RTOL = {"32-true": 1e-5, "16-mixed": 2e-3, "bf16-mixed": 3e-2, "bf16-true": 5e-2}
+SPLIT_PARAM_ATOL = {"32-true": 1e-4, "16-mixed": 2e-3, "bf16-mixed": 5e-3, "bf16-true": 5e-3}
 # EightBitOptimizer is not exact: its moments are quantized blockwise. Over 18 steps of this model the
 # loss stays within 2% (relative) of 32-bit AdamW's, and the parameters within 0.01 of its on average
 # (a single parameter whose gradient is mostly noise can move up to ~0.1 apart under 16-bit precisions).
@@ -67,14 +70,38 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("conformance")
 
 
-@pytest.fixture(scope="module")
-def multi_traces(root) -> dict[str, dict[str, Any]]:
-    """Every multi-process case (and multi-process reference) in one launch of two gloo processes."""
-    wanted = list(dict.fromkeys([*MULTI, *(c.reference() for c in MULTI if c.reference().multi_process)]))
+MULTI_WANTED = list(dict.fromkeys([*MULTI, *(c.reference() for c in MULTI if c.reference().multi_process)]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _multi_launch(root):
+    """Every multi-process case (and multi-process reference) in one launch of two gloo processes,
+    started in a thread at the first test so that it runs while the one-device cells do."""
     out = root / "multi"
     out.mkdir()
-    (out / "cases.json").write_text(json.dumps([asdict(c) for c in wanted]))
-    run_script(Path(__file__).parent / "multi_run.py", out, out / "cases.json", timeout=900)
+    (out / "cases.json").write_text(json.dumps([asdict(c) for c in MULTI_WANTED]))
+    outcome: dict[str, BaseException] = {}
+
+    def launch() -> None:
+        try:
+            run_script(Path(__file__).parent / "multi_run.py", out, out / "cases.json", timeout=900)
+        except BaseException as exc:  # re-raised by multi_traces in the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=launch, daemon=True)
+    thread.start()
+    yield thread, out, outcome
+    thread.join()
+
+
+@pytest.fixture(scope="module")
+def multi_traces(_multi_launch) -> dict[str, dict[str, Any]]:
+    """The merged traces of the multi-process launch, by case name."""
+    thread, out, outcome = _multi_launch
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    wanted = MULTI_WANTED
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     parent = torch.load(out / "parent.pt", weights_only=False)
     merged: dict[str, dict[str, Any]] = {}
@@ -141,10 +168,10 @@ def compare_fit(case: Case, fit: dict[str, Any], ref: dict[str, Any], what: str,
         if bad:
             problems.append(f"{what}: step losses differ beyond rtol {rtol} at (step, plugin, plain) {bad[:3]}")
         diffs = torch.cat([(fit["params"][k] - ref["params"][k]).abs().flatten() for k in ref["params"]])
-        eight_bit = case.plugin in ("eightbit", "all")
-        worst = float(diffs.mean() if eight_bit else diffs.max())
+        mean = case.plugin in ("eightbit", "all") or (atol > 0 and case.precision != "32-true")
+        worst = float(diffs.mean() if mean else diffs.max())
         if worst > atol:
-            problems.append(f"{what}: final parameters differ by {worst:.3g} ({'mean' if eight_bit else 'max'}) > {atol}")
+            problems.append(f"{what}: final parameters differ by {worst:.3g} ({'mean' if mean else 'max'}) > {atol}")
     return problems
 
 
