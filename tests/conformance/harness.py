@@ -44,7 +44,7 @@ SCHEDULERS = ("lambda", "sequential", "chained", "onecycle", "plateau")
 LOOPS = ("plain", "accumulate", "clip", "validate")
 RAISES = (False, True)
 STRATEGIES = ("single", "ddp", "hetero_ddp", "resize")
-ACTIVATION_POLICIES = ("checkpoint", "selective", "disk", "offload")
+ACTIVATION_POLICIES = ("checkpoint", "selective", "disk", "offload", "auto")
 
 # plugins whose step loss is the mean over all valid tokens of the step (global, all micro-batches):
 # their reference is plain Lightning on one device with the step's samples in one batch
@@ -357,8 +357,10 @@ def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
     """The plugin callbacks of ``case`` (fresh instances)."""
     from lightning_efficient import ActivationMemory, EightBitOptimizer, MemoryReport, SelectiveTokenLoss
 
-    def activations() -> Callback:
-        return ActivationMemory(policy=case.activation_policy, min_offload_bytes=0, offload_dir=str(workdir / "offload"))
+    def activations() -> Callback:  # disk writes every saved tensor; auto plans for half the kept bytes
+        budget = 0.5 if case.activation_policy == "auto" else None
+        return ActivationMemory(policy=case.activation_policy, budget=budget, min_offload_bytes=0,
+                                offload_dir=str(workdir / "offload"))
 
     made: dict[str, list[Callback]] = {
         "plain": [], "hetero": [],
