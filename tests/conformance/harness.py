@@ -111,7 +111,8 @@ def _warmup(step: int) -> float:
 class TinyLM(LightningModule):
     """A 2-block transformer returning :class:`TokenLosses`; it records what each training step saw."""
 
-    def __init__(self, scheduler: str, total_steps: int, batch_size: int, rank_split: bool = True) -> None:
+    def __init__(self, scheduler: str, total_steps: int, batch_size: int, rank_split: bool = True,
+                 optimizer: str = "adamw") -> None:
         super().__init__()
         generator_state = torch.get_rng_state()
         torch.manual_seed(1234)
@@ -121,6 +122,7 @@ class TinyLM(LightningModule):
         self.head = nn.Linear(D_MODEL, VOCAB)
         torch.set_rng_state(generator_state)
         self.scheduler_name, self.total_steps, self.batch_size, self.rank_split = scheduler, total_steps, batch_size, rank_split
+        self.optimizer_name = optimizer
         self.last_record: tuple[list[int], float, int] | None = None
 
     def forward(self, inputs: Tensor) -> Tensor:
@@ -146,7 +148,10 @@ class TinyLM(LightningModule):
         self.log("val_loss", mean, batch_size=int(mask.sum()), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.01)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
         name, total = self.scheduler_name, self.total_steps
         sched: Any
         if name == "lambda":
@@ -197,11 +202,13 @@ class Case:
     strategy: str = "single"
     activation_policy: str = "checkpoint"
     single_batch: bool = False
+    optimizer: str = "adamw"
 
     @property
     def name(self) -> str:
         extra = f"-{self.activation_policy}" if self.plugin in ("activations", "all") else ""
         flags = ("-raise" if self.raises else "") + ("-onebatch" if self.single_batch else "")
+        flags += "-sgd" if self.optimizer == "sgd" else ""
         return (f"{self.plugin}{extra}-{self.strategy}-{self.precision}-{self.scheduler}-{self.loop}"
                 f"-resume_{self.resume}{flags}")
 
@@ -282,6 +289,8 @@ def cases() -> list[Case]:
     while required:
         plugin = sorted(required, key=repr)[0][0][1]
         add(best_row({"plugin": plugin, "strategy": "hetero_ddp" if plugin == "hetero" else "single"}))
+    # SGD with momentum: OneCycleLR cycles ``momentum``, which bitsandbytes' SGD8bit reads from ``betas``
+    out.append(Case("eightbit", scheduler="onecycle", optimizer="sgd"))
     return out
 
 
@@ -320,9 +329,12 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         group = trainer.optimizers[0].param_groups[0]
-        self.steps.append({"step": trainer.global_step, "lr": float(group["lr"]),
-                           "betas": [float(b) for b in group["betas"]] if "betas" in group else None,
-                           "momentum": float(group["momentum"]) if "momentum" in group else None,
+        betas = [float(b) for b in group["betas"]] if "betas" in group else None
+        momentum = float(group["momentum"]) if "momentum" in group else None
+        if momentum is not None and betas is not None and type(trainer.optimizers[0]).__module__.startswith("bitsandbytes"):
+            # bitsandbytes' SGD applies betas[0] as its momentum: record what the optimizer really uses
+            momentum, betas = betas[0], None
+        self.steps.append({"step": trainer.global_step, "lr": float(group["lr"]), "betas": betas, "momentum": momentum,
                            "optimizer": type(trainer.optimizers[0]).__name__})
 
 
@@ -416,7 +428,7 @@ def make_module(case: Case, world: int) -> TinyLM:
     else:
         batch = MICRO_BATCH // world
     # under hetero_ddp the strategy slices global batches itself; the loader's batch size only sets the default
-    return TinyLM(case.scheduler, EPOCHS * steps_per_epoch(case), batch)
+    return TinyLM(case.scheduler, EPOCHS * steps_per_epoch(case), batch, optimizer=case.optimizer)
 
 
 # -- the runner --------------------------------------------------------------------------------------
