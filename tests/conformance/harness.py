@@ -17,8 +17,8 @@ import os
 import tempfile
 import threading
 import warnings
-from datetime import timedelta
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -287,7 +287,7 @@ def cases() -> list[Case]:
             if _allowed(plugin, strategy) and (("plugin", plugin), ("strategy", strategy)) in required:
                 add(best_row({"plugin": plugin, "strategy": strategy}))
     while required:
-        plugin = sorted(required, key=repr)[0][0][1]
+        plugin = min(required, key=repr)[0][1]
         add(best_row({"plugin": plugin, "strategy": "hetero_ddp" if plugin == "hetero" else "single"}))
     # SGD with momentum: OneCycleLR cycles ``momentum``, which bitsandbytes' SGD8bit reads from ``betas``
     out.append(Case("eightbit", scheduler="onecycle", optimizer="sgd"))
@@ -367,7 +367,12 @@ class SaveAt(Callback):
 
 def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
     """The plugin callbacks of ``case`` (fresh instances)."""
-    from lightning_efficient import ActivationMemory, EightBitOptimizer, MemoryReport, SelectiveTokenLoss
+    from lightning_efficient import (
+        ActivationMemory,
+        EightBitOptimizer,
+        MemoryReport,
+        SelectiveTokenLoss,
+    )
 
     def activations() -> Callback:  # disk writes every saved tensor; auto plans for half the kept bytes
         budget = 0.5 if case.activation_policy == "auto" else None
@@ -465,7 +470,7 @@ def _one_fit(case: Case, world: int, module: TinyLM, extra: list[Callback], work
     error = None
     try:
         trainer.fit(module, ckpt_path=ckpt_path)
-    except Exception as exc:  # the raise of a "raise" case, a refusal, or a crash: reported against the cell
+    except Exception as exc:  # noqa: BLE001 (a "raise" case's raise, a refusal or a crash: reported against the cell)
         error = f"{type(exc).__name__}: {exc}"
     return {"steps": recorder.steps, "micro": recorder.micro, "params": _params(module), "error": error,
             "callbacks": callbacks}

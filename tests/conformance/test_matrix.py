@@ -60,7 +60,7 @@ def single_trace(case: Case, root: Path) -> dict[str, Any]:
     if case not in _TRACES:
         try:
             _TRACES[case] = harness.fit(case, root / case.name)
-        except Exception as exc:  # a refusal or a crash is reported against the cell
+        except Exception as exc:  # noqa: BLE001 (a refusal or a crash is reported against the cell)
             _TRACES[case] = {"case": asdict(case), "error": f"{type(exc).__name__}: {exc}"}
     return _TRACES[case]
 
@@ -85,7 +85,7 @@ def _multi_launch(root):
     def launch() -> None:
         try:
             run_script(Path(__file__).parent / "multi_run.py", out, out / "cases.json", timeout=900)
-        except BaseException as exc:  # re-raised by multi_traces in the main thread
+        except BaseException as exc:  # noqa: BLE001 (re-raised by multi_traces in the main thread)
             outcome["error"] = exc
 
     thread = threading.Thread(target=launch, daemon=True)
