@@ -5,22 +5,22 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_efficient._validation import require, require_choice, require_int
 from lightning_efficient.tokens.normalize import (
+    StepTokenNormaliser,
     all_gather_variable,
     distributed_world_size,
-    global_kept_count,
     globally_normalised_loss,
 )
-from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses, deferred_reduction
+from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses, deferred_reduction
 from lightning_efficient.tokens.selection import METHODS, SCORES, KeepRatioSchedule, select_tokens
 
 _SCALAR_HELP = (
@@ -31,12 +31,43 @@ _SCALAR_HELP = (
 )
 
 
+Method = Literal["eslm", "rho1", "topk", "random", "none"]
+Score = Literal["loss", "entropy"]
+Scope = Literal["batch", "global"]
+
+_WRAPPER_MARK = "_selective_token_loss_wrapper"
+
+
 def _vocab_size(module: nn.Module) -> int | None:
+    """The vocabulary a module scores: its ``vocab_size`` attribute (HFCausalLM), its hyperparameter,
+    its config's or, for a Hugging Face model, its output embedding's rows (None when unknown)."""
+    own = getattr(module, "vocab_size", None)
+    if isinstance(own, int) and not isinstance(own, bool):
+        return own
     hparams = getattr(module, "hparams", None)
     if hparams is not None and isinstance(hparams.get("vocab_size"), int):
         return hparams["vocab_size"]
     config = getattr(module, "config", None)
-    return getattr(config, "vocab_size", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return config.vocab_size
+    embeddings = getattr(module, "get_output_embeddings", None)
+    head = embeddings() if callable(embeddings) else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
+
+
+def _restore_training_step(module: LightningModule) -> None:
+    """Take every SelectiveTokenLoss wrapper off ``module.training_step`` (one left by a fit that
+    raised included), keeping an instance-level ``training_step`` the user set below them."""
+    step = vars(module).get("training_step")
+    if step is None or not getattr(step, _WRAPPER_MARK, False):
+        return
+    while getattr(step, _WRAPPER_MARK, False):
+        step = step.__wrapped__
+    if getattr(step, "__self__", None) is module and getattr(step, "__func__", None) is type(module).training_step:
+        del module.training_step
+    else:
+        module.training_step = step
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -54,6 +85,17 @@ class SelectiveTokenLoss(Callback):
     the kept tokens. Logs ``selection/mean_loss`` (over all valid tokens), ``selection/kept_fraction``, ``selection/keep_ratio``,
     ``selection/threshold``, ``selection/kept_mean_score`` and ``selection/dropped_mean_score``.
 
+    The step's gradient is the mean over every kept token of all its micro-batches and ranks, as one
+    big batch would give, whatever the gradient accumulation and the strategy (single device,
+    ``ddp``, ``hetero_ddp``): each micro-batch contributes its kept-loss sum and the gradients are
+    divided by the step's global kept count in ``on_before_optimizer_step`` (after the last
+    backward and AMP unscaling, before gradient clipping; see
+    :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`). The ``"loss"`` Lightning
+    sees per micro-batch is therefore a scaled sum, not a mean: read ``selection/mean_loss``.
+    Under manual optimization the loss is each micro-batch's own global kept mean (warned once).
+    Extra keys of the module's output (``TokenLosses(..., accuracy=acc)``) reach
+    ``on_train_batch_end``'s ``outputs`` alongside ``"loss"``, ``"mask"`` and ``"keep"``.
+
     Args:
         method: ``"eslm"``, ``"rho1"``, ``"topk"``, ``"random"`` or ``"none"``.
         keep_ratio: fraction of valid tokens kept after warm-up and ramp, in (0, 1]
@@ -68,7 +110,7 @@ class SelectiveTokenLoss(Callback):
         start_keep_ratio: the ratio the ramp starts from, in (0, 1].
         reference: ``rho1``'s reference model: a Lightning checkpoint path of the same module class,
             or an ``nn.Module`` whose ``training_step`` returns per-token losses; run in eval mode
-            under ``no_grad`` on the same batch and device.
+            under ``no_grad`` on the same batch and device. Its vocabulary must be the model's.
         reference_key: instead of a reference model, the batch key holding reference losses
             ``[batch, seq]``.
         seed: seed of ``random``: the draw of each rank, step and batch comes from a generator seeded
@@ -77,15 +119,16 @@ class SelectiveTokenLoss(Callback):
 
     Raises:
         ValueError: naming the argument for an unknown method or score, a ratio outside (0, 1], or
-            ``rho1`` without a reference.
+            ``rho1`` without a reference; at setup (before the first step), for a reference
+            checkpoint of another class or a reference with another vocabulary.
     """
 
     def __init__(
         self,
-        method: str = "eslm",
+        method: Method = "eslm",
         keep_ratio: float = 0.7,
-        score: str = "loss",
-        scope: str = "batch",
+        score: Score = "loss",
+        scope: Scope = "batch",
         warmup_steps: int = 0,
         ramp_steps: int = 0,
         start_keep_ratio: float = 1.0,
@@ -118,6 +161,8 @@ class SelectiveTokenLoss(Callback):
         self._rank = 0
         self._reference_module: nn.Module | None = None
         self._wrapped: LightningModule | None = None
+        self.normaliser = StepTokenNormaliser()
+        self._warned_manual = False
 
     # -- wiring ------------------------------------------------------------------------------
     @override
@@ -125,30 +170,44 @@ class SelectiveTokenLoss(Callback):
         if stage != "fit":
             return
         self._rank = trainer.global_rank
+        self.normaliser.reset()
         if self.method == "rho1" and self.reference is not None:
             self._reference_module = self._load_reference(pl_module)
+        _restore_training_step(pl_module)  # a wrapper left by an earlier fit that raised
         original = pl_module.training_step
 
         @functools.wraps(original)
-        def training_step(*args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        def training_step(*args: Any, **kwargs: Any) -> NormalisedTokenLoss:
             with deferred_reduction():
                 output = original(*args, **kwargs)
             return self._step_loss(trainer, pl_module, output, args, kwargs)
 
+        setattr(training_step, _WRAPPER_MARK, True)
         pl_module.training_step = training_step
         self._wrapped = pl_module
 
     def _load_reference(self, pl_module: LightningModule) -> nn.Module:
+        cls = type(pl_module)
         if isinstance(self.reference, str):
-            reference = type(pl_module).load_from_checkpoint(self.reference, map_location="cpu")
+            try:
+                reference = cls.load_from_checkpoint(self.reference, map_location="cpu")
+            except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as error:
+                raise ValueError(
+                    f"reference={self.reference!r} is not allowed: it does not load as a {cls.__name__} "
+                    f"checkpoint ({type(error).__name__}: {str(error).splitlines()[0][:300]}); expected a "
+                    f"Lightning checkpoint of the model's class {cls.__name__}, or pass the reference as an "
+                    "nn.Module whose training_step returns per-token losses."
+                ) from error
+            shown = self.reference
         else:
             reference = self.reference
+            shown = f"<{type(reference).__name__}>"
         ours, theirs = _vocab_size(pl_module), _vocab_size(reference)
         if ours is not None and theirs is not None and ours != theirs:
-            shown = self.reference if isinstance(self.reference, str) else f"<{type(reference).__name__}>"
             raise ValueError(
-                f"reference={shown!r} is not allowed: its vocab_size={theirs} differs from the "
-                f"model's vocab_size={ours}; the reference must score the same tokens."
+                f"reference={shown!r} is not allowed: its vocab_size={theirs} differs from the model's "
+                f"vocab_size={ours} (a {type(reference).__name__} reference for a {cls.__name__} model); expected a "
+                "reference with the model's vocabulary, scoring the same tokens."
             )
         reference.eval().requires_grad_(False)
         reference.log = _noop  # the reference is not attached to the Trainer: its logging is dropped
@@ -166,10 +225,24 @@ class SelectiveTokenLoss(Callback):
         )
 
     @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # after the step's last backward (and AMP unscaling), before gradient clipping
+        self.normaliser.normalise_gradients(optimizer)
+
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._wrapped is not None and "training_step" in vars(self._wrapped):
-            del self._wrapped.training_step
+        self._unwrap()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Lightning skips teardown when fit raises: the module must not keep the wrapper
+        self._unwrap()
+
+    def _unwrap(self) -> None:
+        if self._wrapped is not None:
+            _restore_training_step(self._wrapped)
         self._wrapped = None
+        self.normaliser.reset()
 
     # -- the step loss -----------------------------------------------------------------------
     def _per_token(self, output: Any, want_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -213,11 +286,10 @@ class SelectiveTokenLoss(Callback):
             generator=self.generator,
             gather=all_gather_variable if self.scope == "global" and distributed_world_size() > 1 else None,
         )
-        global_count = global_kept_count(selection.keep, losses.dtype)
-        loss = globally_normalised_loss(losses, selection.keep, global_count)
+        loss = self._loss(trainer, pl_module, losses, selection.keep)
         valid_count = valid.sum().clamp_min(1)
         stats = {
-            "selection/mean_loss": float(torch.where(valid, losses.detach(), 0.0).sum() / valid_count),
+            "selection/mean_loss": float(torch.where(valid, losses.detach().double(), 0.0).sum() / valid_count),
             "selection/keep_ratio": keep_ratio,
             "selection/kept_fraction": selection.kept_fraction,
             "selection/threshold": math.nan if selection.threshold is None else selection.threshold,
@@ -225,10 +297,23 @@ class SelectiveTokenLoss(Callback):
             "selection/dropped_mean_score": selection.dropped_mean_score,
         }
         pl_module.log_dict(stats, on_step=True, on_epoch=False, batch_size=int(valid.shape[0]))
-        return {
-            "loss": loss, "mask": valid.detach(), "keep": selection.keep,
-            "normalised": "global_tokens", "global_count": global_count.detach(),
-        }
+        extra = output.extra() if isinstance(output, (TokenLosses, FusedTokenLoss)) else {}
+        return NormalisedTokenLoss(extra, loss=loss, mask=valid.detach(), keep=selection.keep)
+
+    def _loss(self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, keep: Tensor) -> Tensor:
+        """The micro-batch's loss: its kept sum weighted for the step (automatic optimization), or
+        its own global kept mean (manual optimization, where the user calls backward and step)."""
+        if not pl_module.automatic_optimization:
+            if not self._warned_manual:
+                rank_zero_warn(
+                    "SelectiveTokenLoss: manual optimization: each training_step's loss is the mean over its own "
+                    "kept tokens (all ranks); with several backward passes per optimizer step, weight them yourself."
+                )
+                self._warned_manual = True
+            return globally_normalised_loss(losses, keep)
+        kept = torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
+        local_sum = kept.sum(dtype=torch.promote_types(losses.dtype, torch.float32))
+        return self.normaliser.micro_batch_loss(local_sum, keep.sum(), trainer.accumulate_grad_batches)
 
     def draw_seed(self, step: int, batch_idx: int) -> int:
         """The seed of ``random``'s draw on this rank at ``step`` for batch ``batch_idx``."""
