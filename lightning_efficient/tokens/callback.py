@@ -189,6 +189,7 @@ class SelectiveTokenLoss(Callback):
     def _load_reference(self, pl_module: LightningModule) -> nn.Module:
         cls = type(pl_module)
         if isinstance(self.reference, str):
+            self._check_reference_checkpoint(pl_module)
             try:
                 reference = cls.load_from_checkpoint(self.reference, map_location="cpu")
             except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as error:
@@ -213,6 +214,24 @@ class SelectiveTokenLoss(Callback):
         reference.log = _noop  # the reference is not attached to the Trainer: its logging is dropped
         reference.log_dict = _noop
         return reference
+
+    def _check_reference_checkpoint(self, pl_module: LightningModule) -> None:
+        """Refuse a checkpoint whose weights are not the model class's, before building anything from
+        it (``load_from_checkpoint`` drops hyperparameters the class does not take, so another
+        class's checkpoint would build a default-sized model first)."""
+        checkpoint = torch.load(self.reference, map_location="cpu", mmap=True, weights_only=False)
+        theirs = set(checkpoint.get("state_dict", {}) if isinstance(checkpoint, dict) else {})
+        ours = set(pl_module.state_dict())
+        if ours and ours != theirs:  # (a model built in configure_model has no weights yet: no check)
+            cls = type(pl_module).__name__
+            missing, unexpected = sorted(ours - theirs), sorted(theirs - ours)
+            raise ValueError(
+                f"reference={self.reference!r} is not allowed: it is not a checkpoint of the model's class {cls} "
+                f"({len(missing)} of its {len(ours)} weights missing, e.g. {missing[:3]}; {len(unexpected)} "
+                f"unexpected, e.g. {unexpected[:3]}); expected a Lightning checkpoint of {cls}, or pass the "
+                "reference as an nn.Module whose training_step returns per-token losses."
+            )
+        del checkpoint
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
