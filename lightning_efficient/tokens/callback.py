@@ -56,18 +56,22 @@ def _vocab_size(module: nn.Module) -> int | None:
     return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
 
 
-def _restore_training_step(module: LightningModule) -> None:
-    """Take every SelectiveTokenLoss wrapper off ``module.training_step`` (one left by a fit that
-    raised included), keeping an instance-level ``training_step`` the user set below them."""
-    step = vars(module).get("training_step")
-    if step is None or not getattr(step, _WRAPPER_MARK, False):
-        return
-    while getattr(step, _WRAPPER_MARK, False):
-        step = step.__wrapped__
-    if getattr(step, "__self__", None) is module and getattr(step, "__func__", None) is type(module).training_step:
-        del module.training_step
-    else:
-        module.training_step = step
+_WRAPPED_HOOKS = ("training_step", "optimizer_step")
+
+
+def _restore_hooks(module: LightningModule) -> None:
+    """Take every SelectiveTokenLoss wrapper off ``module.training_step`` and ``optimizer_step`` (one
+    left by a fit that raised included), keeping an instance-level method the user set below them."""
+    for name in _WRAPPED_HOOKS:
+        method = vars(module).get(name)
+        if method is None or not getattr(method, _WRAPPER_MARK, False):
+            continue
+        while getattr(method, _WRAPPER_MARK, False):
+            method = method.__wrapped__
+        if getattr(method, "__self__", None) is module and getattr(method, "__func__", None) is getattr(type(module), name):
+            delattr(module, name)
+        else:
+            setattr(module, name, method)
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -88,8 +92,9 @@ class SelectiveTokenLoss(Callback):
     The step's gradient is the mean over every kept token of all its micro-batches and ranks, as one
     big batch would give, whatever the gradient accumulation and the strategy (single device,
     ``ddp``, ``hetero_ddp``): each micro-batch contributes its kept-loss sum and the gradients are
-    divided by the step's global kept count in ``on_before_optimizer_step`` (after the last
-    backward and AMP unscaling, before gradient clipping; see
+    divided by the step's global kept count right after the step's last backward, before AMP
+    unscaling, any ``on_before_optimizer_step`` hook, gradient clipping and the optimizer see them
+    (the callback wraps the optimizer closure in the module's ``optimizer_step``; see
     :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`). The ``"loss"`` Lightning
     sees per micro-batch is therefore a scaled sum, not a mean: read ``selection/mean_loss``.
     Under manual optimization the loss is each micro-batch's own global kept mean (warned once).
@@ -173,7 +178,7 @@ class SelectiveTokenLoss(Callback):
         self.normaliser.reset()
         if self.method == "rho1" and self.reference is not None:
             self._reference_module = self._load_reference(pl_module)
-        _restore_training_step(pl_module)  # a wrapper left by an earlier fit that raised
+        _restore_hooks(pl_module)  # wrappers left by an earlier fit that raised
         original = pl_module.training_step
 
         @functools.wraps(original)
@@ -182,8 +187,25 @@ class SelectiveTokenLoss(Callback):
                 output = original(*args, **kwargs)
             return self._step_loss(trainer, pl_module, output, args, kwargs)
 
-        setattr(training_step, _WRAPPER_MARK, True)
+        original_optimizer_step = pl_module.optimizer_step
+
+        @functools.wraps(original_optimizer_step)
+        def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+            if optimizer_closure is None:
+                return original_optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+            def closure_then_normalise() -> Any:
+                result = optimizer_closure()
+                # after the step's last backward, before unscaling, hooks, clipping and the optimizer
+                self.normaliser.normalise_gradients(optimizer)
+                return result
+
+            return original_optimizer_step(epoch, batch_idx, optimizer, closure_then_normalise)
+
+        for wrapper in (training_step, optimizer_step):
+            setattr(wrapper, _WRAPPER_MARK, True)
         pl_module.training_step = training_step
+        pl_module.optimizer_step = optimizer_step
         self._wrapped = pl_module
 
     def _load_reference(self, pl_module: LightningModule) -> nn.Module:
@@ -244,11 +266,6 @@ class SelectiveTokenLoss(Callback):
         )
 
     @override
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        # after the step's last backward (and AMP unscaling), before gradient clipping
-        self.normaliser.normalise_gradients(optimizer)
-
-    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._unwrap()
 
@@ -259,7 +276,7 @@ class SelectiveTokenLoss(Callback):
 
     def _unwrap(self) -> None:
         if self._wrapped is not None:
-            _restore_training_step(self._wrapped)
+            _restore_hooks(self._wrapped)
         self._wrapped = None
         self.normaliser.reset()
 
@@ -287,7 +304,7 @@ class SelectiveTokenLoss(Callback):
 
     def _step_loss(
         self, trainer: Trainer, pl_module: LightningModule, output: Any, args: tuple, kwargs: dict
-    ) -> dict[str, Any]:
+    ) -> NormalisedTokenLoss:
         losses, valid, entropy = self._per_token(output, want_entropy=self.score == "entropy")
         non_finite = int((valid & ~torch.isfinite(losses)).sum())
         if non_finite:
@@ -325,8 +342,9 @@ class SelectiveTokenLoss(Callback):
         if not pl_module.automatic_optimization:
             if not self._warned_manual:
                 rank_zero_warn(
-                    "SelectiveTokenLoss: manual optimization: each training_step's loss is the mean over its own "
-                    "kept tokens (all ranks); with several backward passes per optimizer step, weight them yourself."
+                    "SelectiveTokenLoss: manual optimization: the loss returned for each training_step is the mean "
+                    "over its own kept tokens (all ranks), not weighted across micro-batches; with several backward "
+                    "passes per optimizer step, weight them yourself."
                 )
                 self._warned_manual = True
             return globally_normalised_loss(losses, keep)

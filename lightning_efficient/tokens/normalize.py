@@ -94,10 +94,10 @@ class StepTokenNormaliser:
     the same as one big batch, also for a last step with fewer micro-batches than ``A``. Counts are
     kept in float64 (exact up to 2**53 tokens); the host waits for the device once a step, for ``K / T``.
 
-    Used by :class:`~lightning_efficient.tokens.SelectiveTokenLoss` (from its
-    ``on_before_optimizer_step``, after the last backward and AMP unscaling, before gradient
-    clipping) and by the ``hetero_ddp`` strategy for :class:`~lightning_efficient.tokens.TokenLosses`
-    without the callback (from its optimizer-step closure).
+    Used by :class:`~lightning_efficient.tokens.SelectiveTokenLoss` and by the ``hetero_ddp`` strategy
+    for :class:`~lightning_efficient.tokens.TokenLosses` without the callback, both from the optimizer
+    closure: after the step's last backward, before AMP unscaling, ``on_before_optimizer_step``
+    hooks, gradient clipping and the optimizer.
     """
 
     def __init__(self) -> None:

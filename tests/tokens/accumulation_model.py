@@ -65,10 +65,15 @@ class Tiny(lightning.LightningModule):
 
 
 class StepGrads(lightning.Callback):
-    """The gradients each optimizer step used (after normalisation and clipping), rank 0's."""
+    """The gradients each optimizer step used (after normalisation and clipping: ``steps``), the
+    gradients ``on_before_optimizer_step`` sees (before clipping: ``before_clipping``) and the
+    micro-batches' input ids, on rank 0. Listed before SelectiveTokenLoss, so its hook runs first."""
 
     def __init__(self):
-        self.steps, self.batches = [], []
+        self.steps, self.before_clipping, self.batches = [], [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before_clipping.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
 
     def on_fit_start(self, trainer, pl_module):
         self.init = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
@@ -87,7 +92,7 @@ def fit(method, scope, fused=False, steps=2, clip=None, **trainer_kwargs):
     trainer = lightning.Trainer(
         accelerator="cpu", precision="64-true", max_steps=steps, accumulate_grad_batches=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=clip, callbacks=[SelectiveTokenLoss(method=method, keep_ratio=0.5, scope=scope), grads],
+        gradient_clip_val=clip, callbacks=[grads, SelectiveTokenLoss(method=method, keep_ratio=0.5, scope=scope)],
         **trainer_kwargs,
     )
     trainer.fit(Tiny(fused))

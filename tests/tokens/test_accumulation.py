@@ -28,6 +28,8 @@ def test_accumulated_step_equals_one_batch_over_its_tokens(fused, method, clip):
     for step, grads in enumerate(run.steps):
         micro = [[4 * step, 4 * step + 1], [4 * step + 2, 4 * step + 3]]
         want = reference_step_grads(run.init, method, micro, clip=clip)
+        # every on_before_optimizer_step hook sees the normalised gradients, before clipping
+        _assert_equal(run.before_clipping[step], reference_step_grads(run.init, method, micro))
         if clip is not None:  # the clip is active: the reference's norm was above it
             assert abs(float(torch.cat([g.flatten() for g in want.values()]).norm()) - clip) < 1e-5
         _assert_equal(grads, want)

@@ -99,10 +99,10 @@ def test_a_fit_that_raises_leaves_nothing_and_the_next_fit_trains_as_a_fresh_one
     kwargs = {"precision": "64-true", "accumulate_grad_batches": 2}
     with pytest.raises(RuntimeError, match="interrupted"):
         _trainer(callbacks, steps=3, **kwargs).fit(model)
-    assert "training_step" not in vars(model)
+    assert "training_step" not in vars(model) and "optimizer_step" not in vars(model)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     _trainer(callbacks, steps=3, **kwargs).fit(model)  # the same module and callbacks, run again
-    assert "training_step" not in vars(model)
+    assert "training_step" not in vars(model) and "optimizer_step" not in vars(model)
     fresh = _TinyLearning().double()
     fresh.load_state_dict(start)
     _trainer([SelectiveTokenLoss(method="topk", keep_ratio=0.5)], steps=3, **kwargs).fit(fresh)
