@@ -7,7 +7,6 @@ Usage: python ddp_accumulate.py OUT.pt METHOD SCOPE
 import sys
 
 import torch
-
 from accumulation_model import fit
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from tests.ddp import run_script
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import ddp_global_norm as script  # noqa: E402
+import ddp_global_norm as script
 
 
 @pytest.mark.parametrize(("method", "scope"), [("topk", "global"), ("none", "batch")])
