@@ -322,7 +322,7 @@ class SelectiveTokenLoss(Callback):
             generator=self.generator,
             gather=all_gather_variable if self.scope == "global" and distributed_world_size() > 1 else None,
         )
-        loss = self._loss(trainer, pl_module, losses, selection.keep)
+        loss = self._loss(trainer, pl_module, losses, selection.keep, int(batch_idx))
         valid_count = valid.sum().clamp_min(1)
         stats = {
             "selection/mean_loss": float(torch.where(valid, losses.detach().double(), 0.0).sum() / valid_count),
@@ -336,7 +336,9 @@ class SelectiveTokenLoss(Callback):
         extra = output.extra() if isinstance(output, (TokenLosses, FusedTokenLoss)) else {}
         return NormalisedTokenLoss(extra, loss=loss, mask=valid.detach(), keep=selection.keep)
 
-    def _loss(self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, keep: Tensor) -> Tensor:
+    def _loss(
+        self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, keep: Tensor, batch_idx: int
+    ) -> Tensor:
         """The micro-batch's loss: its kept sum weighted for the step (automatic optimization), or
         its own global kept mean (manual optimization, where the user calls backward and step)."""
         if not pl_module.automatic_optimization:
@@ -348,6 +350,9 @@ class SelectiveTokenLoss(Callback):
                 )
                 self._warned_manual = True
             return globally_normalised_loss(losses, keep)
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            # a step's first micro-batch: forget tokens counted by a call outside the loop (a profile)
+            self.normaliser.begin_step()
         kept = torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
         local_sum = kept.sum(dtype=torch.promote_types(losses.dtype, torch.float32))
         return self.normaliser.micro_batch_loss(local_sum, keep.sum(), trainer.accumulate_grad_batches)

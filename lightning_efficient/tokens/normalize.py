@@ -109,6 +109,11 @@ class StepTokenNormaliser:
         self.scale = None
         self.step_tokens = None
 
+    def begin_step(self) -> None:
+        """Forget the tokens counted so far in this step (call it at a step's first micro-batch, so that
+        a ``training_step`` run outside the loop, e.g. to profile memory, is not counted)."""
+        self.step_tokens = None
+
     def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int) -> Tensor:
         """This micro-batch's loss: its local token-loss sum times ``W * A / K``.
 

@@ -84,7 +84,7 @@ class StepGrads(lightning.Callback):
             self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
 
 
-def fit(method, scope, fused=False, steps=2, clip=None, **trainer_kwargs):
+def fit(method, scope, fused=False, steps=2, clip=None, extra_callbacks=(), **trainer_kwargs):
     """Train ``steps`` steps with accumulation 2; return the StepGrads callback (initial state,
     per-step gradients, micro-batches' input ids)."""
     lightning.seed_everything(0)
@@ -92,7 +92,7 @@ def fit(method, scope, fused=False, steps=2, clip=None, **trainer_kwargs):
     trainer = lightning.Trainer(
         accelerator="cpu", precision="64-true", max_steps=steps, accumulate_grad_batches=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=clip, callbacks=[grads, SelectiveTokenLoss(method=method, keep_ratio=0.5, scope=scope)],
+        gradient_clip_val=clip, callbacks=[grads, SelectiveTokenLoss(method=method, keep_ratio=0.5, scope=scope), *extra_callbacks],
         **trainer_kwargs,
     )
     trainer.fit(Tiny(fused))

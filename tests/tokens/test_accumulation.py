@@ -1,6 +1,7 @@
 """With SelectiveTokenLoss, a step's gradient is the mean over every kept token of all its
 micro-batches (and ranks), as one big batch gives: not a mean of micro-batch means."""
 
+import lightning
 import pytest
 import torch
 
@@ -33,6 +34,22 @@ def test_accumulated_step_equals_one_batch_over_its_tokens(fused, method, clip):
         if clip is not None:  # the clip is active: the reference's norm was above it
             assert abs(float(torch.cat([g.flatten() for g in want.values()]).norm()) - clip) < 1e-5
         _assert_equal(grads, want)
+
+
+class _ProfileFirstMicroBatch(lightning.Callback):
+    """Runs the (wrapped) training_step and its backward outside the loop before each step, as a
+    memory profile does, then clears the gradients."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            pl_module.training_step(batch, batch_idx)["loss"].backward()
+            pl_module.zero_grad(set_to_none=True)
+
+
+def test_a_training_step_run_outside_the_loop_is_not_counted():
+    run = fit("topk", "batch", extra_callbacks=[_ProfileFirstMicroBatch()])
+    for step, grads in enumerate(run.steps):
+        _assert_equal(grads, reference_step_grads(run.init, "topk", [[4 * step, 4 * step + 1], [4 * step + 2, 4 * step + 3]]))
 
 
 def test_ddp_with_accumulation_equals_one_batch_over_its_tokens(tmp_path):
