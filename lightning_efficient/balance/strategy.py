@@ -21,6 +21,8 @@ from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.memory import first_tensor
+from lightning_efficient.tokens.normalize import StepTokenNormaliser
+from lightning_efficient.tokens.output import NormalisedTokenLoss
 
 
 class _BalancedLoader(DataLoader):
@@ -139,8 +141,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._last_gradient_time = 0.0
         self._timing_hooks: list = []
         self._probed_caps: list[int | None] | None = None
-        self._step_tokens: float | None = None  # this rank's valid tokens in the step's micro-batches so far
-        self._token_scale: float | None = None  # K: the previous step's global token count
+        self._token_normaliser = StepTokenNormaliser()  # token-weighted steps (TokenLosses without the callback)
         self._warned_manual = False
 
     # -- the plan -----------------------------------------------------------------------------
@@ -278,10 +279,12 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         Lightning divides each micro-batch's loss by the accumulation ``A`` and DDP averages over
         the ``W`` ranks. By samples, each micro-batch loss (a mean over its samples) is multiplied by
         ``samples * W * A / global_batch`` — the plan fixes every size, so no communication. By
-        tokens, the global token count of the step is only known after its last micro-batch: each
-        micro-batch contributes its token *sum* times ``W * A / K`` for a constant ``K`` the same on
-        every rank (the previous step's count), and the gradients are multiplied by ``K / count``
+        tokens (an output with a ``"mask"``), the global token count of the step is only known after
+        its last micro-batch: :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`
+        weights each micro-batch's token *sum* by ``W * A / K`` and the gradients by ``K / count``
         once the step's last backward is done (:meth:`optimizer_step`), with one all-reduce a step.
+        A :class:`~lightning_efficient.tokens.output.NormalisedTokenLoss` (``SelectiveTokenLoss``'s
+        output) is already weighted so by the callback and is left as it is.
         """
         if not self.lightning_module.automatic_optimization:
             if not self._warned_manual:
@@ -290,18 +293,14 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 self._warned_manual = True
             return output
         accumulation = self._plan.accumulation
+        if isinstance(output, NormalisedTokenLoss):  # SelectiveTokenLoss's normaliser weights it for the step
+            return output
         if isinstance(output, Mapping):
             if "loss" not in output:
                 return output
             loss, mask = output["loss"], output.get("mask")
-            if output.get("normalised") == "global_tokens":
-                if accumulation == 1:  # already the mean over the step's global (kept) tokens
-                    return output
-                # loss = kept sum * W / global count: back to this rank's kept sum
-                local_sum = loss * output["global_count"].to(loss.dtype) / self.world_size
-                return {**output, "loss": self._token_weighted(local_sum, float(output["keep"].sum()))}
             if isinstance(mask, Tensor):
-                count = float(mask.sum())
+                count = mask.sum()
                 return {**output, "loss": self._token_weighted(loss * count, count)}
         elif isinstance(output, Tensor):
             loss = output
@@ -310,15 +309,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         scaled = loss * (samples * self.world_size * accumulation / self._sampler.global_batch)
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
-    def _token_weighted(self, local_sum: Tensor, count: float) -> Tensor:
+    def _token_weighted(self, local_sum: Tensor, count: Tensor) -> Tensor:
         """This micro-batch's token-loss sum, scaled by ``W * A / K`` (see :meth:`_scaled`)."""
-        accumulation = self._plan.accumulation
-        if self._token_scale is None:  # the first step: one all-reduce estimates the step's count
-            first = torch.tensor([count], dtype=torch.float64, device=self.root_device)
-            dist.all_reduce(first)
-            self._token_scale = max(float(first) * accumulation, 1.0)
-        self._step_tokens = (self._step_tokens or 0.0) + count
-        return local_sum * (self.world_size * accumulation / self._token_scale)
+        return self._token_normaliser.micro_batch_loss(local_sum, count, self._plan.accumulation)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -333,19 +326,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, closure_then_normalise, model, **kwargs)
 
     def _normalise_token_gradients(self, optimizer: Any) -> None:
-        if self._step_tokens is None:
-            return
-        total = torch.tensor([self._step_tokens], dtype=torch.float64, device=self.root_device)
-        dist.all_reduce(total)
-        total_tokens = max(float(total), 1.0)
-        factor = self._token_scale / total_tokens
-        self._step_tokens, self._token_scale = None, total_tokens
-        if factor == 1.0:
-            return
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(factor)
+        self._token_normaliser.normalise_gradients(optimizer)
 
     def _maybe_rebalance(self) -> None:
         step = self.lightning_module.trainer.global_step

@@ -2,15 +2,23 @@
 
 from lightning_efficient.tokens.callback import SelectiveTokenLoss
 from lightning_efficient.tokens.linear_ce import linear_cross_entropy
-from lightning_efficient.tokens.normalize import globally_normalised_loss
-from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses, deferred_reduction, masked_mean
+from lightning_efficient.tokens.normalize import StepTokenNormaliser, globally_normalised_loss
+from lightning_efficient.tokens.output import (
+    FusedTokenLoss,
+    NormalisedTokenLoss,
+    TokenLosses,
+    deferred_reduction,
+    masked_mean,
+)
 from lightning_efficient.tokens.selection import KeepRatioSchedule, Selection, select_tokens
 
 __all__ = [
     "FusedTokenLoss",
     "KeepRatioSchedule",
+    "NormalisedTokenLoss",
     "Selection",
     "SelectiveTokenLoss",
+    "StepTokenNormaliser",
     "TokenLosses",
     "deferred_reduction",
     "globally_normalised_loss",

@@ -5,22 +5,22 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_efficient._validation import require, require_choice, require_int
 from lightning_efficient.tokens.normalize import (
+    StepTokenNormaliser,
     all_gather_variable,
     distributed_world_size,
-    global_kept_count,
     globally_normalised_loss,
 )
-from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses, deferred_reduction
+from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses, deferred_reduction
 from lightning_efficient.tokens.selection import METHODS, SCORES, KeepRatioSchedule, select_tokens
 
 _SCALAR_HELP = (
@@ -31,12 +31,47 @@ _SCALAR_HELP = (
 )
 
 
+Method = Literal["eslm", "rho1", "topk", "random", "none"]
+Score = Literal["loss", "entropy"]
+Scope = Literal["batch", "global"]
+
+_WRAPPER_MARK = "_selective_token_loss_wrapper"
+
+
 def _vocab_size(module: nn.Module) -> int | None:
+    """The vocabulary a module scores: its ``vocab_size`` attribute (HFCausalLM), its hyperparameter,
+    its config's or, for a Hugging Face model, its output embedding's rows (None when unknown)."""
+    own = getattr(module, "vocab_size", None)
+    if isinstance(own, int) and not isinstance(own, bool):
+        return own
     hparams = getattr(module, "hparams", None)
     if hparams is not None and isinstance(hparams.get("vocab_size"), int):
         return hparams["vocab_size"]
     config = getattr(module, "config", None)
-    return getattr(config, "vocab_size", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return config.vocab_size
+    embeddings = getattr(module, "get_output_embeddings", None)
+    head = embeddings() if callable(embeddings) else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
+
+
+_WRAPPED_HOOKS = ("training_step", "optimizer_step")
+
+
+def _restore_hooks(module: LightningModule) -> None:
+    """Take every SelectiveTokenLoss wrapper off ``module.training_step`` and ``optimizer_step`` (one
+    left by a fit that raised included), keeping an instance-level method the user set below them."""
+    for name in _WRAPPED_HOOKS:
+        method = vars(module).get(name)
+        if method is None or not getattr(method, _WRAPPER_MARK, False):
+            continue
+        while getattr(method, _WRAPPER_MARK, False):
+            method = method.__wrapped__
+        if getattr(method, "__self__", None) is module and getattr(method, "__func__", None) is getattr(type(module), name):
+            delattr(module, name)
+        else:
+            setattr(module, name, method)
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -54,6 +89,18 @@ class SelectiveTokenLoss(Callback):
     the kept tokens. Logs ``selection/mean_loss`` (over all valid tokens), ``selection/kept_fraction``, ``selection/keep_ratio``,
     ``selection/threshold``, ``selection/kept_mean_score`` and ``selection/dropped_mean_score``.
 
+    The step's gradient is the mean over every kept token of all its micro-batches and ranks, as one
+    big batch would give, whatever the gradient accumulation and the strategy (single device,
+    ``ddp``, ``hetero_ddp``): each micro-batch contributes its kept-loss sum and the gradients are
+    divided by the step's global kept count right after the step's last backward, before AMP
+    unscaling, any ``on_before_optimizer_step`` hook, gradient clipping and the optimizer see them
+    (the callback wraps the optimizer closure in the module's ``optimizer_step``; see
+    :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`). The ``"loss"`` Lightning
+    sees per micro-batch is therefore a scaled sum, not a mean: read ``selection/mean_loss``.
+    Under manual optimization the loss is each micro-batch's own global kept mean (warned once).
+    Extra keys of the module's output (``TokenLosses(..., accuracy=acc)``) reach
+    ``on_train_batch_end``'s ``outputs`` alongside ``"loss"``, ``"mask"`` and ``"keep"``.
+
     Args:
         method: ``"eslm"``, ``"rho1"``, ``"topk"``, ``"random"`` or ``"none"``.
         keep_ratio: fraction of valid tokens kept after warm-up and ramp, in (0, 1]
@@ -68,7 +115,7 @@ class SelectiveTokenLoss(Callback):
         start_keep_ratio: the ratio the ramp starts from, in (0, 1].
         reference: ``rho1``'s reference model: a Lightning checkpoint path of the same module class,
             or an ``nn.Module`` whose ``training_step`` returns per-token losses; run in eval mode
-            under ``no_grad`` on the same batch and device.
+            under ``no_grad`` on the same batch and device. Its vocabulary must be the model's.
         reference_key: instead of a reference model, the batch key holding reference losses
             ``[batch, seq]``.
         seed: seed of ``random``: the draw of each rank, step and batch comes from a generator seeded
@@ -77,15 +124,16 @@ class SelectiveTokenLoss(Callback):
 
     Raises:
         ValueError: naming the argument for an unknown method or score, a ratio outside (0, 1], or
-            ``rho1`` without a reference.
+            ``rho1`` without a reference; at setup (before the first step), for a reference
+            checkpoint of another class or a reference with another vocabulary.
     """
 
     def __init__(
         self,
-        method: str = "eslm",
+        method: Method = "eslm",
         keep_ratio: float = 0.7,
-        score: str = "loss",
-        scope: str = "batch",
+        score: Score = "loss",
+        scope: Scope = "batch",
         warmup_steps: int = 0,
         ramp_steps: int = 0,
         start_keep_ratio: float = 1.0,
@@ -118,6 +166,8 @@ class SelectiveTokenLoss(Callback):
         self._rank = 0
         self._reference_module: nn.Module | None = None
         self._wrapped: LightningModule | None = None
+        self.normaliser = StepTokenNormaliser()
+        self._warned_manual = False
 
     # -- wiring ------------------------------------------------------------------------------
     @override
@@ -125,35 +175,85 @@ class SelectiveTokenLoss(Callback):
         if stage != "fit":
             return
         self._rank = trainer.global_rank
+        self.normaliser.reset()
         if self.method == "rho1" and self.reference is not None:
             self._reference_module = self._load_reference(pl_module)
+        _restore_hooks(pl_module)  # wrappers left by an earlier fit that raised
         original = pl_module.training_step
 
         @functools.wraps(original)
-        def training_step(*args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        def training_step(*args: Any, **kwargs: Any) -> NormalisedTokenLoss:
             with deferred_reduction():
                 output = original(*args, **kwargs)
             return self._step_loss(trainer, pl_module, output, args, kwargs)
 
+        original_optimizer_step = pl_module.optimizer_step
+
+        @functools.wraps(original_optimizer_step)
+        def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+            if optimizer_closure is None:
+                return original_optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+            def closure_then_normalise() -> Any:
+                result = optimizer_closure()
+                # after the step's last backward, before unscaling, hooks, clipping and the optimizer
+                self.normaliser.normalise_gradients(optimizer)
+                return result
+
+            return original_optimizer_step(epoch, batch_idx, optimizer, closure_then_normalise)
+
+        for wrapper in (training_step, optimizer_step):
+            setattr(wrapper, _WRAPPER_MARK, True)
         pl_module.training_step = training_step
+        pl_module.optimizer_step = optimizer_step
         self._wrapped = pl_module
 
     def _load_reference(self, pl_module: LightningModule) -> nn.Module:
+        cls = type(pl_module)
         if isinstance(self.reference, str):
-            reference = type(pl_module).load_from_checkpoint(self.reference, map_location="cpu")
+            self._check_reference_checkpoint(pl_module)
+            try:
+                reference = cls.load_from_checkpoint(self.reference, map_location="cpu")
+            except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as error:
+                raise ValueError(
+                    f"reference={self.reference!r} is not allowed: it does not load as a {cls.__name__} "
+                    f"checkpoint ({type(error).__name__}: {str(error).splitlines()[0][:300]}); expected a "
+                    f"Lightning checkpoint of the model's class {cls.__name__}, or pass the reference as an "
+                    "nn.Module whose training_step returns per-token losses."
+                ) from error
+            shown = self.reference
         else:
             reference = self.reference
+            shown = f"<{type(reference).__name__}>"
         ours, theirs = _vocab_size(pl_module), _vocab_size(reference)
         if ours is not None and theirs is not None and ours != theirs:
-            shown = self.reference if isinstance(self.reference, str) else f"<{type(reference).__name__}>"
             raise ValueError(
-                f"reference={shown!r} is not allowed: its vocab_size={theirs} differs from the "
-                f"model's vocab_size={ours}; the reference must score the same tokens."
+                f"reference={shown!r} is not allowed: its vocab_size={theirs} differs from the model's "
+                f"vocab_size={ours} (a {type(reference).__name__} reference for a {cls.__name__} model); expected a "
+                "reference with the model's vocabulary, scoring the same tokens."
             )
         reference.eval().requires_grad_(False)
         reference.log = _noop  # the reference is not attached to the Trainer: its logging is dropped
         reference.log_dict = _noop
         return reference
+
+    def _check_reference_checkpoint(self, pl_module: LightningModule) -> None:
+        """Refuse a checkpoint whose weights are not the model class's, before building anything from
+        it (``load_from_checkpoint`` drops hyperparameters the class does not take, so another
+        class's checkpoint would build a default-sized model first)."""
+        checkpoint = torch.load(self.reference, map_location="cpu", mmap=True, weights_only=False)
+        theirs = set(checkpoint.get("state_dict", {}) if isinstance(checkpoint, dict) else {})
+        ours = set(pl_module.state_dict())
+        if ours and ours != theirs:  # (a model built in configure_model has no weights yet: no check)
+            cls = type(pl_module).__name__
+            missing, unexpected = sorted(ours - theirs), sorted(theirs - ours)
+            raise ValueError(
+                f"reference={self.reference!r} is not allowed: it is not a checkpoint of the model's class {cls} "
+                f"({len(missing)} of its {len(ours)} weights missing, e.g. {missing[:3]}; {len(unexpected)} "
+                f"unexpected, e.g. {unexpected[:3]}); expected a Lightning checkpoint of {cls}, or pass the "
+                "reference as an nn.Module whose training_step returns per-token losses."
+            )
+        del checkpoint
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -167,9 +267,18 @@ class SelectiveTokenLoss(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._wrapped is not None and "training_step" in vars(self._wrapped):
-            del self._wrapped.training_step
+        self._unwrap()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Lightning skips teardown when fit raises: the module must not keep the wrapper
+        self._unwrap()
+
+    def _unwrap(self) -> None:
+        if self._wrapped is not None:
+            _restore_hooks(self._wrapped)
         self._wrapped = None
+        self.normaliser.reset()
 
     # -- the step loss -----------------------------------------------------------------------
     def _per_token(self, output: Any, want_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -195,7 +304,7 @@ class SelectiveTokenLoss(Callback):
 
     def _step_loss(
         self, trainer: Trainer, pl_module: LightningModule, output: Any, args: tuple, kwargs: dict
-    ) -> dict[str, Any]:
+    ) -> NormalisedTokenLoss:
         losses, valid, entropy = self._per_token(output, want_entropy=self.score == "entropy")
         non_finite = int((valid & ~torch.isfinite(losses)).sum())
         if non_finite:
@@ -213,11 +322,10 @@ class SelectiveTokenLoss(Callback):
             generator=self.generator,
             gather=all_gather_variable if self.scope == "global" and distributed_world_size() > 1 else None,
         )
-        global_count = global_kept_count(selection.keep, losses.dtype)
-        loss = globally_normalised_loss(losses, selection.keep, global_count)
+        loss = self._loss(trainer, pl_module, losses, selection.keep, int(batch_idx))
         valid_count = valid.sum().clamp_min(1)
         stats = {
-            "selection/mean_loss": float(torch.where(valid, losses.detach(), 0.0).sum() / valid_count),
+            "selection/mean_loss": float(torch.where(valid, losses.detach().double(), 0.0).sum() / valid_count),
             "selection/keep_ratio": keep_ratio,
             "selection/kept_fraction": selection.kept_fraction,
             "selection/threshold": math.nan if selection.threshold is None else selection.threshold,
@@ -225,10 +333,29 @@ class SelectiveTokenLoss(Callback):
             "selection/dropped_mean_score": selection.dropped_mean_score,
         }
         pl_module.log_dict(stats, on_step=True, on_epoch=False, batch_size=int(valid.shape[0]))
-        return {
-            "loss": loss, "mask": valid.detach(), "keep": selection.keep,
-            "normalised": "global_tokens", "global_count": global_count.detach(),
-        }
+        extra = output.extra() if isinstance(output, (TokenLosses, FusedTokenLoss)) else {}
+        return NormalisedTokenLoss(extra, loss=loss, mask=valid.detach(), keep=selection.keep)
+
+    def _loss(
+        self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, keep: Tensor, batch_idx: int
+    ) -> Tensor:
+        """The micro-batch's loss: its kept sum weighted for the step (automatic optimization), or
+        its own global kept mean (manual optimization, where the user calls backward and step)."""
+        if not pl_module.automatic_optimization:
+            if not self._warned_manual:
+                rank_zero_warn(
+                    "SelectiveTokenLoss: manual optimization: the loss returned for each training_step is the mean "
+                    "over its own kept tokens (all ranks), not weighted across micro-batches; with several backward "
+                    "passes per optimizer step, weight them yourself."
+                )
+                self._warned_manual = True
+            return globally_normalised_loss(losses, keep)
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            # a step's first micro-batch: forget tokens counted by a call outside the loop (a profile)
+            self.normaliser.begin_step()
+        kept = torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
+        local_sum = kept.sum(dtype=torch.promote_types(losses.dtype, torch.float32))
+        return self.normaliser.micro_batch_loss(local_sum, keep.sum(), trainer.accumulate_grad_batches)
 
     def draw_seed(self, step: int, batch_idx: int) -> int:
         """The seed of ``random``'s draw on this rank at ``step`` for batch ``batch_idx``."""

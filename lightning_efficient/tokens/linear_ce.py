@@ -9,10 +9,15 @@ known up to a scalar during the forward pass, so it is computed there (3 passes,
 does) and the backward pass only scales it.
 
 Inputs may be float32, bfloat16, float16 or float64; softmax, losses and gradient accumulation
-run in float32 (float64 for float64 inputs).
+run in float32 (float64 for float64 inputs). Under autocast the logits come from the autocast
+dtype's matmul, and the backward pass recomputes them under the same autocast state, so the
+gradient is exactly that of the loss the forward pass returned. With gradients disabled
+(``no_grad``, ``inference_mode``) or no input requiring one, only the losses are computed.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
@@ -45,53 +50,80 @@ def _softmax_grad(logits: Tensor, lse: Tensor, labels: Tensor, scale: Tensor) ->
     return grad.mul_(scale.unsqueeze(1))
 
 
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """The autocast state on ``device_type`` now, to re-enter around the backward's recomputation."""
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _autocast_as(state: tuple[str, bool, torch.dtype]) -> contextlib.AbstractContextManager:
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+def _forward(hidden, weight, bias, labels, ignore_index, chunk_size, reduction, with_entropy, needs_grad):
+    """The chunked forward pass. Returns ``(out, entropy, saved)``: the (reduced) losses, the
+    entropies (or None) and the tensors the backward pass needs (None when ``needs_grad``, which
+    of hidden, weight and bias need a gradient, is all false: then no gradient work is done)."""
+    acc = _accumulation_dtype(hidden.dtype)
+    n_tokens = hidden.shape[0]
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    any_grad = any(needs_grad)
+    losses = torch.zeros(n_tokens, dtype=acc, device=hidden.device)
+    lse = torch.zeros(n_tokens, dtype=acc, device=hidden.device) if any_grad else None
+    entropy = torch.zeros(n_tokens, dtype=acc, device=hidden.device) if with_entropy else None
+    n_valid = valid.sum()
+    eager = reduction != "none" and any_grad
+    if eager:
+        scale = valid.to(acc) / (n_valid.clamp_min(1).to(acc) if reduction == "mean" else 1.0)
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=acc) if needs_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and needs_grad[2] else None
+    for start in range(0, n_tokens, chunk_size):
+        rows = slice(start, start + chunk_size)
+        h = hidden[rows]
+        logits = _chunk_logits(h, weight, bias, acc)
+        chunk_lse = torch.logsumexp(logits, dim=1)
+        target = logits.gather(1, safe_labels[rows].unsqueeze(1)).squeeze(1)
+        losses[rows] = torch.where(valid[rows], chunk_lse - target, torch.zeros_like(chunk_lse))
+        if lse is not None:
+            lse[rows] = chunk_lse
+        if with_entropy:
+            probs = torch.softmax(logits, dim=1)
+            entropy[rows] = torch.where(valid[rows], chunk_lse - (probs * logits).sum(1), torch.zeros_like(chunk_lse))
+        if eager:
+            grad = _softmax_grad(logits, chunk_lse, safe_labels[rows], scale[rows]).to(hidden.dtype)
+            grad_hidden[rows] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ h).to(acc)
+            if grad_bias is not None:
+                grad_bias += grad.sum(0).to(acc)
+    if not any_grad:
+        saved = None
+    elif eager:
+        saved = (grad_hidden, grad_weight, grad_bias)
+    else:
+        saved = (hidden, weight, bias, safe_labels, valid, lse)
+    if reduction == "mean":
+        out = losses.sum() / n_valid.clamp_min(1).to(acc)
+    elif reduction == "sum":
+        out = losses.sum()
+    else:
+        out = losses
+    return out, entropy, saved
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_size, reduction, with_entropy):
-        acc = _accumulation_dtype(hidden.dtype)
-        n_tokens = hidden.shape[0]
-        valid = labels != ignore_index
-        safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
-        losses = torch.zeros(n_tokens, dtype=acc, device=hidden.device)
-        lse = torch.zeros(n_tokens, dtype=acc, device=hidden.device)
-        entropy = torch.zeros(n_tokens, dtype=acc, device=hidden.device) if with_entropy else None
-        n_valid = valid.sum()
-        eager = reduction != "none" and any(ctx.needs_input_grad[:3])
-        if eager:
-            scale = valid.to(acc) / (n_valid.clamp_min(1).to(acc) if reduction == "mean" else 1.0)
-            grad_hidden = torch.zeros_like(hidden)
-            grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
-            grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
-        for start in range(0, n_tokens, chunk_size):
-            rows = slice(start, start + chunk_size)
-            h = hidden[rows]
-            logits = _chunk_logits(h, weight, bias, acc)
-            chunk_lse = torch.logsumexp(logits, dim=1)
-            target = logits.gather(1, safe_labels[rows].unsqueeze(1)).squeeze(1)
-            losses[rows] = torch.where(valid[rows], chunk_lse - target, torch.zeros_like(chunk_lse))
-            lse[rows] = chunk_lse
-            if with_entropy:
-                probs = torch.softmax(logits, dim=1)
-                entropy[rows] = torch.where(valid[rows], chunk_lse - (probs * logits).sum(1), torch.zeros_like(chunk_lse))
-            if eager:
-                grad = _softmax_grad(logits, chunk_lse, safe_labels[rows], scale[rows]).to(hidden.dtype)
-                grad_hidden[rows] = grad @ weight
-                if grad_weight is not None:
-                    grad_weight += (grad.t() @ h).to(acc)
-                if grad_bias is not None:
-                    grad_bias += grad.sum(0).to(acc)
+        # the autocast state the logits are computed under: the backward recomputes them under it
+        ctx.autocast = _autocast_state(hidden.device.type)
+        out, entropy, saved = _forward(
+            hidden, weight, bias, labels, ignore_index, chunk_size, reduction, with_entropy, ctx.needs_input_grad[:3]
+        )
         ctx.reduction = reduction
         ctx.chunk_size = chunk_size
-        if eager:
-            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        else:
-            ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, lse)
-        if reduction == "mean":
-            out = losses.sum() / n_valid.clamp_min(1).to(acc)
-        elif reduction == "sum":
-            out = losses.sum()
-        else:
-            out = losses
+        ctx.save_for_backward(*saved)
         if with_entropy:
             ctx.mark_non_differentiable(entropy)
             return out, entropy
@@ -116,17 +148,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias and bias is not None else None
-        for start in range(0, len(kept), ctx.chunk_size):
-            index = kept[start : start + ctx.chunk_size]
-            h = hidden.index_select(0, index)
-            logits = _chunk_logits(h, weight, bias, acc)
-            grad = _softmax_grad(logits, lse[index], labels[index], grad_out[index]).to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden.index_copy_(0, index, grad @ weight)
-            if grad_weight is not None:
-                grad_weight += (grad.t() @ h).to(acc)
-            if grad_bias is not None:
-                grad_bias += grad.sum(0).to(acc)
+        with _autocast_as(ctx.autocast):  # the forward's logits, bit for bit
+            for start in range(0, len(kept), ctx.chunk_size):
+                index = kept[start : start + ctx.chunk_size]
+                h = hidden.index_select(0, index)
+                logits = _chunk_logits(h, weight, bias, acc)
+                grad = _softmax_grad(logits, lse[index], labels[index], grad_out[index]).to(hidden.dtype)
+                if grad_hidden is not None:
+                    grad_hidden.index_copy_(0, index, (grad @ weight).to(grad_hidden.dtype))
+                if grad_weight is not None:
+                    grad_weight += (grad.t() @ h).to(acc)
+                if grad_bias is not None:
+                    grad_bias += grad.sum(0).to(acc)
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -183,11 +216,16 @@ def linear_cross_entropy(
         require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", chunk_size, "an integer >= 1 or None")
     check_head_inputs(hidden, weight, labels, bias)
     chunk = chunk_size or auto_chunk_size(weight.shape[0])
-    outputs = _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1), ignore_index, chunk, reduction,
-        return_entropy,
-    )
-    losses, entropy = outputs if return_entropy else (outputs, None)
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        outputs = _LinearCrossEntropy.apply(
+            flat_hidden, weight, bias, flat_labels, ignore_index, chunk, reduction, return_entropy
+        )
+        losses, entropy = outputs if return_entropy else (outputs, None)
+    else:  # validation, inference, a frozen head: the losses only, no gradient work or buffers
+        losses, entropy, _ = _forward(
+            flat_hidden, weight, bias, flat_labels, ignore_index, chunk, reduction, return_entropy, (False, False, False)
+        )
     if reduction == "none":
         losses = losses.view(labels.shape)
     if return_entropy:

@@ -27,8 +27,11 @@ class TokenLossSteps:
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         """Accumulate the token-weighted validation loss."""
         out = self.token_losses(batch)
-        losses = out.token_losses() if isinstance(out, FusedTokenLoss) else out.token_losses
-        self.val_loss.update(masked_mean(losses, out.mask), weight=out.mask.sum())
+        if "loss" in out:  # the mean over valid tokens, computed once (no gradient work in validation)
+            mean = out["loss"]
+        else:
+            mean = masked_mean(out.token_losses() if isinstance(out, FusedTokenLoss) else out.token_losses, out.mask)
+        self.val_loss.update(mean, weight=out.mask.sum())
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val_loss`` and ``val_ppl`` and print them once per validation."""

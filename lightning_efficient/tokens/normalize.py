@@ -37,8 +37,28 @@ def all_gather_variable(local: Tensor) -> Tensor:
 
 
 def global_kept_count(keep: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """Every rank's number of kept tokens, summed (at least 1, so that it can divide)."""
-    return global_sum(keep.sum().to(dtype)).clamp_min(1)
+    """Every rank's number of kept tokens, summed (at least 1, so that it can divide).
+
+    The count is taken in int64 and returned in ``dtype``, which must hold it exactly: float64
+    (the default) or an integer type. A half-precision count would be inf above 65,504 tokens
+    (float16) or rounded above 256 (bfloat16).
+
+    Raises:
+        ValueError: for a ``dtype`` that cannot hold a token count exactly.
+    """
+    if dtype.is_floating_point and dtype != torch.float64:
+        raise ValueError(f"dtype={dtype} is not allowed: expected torch.float64 or an integer dtype (exact counts).")
+    return global_sum(keep.sum(dtype=torch.int64)).clamp_min(1).to(dtype)
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float32: token-loss sums and divisions never run in half precision."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _kept_sum(token_losses: Tensor, keep: Tensor) -> Tensor:
+    losses = token_losses.to(_loss_dtype(token_losses.dtype))
+    return torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
 
 
 def globally_normalised_loss(token_losses: Tensor, keep: Tensor, global_count: Tensor | None = None) -> Tensor:
@@ -47,9 +67,81 @@ def globally_normalised_loss(token_losses: Tensor, keep: Tensor, global_count: T
     DDP averages gradients over ranks, so every rank's gradient of this loss averages to the
     gradient of (sum of every rank's kept losses) / (every rank's kept count): the update is the
     same however the tokens are split across ranks. ``global_count`` is that count when the caller
-    has it already (:func:`global_kept_count`); otherwise it is all-reduced here.
+    has it already (:func:`global_kept_count`); otherwise it is all-reduced here. The sum and the
+    division run in float32 at least (float16/bfloat16 losses give a float32 loss).
+
+    This is one micro-batch's global mean: with gradient accumulation, use
+    :class:`StepTokenNormaliser` to weight every token of the step alike.
     """
-    kept_sum = torch.where(keep, token_losses, torch.zeros((), dtype=token_losses.dtype, device=token_losses.device))
+    kept_sum = _kept_sum(token_losses, keep)
     if global_count is None:
-        global_count = global_kept_count(keep, token_losses.dtype)
-    return kept_sum.sum() * distributed_world_size() / global_count.to(token_losses.dtype)
+        global_count = global_kept_count(keep)
+    factor = distributed_world_size() / global_count.to(torch.float64)
+    return kept_sum * factor.to(kept_sum.dtype)
+
+
+class StepTokenNormaliser:
+    """Makes a step's gradient the mean over every (kept) token of all its micro-batches and ranks.
+
+    Lightning divides each micro-batch's loss by the accumulation ``A`` and DDP averages gradients
+    over the ``W`` ranks, so a micro-batch loss that is its own (global) mean gives a mean of
+    micro-batch means. Instead, each micro-batch contributes its local token-loss *sum* times
+    ``W * A / K`` (:meth:`micro_batch_loss`), where ``K`` is a constant equal on every rank: the
+    previous step's global token count (for the first step, the first micro-batch's global count
+    times ``A``: one all-reduce). After the step's last backward, :meth:`normalise_gradients`
+    all-reduces the step's local token counts once into ``T`` and multiplies the gradients by
+    ``K / T``; then ``K := T``. The step's gradient is then (sum of every token's loss gradient) / T,
+    the same as one big batch, also for a last step with fewer micro-batches than ``A``. Counts are
+    kept in float64 (exact up to 2**53 tokens); the host waits for the device once a step, for ``K / T``.
+
+    Used by :class:`~lightning_efficient.tokens.SelectiveTokenLoss` and by the ``hetero_ddp`` strategy
+    for :class:`~lightning_efficient.tokens.TokenLosses` without the callback, both from the optimizer
+    closure: after the step's last backward, before AMP unscaling, ``on_before_optimizer_step``
+    hooks, gradient clipping and the optimizer.
+    """
+
+    def __init__(self) -> None:
+        self.scale: Tensor | None = None  # K: the previous step's global token count (float64, 1 element)
+        self.step_tokens: Tensor | None = None  # this rank's tokens in the step's micro-batches so far
+
+    def reset(self) -> None:
+        """Forget ``K`` and any step in progress (a new fit starts from its first micro-batch's count)."""
+        self.scale = None
+        self.step_tokens = None
+
+    def begin_step(self) -> None:
+        """Forget the tokens counted so far in this step (call it at a step's first micro-batch, so that
+        a ``training_step`` run outside the loop, e.g. to profile memory, is not counted)."""
+        self.step_tokens = None
+
+    def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int) -> Tensor:
+        """This micro-batch's loss: its local token-loss sum times ``W * A / K``.
+
+        Args:
+            local_sum: the sum of this rank's (kept) token losses in the micro-batch.
+            local_count: how many tokens that sum is over.
+            accumulation: ``A``, the micro-batches per optimizer step Lightning divides by.
+        """
+        count = torch.as_tensor(local_count, device=local_sum.device).to(torch.float64).reshape(1)
+        if self.scale is None:  # the first step: one all-reduce estimates the step's count
+            self.scale = (global_sum(count) * accumulation).clamp_min(1.0)
+        self.step_tokens = count if self.step_tokens is None else self.step_tokens + count
+        local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
+        factor = (distributed_world_size() * accumulation) / self.scale
+        return local_sum * factor.to(local_sum.dtype).squeeze(0)
+
+    def normalise_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Multiply the optimizer's gradients by ``K / T`` (``T``: the step's global token count), then
+        ``K := T``. Call it on every rank after the step's last backward; nothing to do when no
+        micro-batch went through :meth:`micro_batch_loss` since the last call."""
+        if self.step_tokens is None:
+            return
+        total = global_sum(self.step_tokens).clamp_min(1.0)
+        factor = float(self.scale / total)  # one host sync a step (a Python number also scales DTensor grads)
+        self.step_tokens, self.scale = None, total
+        if factor == 1.0:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(factor)

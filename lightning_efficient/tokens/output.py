@@ -58,6 +58,9 @@ class TokenLosses(dict):
         ValueError: when ``mask`` does not have the shape of ``token_losses``.
     """
 
+    #: the keys that carry the losses themselves (the rest are extra outputs)
+    LOSS_KEYS = ("token_losses", "mask", "loss")
+
     def __init__(self, token_losses: Tensor, mask: Tensor | None = None, **extra: object) -> None:
         if not isinstance(token_losses, Tensor) or not token_losses.is_floating_point() or token_losses.dim() == 0:
             raise TypeError(
@@ -82,6 +85,10 @@ class TokenLosses(dict):
         """True where a token counts."""
         return self["mask"]
 
+    def extra(self) -> dict[str, object]:
+        """The further outputs given as keyword arguments."""
+        return {k: v for k, v in self.items() if k not in self.LOSS_KEYS}
+
 
 class FusedTokenLoss(dict):
     """Hidden states, output head and labels, as a ``training_step`` output: the fused path.
@@ -103,6 +110,9 @@ class FusedTokenLoss(dict):
     Raises:
         ValueError: when hidden, weight, labels and bias shapes do not fit together.
     """
+
+    #: the keys that carry the head inputs and the loss (the rest are extra outputs)
+    LOSS_KEYS = ("hidden", "weight", "labels", "mask", "loss")
 
     def __init__(
         self,
@@ -127,6 +137,10 @@ class FusedTokenLoss(dict):
         """True where a token counts."""
         return self["mask"]
 
+    def extra(self) -> dict[str, object]:
+        """The further outputs given as keyword arguments."""
+        return {k: v for k, v in self.items() if k not in self.LOSS_KEYS}
+
     @property
     def vocab_size(self) -> int:
         """Rows of the head weight."""
@@ -141,3 +155,15 @@ class FusedTokenLoss(dict):
     def token_losses(self, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Per-token losses ``[batch, seq]`` (and entropies); the backward pass skips zero-gradient tokens."""
         return self._cross_entropy("none", return_entropy)
+
+
+class NormalisedTokenLoss(dict):
+    """The step loss :class:`~lightning_efficient.tokens.SelectiveTokenLoss` returns in place of the
+    module's ``training_step`` output.
+
+    Keys: ``"loss"`` (already weighted so that the step's gradient is the mean over every kept
+    token of the step, see :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`),
+    ``"mask"`` (the valid tokens), ``"keep"`` (the kept ones) and the module output's extra keys.
+    A strategy that re-weights token losses itself (``hetero_ddp``) recognises it by type and
+    leaves it as it is.
+    """

@@ -52,7 +52,7 @@ def test_step_loss_gradients_equal_a_plain_masked_mean(method, fused):
     for got, want in zip(grads, torch.autograd.grad(reference, list(model.parameters()))):
         assert (got - want).abs().max() <= 1e-12
     callback.teardown(trainer, model, "fit")
-    assert "training_step" not in vars(model)
+    assert "training_step" not in vars(model) and "optimizer_step" not in vars(model)
 
 
 def test_scalar_loss_is_refused_with_what_to_return():

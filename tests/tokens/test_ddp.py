@@ -1,5 +1,3 @@
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -7,21 +5,17 @@ import pytest
 import torch
 
 from lightning_efficient.tokens.selection import select_tokens
+from tests.ddp import run_script
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import ddp_global_norm as script  # noqa: E402
+import ddp_global_norm as script
 
 
 @pytest.mark.parametrize(("method", "scope"), [("topk", "global"), ("none", "batch")])
 def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path, method, scope):
     out = tmp_path / "grads.pt"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent))
-    done = subprocess.run(
-        [sys.executable, str(HERE / "ddp_global_norm.py"), str(out), method, scope],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(HERE / "ddp_global_norm.py", out, method, scope)
     saved = torch.load(out)
     model = script.Tiny().double()
     model.load_state_dict(saved["init"])

@@ -1,0 +1,142 @@
+"""SelectiveTokenLoss: exact counts with half-precision losses, extra output keys, a fit that raises
+and is run again, references that cannot serve, typed choices."""
+
+import typing
+
+import lightning
+import pytest
+import torch
+
+from lightning_efficient import DemoGPT, FusedTokenLoss, SelectiveTokenLoss, TokenLosses
+from lightning_efficient.hf import HFCausalLM
+from lightning_efficient.tokens.selection import METHODS, SCORES
+from tests.conftest import tiny_gpt_kwargs
+from tests.tokens.accumulation_model import Tiny
+
+
+def _trainer(callbacks, steps=3, **kwargs):
+    return lightning.Trainer(
+        accelerator="cpu", max_steps=steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks, **kwargs,
+    )
+
+
+class _HalfLosses(lightning.LightningModule):
+    """One parameter scaling fixed per-token losses, returned in half precision."""
+
+    def __init__(self, dtype, n):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.base = (1 + 2 * torch.rand(1, n, generator=torch.Generator().manual_seed(0))).to(dtype)
+        self.dtype_ = dtype
+
+    def training_step(self, batch, batch_idx):
+        return TokenLosses(self.scale.to(self.dtype_) * self.base)
+
+
+@pytest.mark.parametrize(("dtype", "n"), [(torch.float16, 70_000), (torch.bfloat16, 65_792)])
+def test_half_precision_losses_are_summed_and_counted_exactly(dtype, n):
+    # float16 cannot hold 70,000 (inf) and bfloat16 rounds 65,792 to 65,536
+    model = _HalfLosses(dtype, n)
+    callback = SelectiveTokenLoss(method="none")
+    callback.setup(_trainer([callback]), model, "fit")
+    out = model.training_step(None, 0)
+    reference = model.base.double().mean()
+    assert out["loss"].dtype == torch.float32
+    assert abs(float(out["loss"].detach()) - float(reference)) <= 1e-6 * float(reference)
+    (grad,) = torch.autograd.grad(out["loss"], [model.scale])
+    assert abs(float(grad) - float(reference)) <= 1e-3 * float(reference)  # the per-token grads are half
+
+
+class _WithAccuracy(Tiny):
+    def __init__(self, fused):
+        super().__init__(fused)
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        accuracy = (batch["labels"] != -100).double().mean()  # any extra output
+        cls = FusedTokenLoss if self.fused else TokenLosses
+        return cls(*(out[k] for k in (("hidden", "weight", "labels") if self.fused else ("token_losses", "mask"))),
+                   **({"bias": out.bias} if self.fused else {}), accuracy=accuracy)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_extra_output_keys_reach_on_train_batch_end(fused):
+    seen = []
+
+    class Reader(lightning.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((outputs.get("accuracy"), (batch["labels"] != -100).double().mean(), sorted(outputs)))
+
+    _trainer([SelectiveTokenLoss(method="topk", keep_ratio=0.5), Reader()], steps=2, precision="64-true").fit(
+        _WithAccuracy(fused)
+    )
+    assert len(seen) == 2
+    for accuracy, expected, keys in seen:
+        assert accuracy is not None and torch.equal(accuracy, expected)
+        assert keys == ["accuracy", "keep", "loss", "mask"]
+
+
+class _TinyLearning(Tiny):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class _RaiseOnce(lightning.Callback):
+    def __init__(self, at):
+        self.at, self.raised = at, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at and not self.raised:
+            self.raised = True
+            raise RuntimeError("interrupted")
+
+
+def test_a_fit_that_raises_leaves_nothing_and_the_next_fit_trains_as_a_fresh_one():
+    lightning.seed_everything(0)
+    model = _TinyLearning().double()
+    callbacks = [SelectiveTokenLoss(method="topk", keep_ratio=0.5), _RaiseOnce(at=2)]  # mid-step (accumulation 2)
+    kwargs = {"precision": "64-true", "accumulate_grad_batches": 2}
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _trainer(callbacks, steps=3, **kwargs).fit(model)
+    assert "training_step" not in vars(model) and "optimizer_step" not in vars(model)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    _trainer(callbacks, steps=3, **kwargs).fit(model)  # the same module and callbacks, run again
+    assert "training_step" not in vars(model) and "optimizer_step" not in vars(model)
+    fresh = _TinyLearning().double()
+    fresh.load_state_dict(start)
+    _trainer([SelectiveTokenLoss(method="topk", keep_ratio=0.5)], steps=3, **kwargs).fit(fresh)
+    assert any(not torch.equal(start[k], v) for k, v in model.state_dict().items())  # it trained
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def _tiny_llama(vocab):
+    config = {"vocab_size": vocab, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
+    return HFCausalLM(model_type="llama", config=config)
+
+
+def test_hf_reference_with_another_vocabulary_is_refused_before_the_first_step():
+    callback = SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=_tiny_llama(80))
+    with pytest.raises(ValueError, match=r"reference='<HFCausalLM>' is not allowed: its vocab_size=80 differs from "
+                                         r"the model's vocab_size=64"):
+        callback.setup(_trainer([callback]), _tiny_llama(64), "fit")
+
+
+def test_reference_checkpoint_of_another_class_is_refused_before_the_first_step(tmp_path):
+    demo = DemoGPT(**tiny_gpt_kwargs())
+    path = tmp_path / "demo.ckpt"
+    torch.save({"state_dict": demo.state_dict(), "hyper_parameters": dict(demo.hparams),
+                "pytorch-lightning_version": lightning.__version__}, path)
+    callback = SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=str(path))
+    with pytest.raises(ValueError, match=r"reference='.*demo.ckpt' is not allowed: it is not a checkpoint of the "
+                                         r"model's class HFCausalLM .*expected a Lightning checkpoint of HFCausalLM"):
+        callback.setup(_trainer([callback]), _tiny_llama(512), "fit")
+
+
+def test_choice_arguments_are_typed_with_literal():
+    hints = typing.get_type_hints(SelectiveTokenLoss.__init__)
+    assert typing.get_args(hints["method"]) == METHODS
+    assert typing.get_args(hints["score"]) == SCORES
+    assert typing.get_args(hints["scope"]) == ("batch", "global")
