@@ -48,6 +48,7 @@ class HFCausalLM(TokenLossSteps, LightningModule):
         self.save_hyperparameters()
         self.model = AutoModelForCausalLM.from_config(hf_config)
         self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
 
     @property
     def vocab_size(self) -> int:

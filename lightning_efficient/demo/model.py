@@ -7,13 +7,12 @@ import math
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_efficient._validation import require, require_int
 from lightning_efficient.tokens.module import TokenLossSteps
-from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses, masked_mean
+from lightning_efficient.tokens.output import FusedTokenLoss, TokenLosses
 
 IGNORE_INDEX = -100
 
@@ -155,36 +154,6 @@ class DemoGPT(TokenLossSteps, LightningModule):
             logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
         ).view_as(labels)
         return TokenLosses(losses, labels != IGNORE_INDEX)
-
-    def _update_loss(self, metric: MeanMetric, batch: dict[str, Tensor]) -> None:
-        out = self.token_losses(batch)
-        losses = out.token_losses() if isinstance(out, FusedTokenLoss) else out.token_losses
-        metric.update(masked_mean(losses, out.mask), weight=out.mask.sum())
-
-    def _log_loss(self, name: str, metric: MeanMetric) -> float:
-        # the metric's compute() already reduces over ranks: sync_dist=True only says so to Lightning
-        loss = metric.compute()
-        metric.reset()
-        self.log(f"{name}_loss", loss, prog_bar=True, sync_dist=True)
-        self.log(f"{name}_ppl", torch.exp(loss.clamp(max=50.0)), sync_dist=True)
-        return loss.item()
-
-    def on_validation_epoch_end(self) -> None:
-        """Log ``val_loss`` and ``val_ppl`` (over all ranks) and print them once per validation."""
-        loss = self._log_loss("val", self.val_loss)
-        if not self.trainer.sanity_checking:
-            rank_zero_info(
-                f"validation at step {self.trainer.global_step}: loss {loss:.4f}, "
-                f"perplexity {math.exp(min(loss, 50.0)):.2f}"
-            )
-
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        """Accumulate the token-weighted test loss."""
-        self._update_loss(self.test_loss, batch)
-
-    def on_test_epoch_end(self) -> None:
-        """Log ``test_loss`` and ``test_ppl`` (over all ranks)."""
-        self._log_loss("test", self.test_loss)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """The most likely next token at every position, ``[batch, seq]`` token ids."""
