@@ -104,6 +104,11 @@ class ResumableDataLoader(DataLoader):
         if saved == mine or at_boundary:
             self._skip = handed_out if saved == mine else 0
             return
+        if saved["batch_size"] is None or mine["batch_size"] is None:
+            raise ValueError(f"ResumableDataLoader: the checkpoint was taken mid-epoch after {handed_out} batches with "
+                             f"batch_size={saved['batch_size']} on {saved['world_size']} rank(s); this run has "
+                             f"batch_size={mine['batch_size']} on {mine['world_size']}: without a batch size on both "
+                             "sides the position in samples is unknown; resume from an end-of-epoch checkpoint")
         trained = handed_out * saved["batch_size"] * saved["world_size"]
         step = mine["batch_size"] * mine["world_size"]
         where = (f"the checkpoint was taken mid-epoch after {handed_out} batches of {saved['batch_size']} on "

@@ -74,3 +74,11 @@ def test_epoch_shuffle_sampler_draws_the_shared_seeded_permutation():
     sampler.set_epoch(3)
     assert list(sampler) == seeded_permutation(N, 8) != list(range(N))
     assert list(EpochShuffleSampler(N, shuffle=False)) == list(range(N))
+
+
+def test_a_position_without_a_batch_size_is_refused():
+    loader = _loader(2, 0)
+    _first(loader, 1)
+    unbatched = ResumableDataLoader(TensorDataset(torch.arange(N)), batch_size=None)
+    with pytest.raises(ValueError, match=r"batch_size=3 on 2 rank\(s\); this run has batch_size=None on 1"):
+        unbatched.load_state_dict(loader.state_dict())
