@@ -117,9 +117,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             batch_index = self.next_batch
             self.next_batch += 1
             yield from self.rank_slice(batch_index, permutation)
-        self.next_batch = 0
-        self.epoch += 1  # in case nobody calls set_epoch: the next pass draws the next permutation
-        self.schedule = [(0, self.schedule[-1][1])]  # the latest plan holds from the next epoch's start
+        # the epoch stays selected until the next pass starts (above): DataLoader workers fetch indices
+        # ahead and finish this generator while the last batches are still to be trained, and a
+        # checkpoint taken then must name the epoch being trained
 
     def __len__(self) -> int:
         return self.batches_per_epoch * self.schedule[0][1].accumulation

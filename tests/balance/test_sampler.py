@@ -153,3 +153,17 @@ def test_an_end_of_epoch_state_starts_the_next_epoch_with_the_new_plan():
     resumed = [HeterogeneousBatchSampler(8, 8, 0, plan_shares(8, [1.0]), seed=3)]  # another global batch too
     resumed[0].load_state_dict(old.state_dict())
     assert Counter(_take_epoch(resumed)) == Counter(range(8)) and resumed[0].epoch == 1
+
+
+def test_a_pass_fetched_to_its_end_keeps_its_epoch_until_the_next_pass():
+    """DataLoader workers fetch indices ahead and finish the sampler's pass while its last batches are
+    still being trained: a checkpoint taken then must name the epoch being trained."""
+    sampler = HeterogeneousBatchSampler(8, 4, 0, plan_shares(4, [1.0, 1.0]), seed=3)
+    first = [i for batch in sampler for i in batch]  # the whole pass, as prefetching workers take it
+    state = sampler.state_dict()
+    assert (state["epoch"], state["next_batch"]) == (0, 2)
+    assert first == [i for b in range(2) for i in seeded_permutation(8, 3)[4 * b : 4 * b + 2]]
+    resumed = HeterogeneousBatchSampler(8, 4, 0, plan_shares(4, [1.0, 1.0]), seed=3)
+    resumed.load_state_dict(state)
+    second = [i for batch in resumed for i in batch]
+    assert resumed.epoch == 1 and second == [i for b in range(2) for i in seeded_permutation(8, 4)[4 * b : 4 * b + 2]]
