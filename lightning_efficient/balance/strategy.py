@@ -402,7 +402,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def data_state_dict(self) -> dict[str, Any]:
         """The sampler's state at the position trained (not prefetched), with the measured speeds."""
         state = self._sampler.state_dict()
-        state["next_batch"] = self._micro_done // self._plan.accumulation
+        # the count of micro-batches trained refers to _counter_epoch; once the sampler has started the
+        # next epoch (the loader is iterated before that epoch's first step) nothing of it is trained yet
+        trained = self._micro_done if self._sampler.epoch == self._counter_epoch else 0
+        state["next_batch"] = trained // self._plan.accumulation
         state["speeds"] = list(self._speeds)
         return state
 
