@@ -2,9 +2,11 @@
 
 Lightning saves ``state_dict()`` of any training DataLoader that has one and calls
 ``load_state_dict`` on resume; this loader records how many batches of the current epoch it has
-handed out and, after a load, skips that many at the start of the next iteration. With an order
-that is a function of (seed, epoch), as :class:`EpochShuffleSampler` and torch's
-``DistributedSampler`` give, a resumed run sees exactly the batches the uninterrupted one would.
+handed out — with its batch size and the number of ranks, i.e. the position in samples of the
+epoch's order — and, after a load, skips the batches already trained at the start of the next
+iteration. With an order that is a function of (seed, epoch), as :class:`EpochShuffleSampler` and
+torch's ``DistributedSampler`` give, a resumed run sees exactly the batches the uninterrupted one
+would; resumed on another number of ranks (or batch size), it continues from the same sample.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from lightning_efficient._torch import seeded_permutation
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -36,10 +39,7 @@ class EpochShuffleSampler(Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            return iter(range(self.length))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.length, generator=generator).tolist())
+        return iter(seeded_permutation(self.length, self.seed + self.epoch, self.shuffle))
 
     def __len__(self) -> int:
         return self.length
@@ -50,12 +50,29 @@ class ResumableDataLoader(DataLoader):
 
     The skipped batches are loaded and dropped on resume (their data loading is repeated, not
     their training), so resuming costs the loading time of the batches already seen this epoch.
+
+    Under DDP (Lightning's ``DistributedSampler``, rank ``r`` of ``W`` takes positions ``r, r + W, ...``
+    of the epoch's order), ``b`` batches of ``B`` handed out on every rank are the first ``b * B * W``
+    samples of that order. A run resumed with another number of ranks ``W'`` or batch size ``B'``
+    skips ``b * B * W / (B' * W')`` batches, which continues from the same sample when that is a whole
+    number; otherwise (and when the order itself changes, e.g. from DDP to a single-device strategy)
+    a mid-epoch resume is refused with the numbers. A checkpoint taken at an epoch's end resumes
+    anywhere.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._handed_out = 0
         self._skip = 0
+
+    def _layout(self) -> dict[str, Any]:
+        """Batch size, number of ranks and which order the samples come in."""
+        sampler = self.sampler
+        distributed = isinstance(sampler, DistributedSampler)
+        order = type(sampler).__name__
+        if distributed:
+            order += f"(shuffle={sampler.shuffle}, seed={sampler.seed})"
+        return {"batch_size": self.batch_size, "world_size": sampler.num_replicas if distributed else 1, "order": order}
 
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0
@@ -68,10 +85,41 @@ class ResumableDataLoader(DataLoader):
             self._handed_out = index + 1
             yield batch
 
-    def state_dict(self) -> dict[str, int]:
-        """Batches of the current epoch handed out so far."""
-        return {"batches_handed_out": self._handed_out}
+    def state_dict(self) -> dict[str, Any]:
+        """Batches of the current epoch handed out so far, the epoch's length in batches, the batch
+        size, the number of ranks and the order's kind (to resume elsewhere from the same sample)."""
+        return {"batches_handed_out": self._handed_out, "batches_per_epoch": len(self), **self._layout()}
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Skip the batches a checkpoint's run had already handed out this epoch."""
-        self._skip = int(state_dict.get("batches_handed_out", 0))
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Skip the samples a checkpoint's run had already handed out this epoch.
+
+        Raises:
+            ValueError: for a mid-epoch state whose position is not a whole number of this loader's
+                batches over its ranks, or that was taken with another order of samples.
+        """
+        handed_out = int(state_dict.get("batches_handed_out", 0))
+        mine = self._layout()
+        saved = {key: state_dict.get(key, value) for key, value in mine.items()}
+        at_boundary = handed_out == 0 or handed_out >= int(state_dict.get("batches_per_epoch", len(self)))
+        if saved == mine or at_boundary:
+            self._skip = handed_out if saved == mine else 0
+            return
+        if saved["batch_size"] is None or mine["batch_size"] is None:
+            raise ValueError(f"ResumableDataLoader: the checkpoint was taken mid-epoch after {handed_out} batches with "
+                             f"batch_size={saved['batch_size']} on {saved['world_size']} rank(s); this run has "
+                             f"batch_size={mine['batch_size']} on {mine['world_size']}: without a batch size on both "
+                             "sides the position in samples is unknown; resume from an end-of-epoch checkpoint")
+        trained = handed_out * saved["batch_size"] * saved["world_size"]
+        step = mine["batch_size"] * mine["world_size"]
+        where = (f"the checkpoint was taken mid-epoch after {handed_out} batches of {saved['batch_size']} on "
+                 f"{saved['world_size']} rank(s) ({trained} samples of the epoch, order {saved['order']})")
+        if saved["order"] != mine["order"]:
+            raise ValueError(f"ResumableDataLoader: {where}; this run draws its samples in another order "
+                             f"({mine['order']}), so the rest of the epoch is unknown: resume with the same "
+                             "strategy kind, or from an end-of-epoch checkpoint")
+        if trained % step:
+            raise ValueError(f"ResumableDataLoader: {where}; this run takes {mine['batch_size']} per batch on "
+                             f"{mine['world_size']} rank(s) ({step} samples a step), and {trained} is not a "
+                             "multiple of it: resume on a number of ranks and batch size whose product divides "
+                             f"{trained}, or from an end-of-epoch checkpoint")
+        self._skip = trained // step

@@ -14,9 +14,9 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import Sampler
 
+from lightning_efficient._torch import seeded_permutation
 from lightning_efficient.balance.planner import SharePlan
 
 
@@ -62,7 +62,12 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         return math.ceil(self.dataset_size / self.global_batch)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of ``epoch`` (Lightning calls this at each epoch start)."""
+        """Select the permutation of ``epoch`` and start it from its first batch (a no-op for the
+        epoch already selected, so a position loaded from a checkpoint is kept).
+
+        Lightning does not call this on a batch sampler: ``hetero_ddp``'s loader calls it with the
+        trainer's epoch each time an epoch's iteration starts.
+        """
         if epoch != self.epoch:
             self.epoch = epoch
             self.next_batch = 0
@@ -79,11 +84,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             raise ValueError("a new plan must keep the accumulation the run started with")
         self.schedule = [(start, p) for start, p in self.schedule if start < from_batch] + [(from_batch, plan)]
 
-    def _permutation(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.dataset_size))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.dataset_size, generator=generator).tolist()
+    def permutation(self) -> list[int]:
+        """The sample order of the selected epoch (the same on every rank)."""
+        return seeded_permutation(self.dataset_size, self.seed + self.epoch, self.shuffle)
 
     def global_batch_indices(self, batch_index: int, permutation: list[int]) -> list[int]:
         """The sample indices of global batch ``batch_index`` (padded from the start when short)."""
@@ -107,27 +110,81 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         return out
 
     def __iter__(self) -> Iterator[list[int]]:
-        permutation = self._permutation()
+        if self.next_batch >= self.batches_per_epoch:  # the epoch selected is done: the next one starts
+            self.set_epoch(self.epoch + 1)
+        permutation = self.permutation()
         while self.next_batch < self.batches_per_epoch:
             batch_index = self.next_batch
             self.next_batch += 1
             yield from self.rank_slice(batch_index, permutation)
-        self.next_batch = 0
-        self.epoch += 1  # in case nobody calls set_epoch: the next pass draws the next permutation
-        self.schedule = [(0, self.schedule[-1][1])]  # the latest plan holds from the next epoch's start
+        # the epoch stays selected until the next pass starts (above): DataLoader workers fetch indices
+        # ahead and finish this generator while the last batches are still to be trained, and a
+        # checkpoint taken then must name the epoch being trained
 
     def __len__(self) -> int:
         return self.batches_per_epoch * self.schedule[0][1].accumulation
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, position and share schedule, for a mid-epoch resume."""
+        """Epoch, position (global batches of the epoch handed out), global batch, number of ranks and
+        share schedule, for a mid-epoch resume."""
         return {
-            "epoch": self.epoch, "next_batch": self.next_batch,
+            "epoch": self.epoch, "next_batch": self.next_batch, "global_batch": self.global_batch,
+            "world_size": len(self.schedule[0][1].shares), "dataset_size": self.dataset_size,
             "schedule": [(start, list(p.shares), p.accumulation) for start, p in self.schedule],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where ``state`` was taken."""
+        """Continue where ``state`` was taken, on the same or another number of ranks.
+
+        The same ranks and global batch: the saved share schedule is restored, so the run continues
+        exactly as the uninterrupted one. Another number of ranks: the epoch's remaining global
+        batches (the same samples in the same order) are sliced by this sampler's own plan, so each
+        remaining sample is trained exactly once. A state taken at the end of its epoch only fixes the
+        epoch: the next one starts from its beginning with this sampler's plan.
+
+        Raises:
+            ValueError: mid-epoch, when the global batch or the accumulation differs from the saved
+                ones (the rest of the epoch would not match the step count Lightning restores).
+        """
+        schedule = [(int(start), SharePlan(tuple(shares), int(acc))) for start, shares, acc in state["schedule"]]
+        saved_plan = schedule[0][1]
+        saved_world = int(state.get("world_size", len(saved_plan.shares)))
+        saved_global = int(state.get("global_batch", sum(saved_plan.shares)))
+        saved_size = int(state.get("dataset_size", self.dataset_size))
+        next_batch = int(state["next_batch"])
+        if self.drop_last:
+            saved_batches = saved_size // saved_global
+        else:
+            saved_batches = math.ceil(saved_size / saved_global)
         self.epoch = int(state["epoch"])
-        self.next_batch = int(state["next_batch"])
-        self.schedule = [(int(start), SharePlan(tuple(shares), int(acc))) for start, shares, acc in state["schedule"]]
+        current = self.schedule[-1][1]
+        same_layout = (saved_world == len(current.shares) and saved_global == self.global_batch
+                       and saved_plan.accumulation == current.accumulation)
+        if next_batch >= saved_batches or next_batch == 0:  # at an epoch boundary: nothing to re-slice
+            self.next_batch = self.batches_per_epoch if next_batch else 0
+            self.schedule = schedule if same_layout else [(0, current)]
+            return
+        samples = f"{next_batch * saved_global} of {saved_size} samples of epoch {self.epoch} trained"
+        if saved_size != self.dataset_size:
+            raise ValueError(
+                f"hetero_ddp: the checkpoint was taken mid-epoch ({samples}) on a dataset of {saved_size} samples; "
+                f"this run's has {self.dataset_size}: resume from an end-of-epoch checkpoint"
+            )
+        if saved_global != self.global_batch:
+            raise ValueError(
+                f"hetero_ddp: the checkpoint was taken mid-epoch ({samples}) with a global batch of {saved_global} "
+                f"on {saved_world} rank(s); this run's global batch is {self.global_batch}: the rest of the epoch "
+                f"cannot be re-planned to another global batch (Lightning restores the epoch's step count). Resume "
+                f"with global_batch_size={saved_global} (global_batch_size=None means the DataLoader's batch size "
+                f"times the number of ranks), or from an end-of-epoch checkpoint"
+            )
+        if saved_plan.accumulation != current.accumulation:
+            raise ValueError(
+                f"hetero_ddp: the checkpoint was taken mid-epoch ({samples}) with {saved_plan.accumulation} "
+                f"micro-batch(es) per step; on {len(current.shares)} rank(s) this run's plan needs "
+                f"{current.accumulation} (shares {list(current.shares)}, set by max_micro_batch or "
+                f"accumulate_grad_batches): resume with settings that keep {saved_plan.accumulation}, or from an "
+                f"end-of-epoch checkpoint"
+            )
+        self.next_batch = next_batch
+        self.schedule = schedule if same_layout else [(0, current)]

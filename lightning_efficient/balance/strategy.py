@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -26,26 +26,26 @@ from lightning_efficient.tokens.output import NormalisedTokenLoss
 
 
 class _BalancedLoader(DataLoader):
-    """The training DataLoader ``hetero_ddp`` installs: its state is the sampler's, at the position trained."""
+    """The training DataLoader ``hetero_ddp`` installs: its state is the strategy's data state
+    (sampler position trained, not prefetched, and measured speeds), and each iteration starts the
+    trainer's epoch — Lightning calls ``set_epoch`` on ``loader.sampler`` and
+    ``loader.batch_sampler.sampler`` only, never on a batch sampler."""
 
     def __init__(self, *args: Any, strategy: HeterogeneousDDPStrategy, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._strategy = strategy
+        self.strategy = strategy
+
+    def __iter__(self) -> Any:
+        self.batch_sampler.set_epoch(self.strategy.training_epoch)
+        return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's state with the position of the last batch trained (not prefetched)."""
-        sampler: HeterogeneousBatchSampler = self.batch_sampler
-        state = sampler.state_dict()
-        state["next_batch"] = self._strategy._micro_done // sampler.schedule[0][1].accumulation
-        state["speeds"] = list(self._strategy._speeds)
-        return state
+        """The strategy's data state (:meth:`HeterogeneousDDPStrategy.data_state_dict`)."""
+        return self.strategy.data_state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the sampler and the measured speeds."""
-        self.batch_sampler.load_state_dict(state)
-        self._strategy._micro_done = int(state["next_batch"]) * self.batch_sampler.schedule[0][1].accumulation
-        self._strategy._speeds = [float(s) for s in state.get("speeds", self._strategy._speeds)]
-        self._strategy._counter_epoch = int(state["epoch"])
+        """Resume the strategy's data state (:meth:`HeterogeneousDDPStrategy.load_data_state_dict`)."""
+        self.strategy.load_data_state_dict(state)
 
 
 class HeterogeneousDDPStrategy(DDPStrategy):
@@ -82,7 +82,12 @@ class HeterogeneousDDPStrategy(DDPStrategy):
 
     Raises:
         ValueError: naming the argument for invalid settings; before the first step, for shares of
-            the wrong length or a global batch smaller than the number of ranks, with the numbers.
+            the wrong length, a global batch smaller than the number of ranks, a DataLoader that does
+            not batch (``batch_size=None``), or a mid-epoch checkpoint whose global batch or
+            accumulation this run cannot continue, with the numbers.
+
+    Resuming on another number of processes is supported: the epoch's remaining global batches are
+    re-sliced by a plan for the new ranks, so every remaining sample is trained exactly once.
     """
 
     strategy_name = "hetero_ddp"
@@ -90,8 +95,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def __init__(
         self,
         global_batch_size: int | None = None,
-        shares: str | list[float] = "auto",
-        max_micro_batch: int | list[int] | str | None = None,
+        shares: Literal["auto"] | list[float] = "auto",
+        max_micro_batch: int | list[int] | Literal["auto"] | None = None,
         rebalance_every: int = 50,
         warmup_steps: int = 10,
         hysteresis: float = 0.05,
@@ -171,8 +176,20 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             return super().process_dataloader(dataloader)
         if isinstance(dataloader.dataset, IterableDataset):
             raise ValueError("hetero_ddp slices a map-style dataset by index; an IterableDataset cannot be split by shares")
+        if dataloader.batch_sampler is None:
+            raise ValueError(
+                "hetero_ddp: the training DataLoader has batch_size=None (no batching: each dataset item is handed "
+                "over as it is), but hetero_ddp builds every rank's batches from single samples by their shares. Give "
+                "the DataLoader a batch_size (the global batch is batch_size times the number of ranks unless "
+                "global_batch_size is set) over a dataset of single samples"
+            )
         world = self.world_size
-        global_batch = self.global_batch_size or (dataloader.batch_size or 1) * world
+        if self.global_batch_size is None and dataloader.batch_size is None:
+            raise ValueError(
+                "hetero_ddp: the training DataLoader has a batch_sampler and no batch_size, so the global batch is "
+                "unknown: set HeterogeneousDDPStrategy(global_batch_size=...) (hetero_ddp replaces the batch sampler)"
+            )
+        global_batch = self.global_batch_size or dataloader.batch_size * world
         if self.max_micro_batch == "auto" and self._probed_caps is None:
             self._probed_caps = self._probe_caps(dataloader, global_batch)
         requested = trainer.accumulate_grad_batches
@@ -352,6 +369,36 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             self._sampler.schedule_plan(candidate, start)
             rank_zero_info(f"hetero_ddp: step {step}: shares {list(current.shares)} -> {list(candidate.shares)} "
                            f"from global batch {start} (predicted gain {gain:.1%})")
+
+    @property
+    def sampler(self) -> HeterogeneousBatchSampler | None:
+        """The batch sampler installed in the training DataLoader (None before fit sets it up)."""
+        return self._sampler
+
+    @property
+    def training_epoch(self) -> int:
+        """The epoch the training loop runs, or starts next (Lightning's count of processed epochs)."""
+        return self.lightning_module.trainer.fit_loop.epoch_progress.current.processed
+
+    def data_state_dict(self) -> dict[str, Any]:
+        """The sampler's state at the position trained (not prefetched), with the measured speeds."""
+        state = self._sampler.state_dict()
+        # the count of micro-batches trained refers to _counter_epoch; once the sampler has started the
+        # next epoch (the loader is iterated before that epoch's first step) nothing of it is trained yet
+        trained = self._micro_done if self._sampler.epoch == self._counter_epoch else 0
+        state["next_batch"] = trained // self._plan.accumulation
+        state["speeds"] = list(self._speeds)
+        return state
+
+    def load_data_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the sampler (see :meth:`HeterogeneousBatchSampler.load_state_dict`, also for another
+        number of ranks) and, on the same number of ranks, the measured speeds."""
+        self._sampler.load_state_dict(state)
+        self._micro_done = self._sampler.next_batch * self._plan.accumulation
+        speeds = state.get("speeds") or []
+        if len(speeds) == self.world_size:
+            self._speeds = [float(s) for s in speeds]
+        self._counter_epoch = self._sampler.epoch
 
     @property
     def micro_batch_caps(self) -> list[int | None]:

@@ -1,9 +1,11 @@
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_efficient._torch import seeded_permutation
 from lightning_efficient.balance.planner import plan_shares
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 
@@ -78,3 +80,90 @@ def test_a_mid_epoch_resume_yields_exactly_the_remaining_samples(world, size, ex
         s.set_epoch(3)
     tail, _ = _run_epoch(resumed, True, rng)  # the same share changes as the straight run from here on
     assert head + tail == full
+
+
+def _take_epoch(samplers):
+    """What Lightning does with a sized loader: exactly len() micro-batches per rank, never one more."""
+    seen = []
+    for sampler in samplers:
+        iterator = iter(sampler)
+        seen.extend(i for _ in range(len(sampler)) for i in next(iterator))
+    return seen
+
+
+def test_an_epoch_taken_to_its_last_batch_rolls_over_to_the_next_permutation():
+    """A sized loader stops at its last batch, so the sampler's generator never finishes: the next
+    iteration must still start the next epoch (not yield nothing, not replay the same order)."""
+    plan = plan_shares(4, [1.0, 1.0])
+    samplers = [HeterogeneousBatchSampler(8, 4, r, plan, seed=3) for r in range(2)]
+    epochs = [_take_epoch(samplers) for _ in range(3)]
+    assert [Counter(seen) for seen in epochs] == [Counter(range(8))] * 3
+    # rank 0 takes the first 2 of each global batch of 4, in the epoch's own permutation
+    assert [seen[:2] for seen in epochs] == [seeded_permutation(8, 3 + epoch)[:2] for epoch in range(3)]
+    assert samplers[0].epoch == 2
+
+
+def _rest_of_epoch(samplers):
+    seen = []
+    for sampler in samplers:
+        iterator = iter(sampler)
+        remaining = (sampler.batches_per_epoch - sampler.next_batch) * sampler.schedule[0][1].accumulation
+        seen.extend(i for _ in range(remaining) for i in next(iterator))
+    return seen
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3)])
+def test_a_mid_epoch_state_resumes_on_another_number_of_ranks(before, after):
+    """The remaining global batches, re-sliced by the new ranks' plan: each remaining sample once."""
+    old = [HeterogeneousBatchSampler(30, 6, r, plan_shares(6, [1.0] * before), seed=1) for r in range(before)]
+    for s in old:
+        s.set_epoch(2)
+    head = []
+    for sampler in old:
+        iterator = iter(sampler)
+        head.extend(i for _ in range(2) for i in next(iterator))
+    state = old[0].state_dict()
+    new_plan = plan_shares(6, [1.0] * after)
+    new = [HeterogeneousBatchSampler(30, 6, r, new_plan, seed=1) for r in range(after)]
+    for sampler in new:
+        sampler.load_state_dict(state)
+        sampler.set_epoch(2)
+        assert sampler.plan_at(sampler.next_batch) == new_plan
+    assert Counter(head + _rest_of_epoch(new)) == Counter(range(30))
+    permutation = seeded_permutation(30, 1 + 2)
+    assert sorted(head) == sorted(permutation[:12])  # the first two global batches of the epoch's order
+
+
+@pytest.mark.parametrize(("global_batch", "caps", "pattern"), [
+    (12, None, r"mid-epoch \(12 of 30 samples of epoch 0 trained\) with a global batch of 6 .* global batch is 12"),
+    (6, [2], r"with 1 micro-batch\(es\) per step; on 1 rank\(s\) this run's plan needs 3"),
+])
+def test_a_mid_epoch_state_that_cannot_continue_is_refused(global_batch, caps, pattern):
+    old = [HeterogeneousBatchSampler(30, 6, r, plan_shares(6, [1.0, 1.0]), seed=1) for r in range(2)]
+    iterator = iter(old[0])
+    next(iterator), next(iterator)
+    resumed = HeterogeneousBatchSampler(30, global_batch, 0, plan_shares(global_batch, [1.0], caps), seed=1)
+    with pytest.raises(ValueError, match=pattern):
+        resumed.load_state_dict(old[0].state_dict())
+
+
+def test_an_end_of_epoch_state_starts_the_next_epoch_with_the_new_plan():
+    old = HeterogeneousBatchSampler(8, 4, 0, plan_shares(4, [1.0, 1.0]), seed=3)
+    _take_epoch([old])
+    resumed = [HeterogeneousBatchSampler(8, 8, 0, plan_shares(8, [1.0]), seed=3)]  # another global batch too
+    resumed[0].load_state_dict(old.state_dict())
+    assert Counter(_take_epoch(resumed)) == Counter(range(8)) and resumed[0].epoch == 1
+
+
+def test_a_pass_fetched_to_its_end_keeps_its_epoch_until_the_next_pass():
+    """DataLoader workers fetch indices ahead and finish the sampler's pass while its last batches are
+    still being trained: a checkpoint taken then must name the epoch being trained."""
+    sampler = HeterogeneousBatchSampler(8, 4, 0, plan_shares(4, [1.0, 1.0]), seed=3)
+    first = [i for batch in sampler for i in batch]  # the whole pass, as prefetching workers take it
+    state = sampler.state_dict()
+    assert (state["epoch"], state["next_batch"]) == (0, 2)
+    assert first == [i for b in range(2) for i in seeded_permutation(8, 3)[4 * b : 4 * b + 2]]
+    resumed = HeterogeneousBatchSampler(8, 4, 0, plan_shares(4, [1.0, 1.0]), seed=3)
+    resumed.load_state_dict(state)
+    second = [i for batch in resumed for i in batch]
+    assert resumed.epoch == 1 and second == [i for b in range(2) for i in seeded_permutation(8, 4)[4 * b : 4 * b + 2]]

@@ -1,0 +1,102 @@
+"""hetero_ddp over several epochs and across resumes: every epoch trains each sample once in its own
+permutation, and a resume — at an epoch's end or mid-epoch, on the same or another number of
+processes — continues the uninterrupted run's sample order.
+
+Three launches (each costs an interpreter start): 3 epochs on 2 processes saving at the end of
+epoch 0 and after step 3 (mid-epoch 1); then, on 1 process, the resume from the end of epoch 0, the
+resume from step 3 (saving after step 5), a resume with another global batch and a DataLoader
+without batching; then the resume from step 5 on 2 processes.
+"""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from lightning_efficient._torch import seeded_permutation
+from tests.ddp import run_script
+
+SCRIPT = Path(__file__).resolve().parent / "ddp_resume.py"
+N, SEED, GLOBAL_BATCH, EPOCHS = 8, 3, 4, 3
+STEPS_PER_EPOCH = N // GLOBAL_BATCH
+
+
+def _launch(out, *jobs):
+    run_script(SCRIPT, out, json.dumps([{"global_batch": GLOBAL_BATCH, **job} for job in jobs]), EPOCHS)
+
+
+def _result(out, tag, devices):
+    """The final global step and, per global step, the samples all ranks trained in it (or the error)."""
+    error = out / f"{tag}_error.txt"
+    if error.exists():
+        return error.read_text()
+    records = [json.loads((out / f"{tag}_rank{rank}.json").read_text()) for rank in range(devices)]
+    assert len({r["global_step"] for r in records}) == 1
+    steps = {}
+    for record in records:
+        for micro in record["trained"]:
+            steps.setdefault(micro["step"], []).extend(micro["indices"])
+            assert micro["epoch"] == micro["step"] // STEPS_PER_EPOCH
+    return records[0]["global_step"], steps
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hetero_resume")
+    _launch(out, {"tag": "straight", "devices": 2, "saves": ["epoch=0", "step=3"]})
+    _launch(
+        out,
+        {"tag": "from_end", "devices": 1, "resume": str(out / "straight_epoch0.ckpt")},
+        {"tag": "one", "devices": 1, "resume": str(out / "straight_step3.ckpt"), "saves": ["step=5"]},
+        {"tag": "bigger", "devices": 1, "resume": str(out / "straight_step3.ckpt"), "global_batch": 2 * GLOBAL_BATCH},
+        {"tag": "unbatched", "devices": 1, "no_batching": True},
+    )
+    _launch(out, {"tag": "two", "devices": 2, "resume": str(out / "one_step5.ckpt")})
+    return out
+
+
+def _expected(step):
+    """The uninterrupted run's global batch ``step``: a slice of its epoch's permutation."""
+    epoch, batch = divmod(step, STEPS_PER_EPOCH)
+    permutation = seeded_permutation(N, SEED + epoch)
+    return sorted(permutation[batch * GLOBAL_BATCH : (batch + 1) * GLOBAL_BATCH])
+
+
+def _assert_continues(result, first):
+    global_step, steps = result
+    assert global_step == EPOCHS * STEPS_PER_EPOCH
+    assert sorted(steps) == list(range(first, EPOCHS * STEPS_PER_EPOCH))
+    for step, indices in steps.items():
+        assert sorted(indices) == _expected(step), step
+
+
+def test_every_epoch_trains_each_sample_once_in_its_own_permutation(runs):
+    global_step, steps = _result(runs, "straight", 2)
+    assert global_step == EPOCHS * STEPS_PER_EPOCH
+    for epoch in range(EPOCHS):
+        trained = [i for step in range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH) for i in steps[step]]
+        assert Counter(trained) == Counter(range(N)), epoch
+    _assert_continues((global_step, steps), 0)
+
+
+def test_an_end_of_epoch_resume_continues_with_the_next_epochs_permutation(runs):
+    _assert_continues(_result(runs, "from_end", 1), STEPS_PER_EPOCH)
+
+
+def test_a_mid_epoch_resume_on_fewer_then_more_processes_trains_the_rest_once(runs):
+    """2 processes -> 1 (from step 3, saving again after step 5) -> 2: the same global batches."""
+    _assert_continues(_result(runs, "one", 1), 3)
+    _assert_continues(_result(runs, "two", 2), 5)
+
+
+def test_a_mid_epoch_resume_with_another_global_batch_is_refused(runs):
+    error = _result(runs, "bigger", 1)
+    assert "mid-epoch (4 of 8 samples of epoch 1 trained) with a global batch of 4 on 2 rank(s)" in error
+    assert "this run's global batch is 8" in error and "global_batch_size=4" in error
+
+
+def test_a_dataloader_without_batching_is_refused_before_the_first_step(runs):
+    error = _result(runs, "unbatched", 1)
+    assert "batch_size=None" in error and "Give the DataLoader a batch_size" in error
+    assert not list(runs.glob("unbatched_rank*.json"))
