@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_efficient._torch import seeded_permutation
@@ -45,6 +46,11 @@ class EpochShuffleSampler(Sampler[int]):
         return self.length
 
 
+def _world_size() -> int:
+    """Processes reading their own part of each step (a per-rank sampler of the user's under DDP)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` whose position within the epoch is saved in Lightning checkpoints.
 
@@ -72,7 +78,7 @@ class ResumableDataLoader(DataLoader):
         order = type(sampler).__name__
         if distributed:
             order += f"(shuffle={sampler.shuffle}, seed={sampler.seed})"
-        return {"batch_size": self.batch_size, "world_size": sampler.num_replicas if distributed else 1, "order": order}
+        return {"batch_size": self.batch_size, "world_size": sampler.num_replicas if distributed else _world_size(), "order": order}
 
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0

@@ -260,6 +260,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        self._token_normaliser.reset()  # a fit that raised mid-step must not leak its counts into this one
         for handle in self._timing_hooks:
             handle.remove()
         self._timing_hooks = [

@@ -92,7 +92,9 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
-        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
+        # no bias: the keys' bias has a gradient of exactly zero in theory (softmax ignores a constant
+        # per query), so in practice float noise, which Adam scales up to full-size updates
+        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL, bias=False)
         self.proj = nn.Linear(D_MODEL, D_MODEL)
         self.up, self.down = nn.Linear(D_MODEL, 4 * D_MODEL), nn.Linear(4 * D_MODEL, D_MODEL)
 
