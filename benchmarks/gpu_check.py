@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 Row = tuple[str, str, str, float, float | None]
 SIZES = {
@@ -118,21 +118,21 @@ def check_end_to_end(b: Bench) -> list[Row]:
 
     fused = b.model(fused_loss=True)
 
-    def selected_loss():
+    def selected_loss(fused=fused):
         out = fused.token_losses(batch)
         losses = out.token_losses()
         keep = select_tokens("topk", losses, out.mask, 0.5).keep
         return globally_normalised_loss(losses, keep)
 
     run("tokens_topk_0.5_fused", fused, b.fused_adamw(fused), selected_loss)
-    del fused
+    del fused, selected_loss  # the model is freed before the next case
 
     for policy in ("checkpoint", "selective", "offload"):
         m = b.model()
         ptrs = {p.untyped_storage().data_ptr() for p in m.parameters()}
-        host = HostOffload(min_bytes=2**20, use_streams=True, exclude=lambda t: t.untyped_storage().data_ptr() in ptrs)
+        host = HostOffload(min_bytes=2**20, use_streams=True, exclude=lambda t, ptrs=ptrs: t.untyped_storage().data_ptr() in ptrs)
         for index, (_, block) in enumerate(find_blocks(m)):
-            hooks = (lambda i=index: host.hooks(i)) if policy == "offload" else None
+            hooks = (lambda i=index, host=host: host.hooks(i)) if policy == "offload" else None
             wrap_block(block, policy if policy != "offload" or b.device.type == "cuda" else "keep", hooks=hooks)
         run(f"activations_{policy}", m, b.fused_adamw(m), lambda m=m: m.token_losses(batch)["loss"])
         if policy == "offload":
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     for check in CHECKS:
         try:
             rows += check(bench)
-        except Exception as error:  # one failing check must not hide the others' figures
+        except Exception as error:  # noqa: BLE001 - one failing check must not hide the others' figures
             rows.append((check.__name__, "-", f"error: {error!r}"[:100], float("nan"), None))
         if bench.device.type == "cuda":
             torch.cuda.empty_cache()

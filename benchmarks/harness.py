@@ -130,7 +130,7 @@ def _format_value(name: str, value: object) -> str:
         return str(value)
     if name.endswith("_bytes"):
         return f"{value / 2**20:,.2f} MiB"
-    if name.endswith("_time_s") or name.endswith("_s") and not name.endswith("per_s"):
+    if name.endswith("_time_s") or (name.endswith("_s") and not name.endswith("per_s")):
         return f"{value * 1e3:,.2f} ms"
     if isinstance(value, float):
         return f"{value:,.4g}"

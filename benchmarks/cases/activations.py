@@ -46,7 +46,7 @@ def measure(config: str, variant: str, quick: bool) -> dict[str, float]:
     model, batch = _setup(config, quick)
     blocks = find_blocks(model)
     exclude = _exclude(model)
-    loss_fn = lambda: model.token_losses(batch)["loss"]  # noqa: E731
+    loss_fn = lambda: model.token_losses(batch)["loss"]
 
     def step():
         loss_fn().backward()
@@ -67,7 +67,6 @@ def measure(config: str, variant: str, quick: bool) -> dict[str, float]:
     fixed = holder["total"]  # the profiler's per-block hooks shadow the outer count inside blocks
     keep_total = fixed + sum(p.held_bytes["keep"] for p in profiles)
     disk = None
-    policy = variant
     if variant == "auto_50":
         plan = plan_blocks(profiles, keep_total // 2, fixed, ("keep", "selective", "checkpoint", "disk"))
         policies = plan.policies

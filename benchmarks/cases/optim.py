@@ -59,7 +59,7 @@ def state_and_step(kind: str, quick: bool) -> dict[str, float]:
         optimizer.step()
     step = (time.perf_counter() - start) / repeats
     figures = {"state_bytes_per_param": optimizer_state_bytes(optimizer) / numel, "step_time_s": step, "parameters": numel}
-    if kind != "torch_adamw_fused" and not quick or kind in ("torch_adamw_foreach", "ours"):
+    if (kind != "torch_adamw_fused" and not quick) or kind in ("torch_adamw_foreach", "ours"):
         figures["val_loss_300"] = _val_loss(kind, quick)
     return figures
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

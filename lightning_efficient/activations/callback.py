@@ -205,10 +205,9 @@ class ActivationMemory(Callback):
 
     def _apply(self, plan: list[str], pl_module: LightningModule) -> None:
         on_cuda = pl_module.device.type == "cuda"
-        if "offload" in plan and not on_cuda:
-            if not self._warned_cpu_offload:
-                rank_zero_warn("ActivationMemory: policy 'offload' moves CUDA tensors to host memory; on CPU it does nothing.")
-                self._warned_cpu_offload = True
+        if "offload" in plan and not on_cuda and not self._warned_cpu_offload:
+            rank_zero_warn("ActivationMemory: policy 'offload' moves CUDA tensors to host memory; on CPU it does nothing.")
+            self._warned_cpu_offload = True
         for index, ((_, block), policy) in enumerate(zip(self._block_list, plan)):
             effective = "keep" if policy == "offload" and not on_cuda else policy
             wrap_block(block, effective, hooks=self._hooks_for(effective, index), reentrant=self.reentrant)

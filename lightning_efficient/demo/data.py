@@ -23,9 +23,8 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_efficient.resumable import EpochShuffleSampler, ResumableDataLoader
-
 from lightning_efficient._validation import require, require_int
+from lightning_efficient.resumable import EpochShuffleSampler, ResumableDataLoader
 
 END_OF_TEXT = "<|endoftext|>"
 IGNORE_INDEX = -100

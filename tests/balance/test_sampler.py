@@ -58,7 +58,7 @@ def test_a_mid_epoch_resume_yields_exactly_the_remaining_samples(world, size, ex
     global_batch = world + extra
     rng = random.Random(seed)
     plan = plan_shares(global_batch, [rng.uniform(0.2, 5) for _ in range(world)])
-    make = lambda: [HeterogeneousBatchSampler(size, global_batch, r, plan, seed=seed) for r in range(world)]  # noqa: E731
+    make = lambda: [HeterogeneousBatchSampler(size, global_batch, r, plan, seed=seed) for r in range(world)]
     straight = make()
     for s in straight:
         s.set_epoch(3)

@@ -367,6 +367,12 @@ class SaveAt(Callback):
             trainer.save_checkpoint(self.path)
 
 
+def offload_dir(workdir: Path) -> Path:
+    """This process's disk-offload directory: one per rank, so a rank checking what it left behind
+    never sees another rank's directory that is still being removed."""
+    return workdir / f"offload-rank{os.environ.get('RANK', '0')}"
+
+
 def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
     """The plugin callbacks of ``case`` (fresh instances)."""
     from lightning_efficient import (
@@ -379,7 +385,7 @@ def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
     def activations() -> Callback:  # disk writes every saved tensor; auto plans for half the kept bytes
         budget = 0.5 if case.activation_policy == "auto" else None
         return ActivationMemory(policy=case.activation_policy, budget=budget, min_offload_bytes=0,
-                                offload_dir=str(workdir / "offload"))
+                                offload_dir=str(offload_dir(workdir)))
 
     made: dict[str, list[Callback]] = {
         "plain": [], "hetero": [],
@@ -455,7 +461,8 @@ def _leftovers(module: nn.Module, workdir: Path) -> dict[str, Any]:
     bnb = sys.modules.get("bitsandbytes")
     overrides = len(bnb.optim.GlobalOptimManager.get_instance().pid2config) if bnb is not None else 0
     temp = sorted(p.name for p in Path(tempfile.gettempdir()).glob("lightning_efficient_*"))
-    temp += sorted(str(p.relative_to(workdir)) for p in (workdir / "offload").rglob("*")) if (workdir / "offload").exists() else []
+    mine = offload_dir(workdir)
+    temp += sorted(str(p.relative_to(workdir)) for p in mine.rglob("*")) if mine.exists() else []
     return {"wrapped": wrapped, "threads": sorted(t.name for t in threading.enumerate()), "overrides": overrides,
             "temp": temp}
 

@@ -7,7 +7,7 @@ from lightning_efficient.memory import optimizer_state_bytes
 from lightning_efficient.optim.offload import host_offloaded
 from lightning_efficient.optim.state import dequantize_adam_state
 from tests.conftest import tiny_gpt_kwargs
-from tests.optim.helpers import Regression, dataset, trainer
+from tests.optim.helpers import Regression, trainer
 
 
 def _fit(model, steps, callbacks=(), **kwargs):

@@ -47,7 +47,7 @@ def test_twin_of_8bit_twins_update_like_bitsandbytes_directly():
     clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours = build_twin(torch.optim.AdamW(_groups(params, lr=1e-3), lr=3e-3, weight_decay=0.1), min_8bit_size=4096, paged=False)
     direct = bnb.optim.AdamW8bit([{"params": clones[:1]}, {"params": clones[1:], "lr": 1e-3}], lr=3e-3, weight_decay=0.1)
-    for step in range(5):
+    for _step in range(5):
         grads = [torch.randn_like(p, generator=None) for p in params]
         for p, c, g in zip(params, clones, grads):
             p.grad, c.grad = g.clone(), g.clone()

@@ -63,7 +63,7 @@ def test_scalar_loss_is_refused_with_what_to_return():
 
     model = ScalarGPT(**tiny_gpt_kwargs())
     callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5)
-    trainer = _wrap(model, callback)
+    _wrap(model, callback)
     with pytest.raises(TypeError, match=r"returned a scalar tensor \(\).*TokenLosses"):
         model.training_step(_batch(), 0)
 
@@ -76,7 +76,7 @@ def test_plain_per_token_tensor_is_accepted():
 
     model = TensorGPT(**tiny_gpt_kwargs())
     callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5)
-    trainer = _wrap(model, callback)
+    _wrap(model, callback)
     out = model.training_step(_batch(), 0)
     assert int(out["keep"].sum()) == 48  # half of all 96 positions, every one valid
 
@@ -91,7 +91,7 @@ def test_non_finite_losses_fail_the_step_with_their_count():
 
     model = NanGPT(**tiny_gpt_kwargs())
     callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5)
-    trainer = _wrap(model, callback)
+    _wrap(model, callback)
     with pytest.raises(FloatingPointError, match="3 of 84 per-token losses are not finite"):
         model.training_step(_batch(), 0)
 
@@ -119,7 +119,7 @@ def test_reference_with_another_vocabulary_is_refused():
     callback = SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=DemoGPT(**{**tiny_gpt_kwargs(), "vocab_size": 600}))
     model = DemoGPT(**tiny_gpt_kwargs())
     trainer = _trainer([callback])
-    with pytest.raises(ValueError, match="reference=.*vocab_size=600 differs from the model's vocab_size=512"):
+    with pytest.raises(ValueError, match=r"reference=.*vocab_size=600 differs from the model's vocab_size=512"):
         callback.setup(trainer, model, "fit")
 
 

@@ -85,7 +85,7 @@ def test_low_precision_inputs_accumulate_in_float32(dtype):
 
 
 def test_bad_arguments_are_refused():
-    hidden, weight, b, labels = _inputs()
+    hidden, weight, _b, labels = _inputs()
     with pytest.raises(ValueError, match="reduction='avg'"):
         linear_cross_entropy(hidden, weight, labels, reduction="avg")
     with pytest.raises(ValueError, match="chunk_size=0"):
