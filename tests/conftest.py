@@ -48,3 +48,25 @@ def small_datamodule_kwargs(small_corpus, tmp_path_factory) -> dict:
 def tiny_gpt_kwargs() -> dict:
     """A demo GPT small enough for a few CPU steps in a test."""
     return {"vocab_size": 512, "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32}
+
+
+@pytest.fixture
+def lightning_caplog(caplog):
+    """``caplog`` that also sees Lightning's ``rank_zero_info`` lines: Lightning stops its loggers from
+    propagating to the root logger when the root had no handler at import time, so whether plain
+    ``caplog`` sees them depends on which test imported Lightning first."""
+    import logging
+
+    # only where a record would stop before the root logger (else caplog would see it twice)
+    loggers = [logger for logger in map(logging.getLogger, ("lightning.fabric", "lightning.pytorch")) if not logger.propagate]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(caplog.handler)
+        logger.setLevel(logging.INFO)
+    try:
+        with caplog.at_level(logging.INFO):
+            yield caplog
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(caplog.handler)
+            logger.setLevel(level)

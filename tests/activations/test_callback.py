@@ -270,7 +270,8 @@ class _WrappedBlocksDuringFit(lightning.Callback):
         self.wrapped = [name for name, block in pl_module.named_modules() if "forward" in vars(block)]
 
 
-def test_a_policy_set_now_wins_over_the_checkpoints_plan(tmp_path, caplog):
+def test_a_policy_set_now_wins_over_the_checkpoints_plan(tmp_path, lightning_caplog):
+    caplog = lightning_caplog
     import logging
 
     lightning.seed_everything(0)
@@ -319,7 +320,8 @@ class _FirstGrads(lightning.Callback):
         self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
 
 
-def test_reentrant_checkpoint_of_hugging_face_layers_turns_off_use_cache_and_gives_keeps_gradients(caplog):
+def test_reentrant_checkpoint_of_hugging_face_layers_turns_off_use_cache_and_gives_keeps_gradients(lightning_caplog):
+    caplog = lightning_caplog
     import logging
 
     got = {}

@@ -95,7 +95,8 @@ def _tiny_texts(root):
 
 
 @pytest.mark.parametrize("damaged", ["train.npy", "tokenizer.json", "meta.json"])
-def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, caplog, damaged):
+def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, lightning_caplog, damaged):
+    caplog = lightning_caplog
     kwargs = {"data_path": str(_tiny_texts(tmp_path / "texts")), "vocab_size": 300, "seq_len": 16, "batch_size": 2,
               "cache_dir": str(tmp_path / "cache")}
     first = CorpusDataModule(**kwargs)
@@ -116,7 +117,8 @@ def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, caplog, damaged):
     assert third.loaded_from_cache is True
 
 
-def test_utf16_files_are_read_and_binary_files_reported_in_one_line(tmp_path, caplog):
+def test_utf16_files_are_read_and_binary_files_reported_in_one_line(tmp_path, lightning_caplog):
+    caplog = lightning_caplog
     from lightning_efficient.demo.data import corpus_files
 
     root = tmp_path / "texts"
