@@ -13,10 +13,12 @@ processes).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -559,11 +561,20 @@ def epoch_samples(micro: list[dict[str, Any]]) -> dict[int, list[int]]:
     return {e: sorted(v) for e, v in sorted(out.items())}
 
 
-def quiet() -> None:
-    """No Lightning chatter: info logs and warnings off (the tests assert, they do not print)."""
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """No Lightning chatter inside (info logs and warnings off: the tests assert, they do not print);
+    everything as it was afterwards, so no later test loses the log lines it checks."""
     import logging
 
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_efficient"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    loggers = [logging.getLogger(name) for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_efficient")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -32,10 +32,14 @@ def _error(exc: BaseException) -> str:
 
 
 def main(out: Path, cases_json: Path) -> None:
-    torch.set_num_threads(1)
     from tests.conformance import harness
 
-    harness.quiet()
+    torch.set_num_threads(1)
+    with harness.quiet():
+        _run(harness, out, cases_json)
+
+
+def _run(harness, out: Path, cases_json: Path) -> None:
     cases = [harness.Case(**c) for c in json.loads(cases_json.read_text())]
     rank = os.environ.get("LOCAL_RANK")
     if rank is None:

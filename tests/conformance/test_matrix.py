@@ -47,8 +47,8 @@ def _one_thread():
     """Tiny models run ~20x faster on one intra-op thread on a shared 2-core machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    harness.quiet()
-    yield
+    with harness.quiet():
+        yield
     torch.set_num_threads(threads)
 
 
