@@ -59,11 +59,13 @@ class ResumableDataLoader(DataLoader):
 
     Under DDP (Lightning's ``DistributedSampler``, rank ``r`` of ``W`` takes positions ``r, r + W, ...``
     of the epoch's order), ``b`` batches of ``B`` handed out on every rank are the first ``b * B * W``
-    samples of that order. A run resumed with another number of ranks ``W'`` or batch size ``B'``
-    skips ``b * B * W / (B' * W')`` batches, which continues from the same sample when that is a whole
-    number; otherwise (and when the order itself changes, e.g. from DDP to a single-device strategy)
-    a mid-epoch resume is refused with the numbers. A checkpoint taken at an epoch's end resumes
-    anywhere.
+    samples of that order. A run resumed with another number of ranks ``W'`` and batch size ``B'``
+    with ``B' * W' == B * W`` (half the ranks, twice the batch) skips the same ``b`` batches and
+    continues from the same sample. Any other mid-epoch change is refused with the numbers: Lightning
+    restores its own batch counter in the checkpoint's units, so a loader that skipped another number
+    of batches would hide the epoch's last batch from it (no validation, no last optimizer step); so
+    is a change of order (e.g. from DDP to a single-device strategy). A checkpoint taken at an epoch's
+    end resumes anywhere.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -123,9 +125,13 @@ class ResumableDataLoader(DataLoader):
             raise ValueError(f"ResumableDataLoader: {where}; this run draws its samples in another order "
                              f"({mine['order']}), so the rest of the epoch is unknown: resume with the same "
                              "strategy kind, or from an end-of-epoch checkpoint")
-        if trained % step:
+        if trained != handed_out * step:
+            # Lightning restores its own batch counter in the checkpoint's units: the loader must skip
+            # exactly that many batches, or Lightning never sees the epoch's last batch (no validation,
+            # no last optimizer step)
             raise ValueError(f"ResumableDataLoader: {where}; this run takes {mine['batch_size']} per batch on "
-                             f"{mine['world_size']} rank(s) ({step} samples a step), and {trained} is not a "
-                             "multiple of it: resume on a number of ranks and batch size whose product divides "
-                             f"{trained}, or from an end-of-epoch checkpoint")
-        self._skip = trained // step
+                             f"{mine['world_size']} rank(s) ({step} samples a step, not "
+                             f"{saved['batch_size'] * saved['world_size']}): mid-epoch, keep batch size x ranks the "
+                             "same (e.g. double the batch size on half the ranks), or resume from an end-of-epoch "
+                             "checkpoint")
+        self._skip = handed_out

@@ -33,13 +33,15 @@ def _rest(loader):
 
 @pytest.mark.parametrize(("before", "after", "batches"), [(2, 1, 2), (1, 2, 2), (2, 2, 3)])
 def test_a_mid_epoch_resume_on_another_number_of_ranks_trains_the_rest_of_the_epoch_once(before, after, batches):
+    """Batch size x ranks stays 6 (Lightning restores its batch counter in the checkpoint's units)."""
     trained, states = [], []
     for rank in range(before):
-        loader = _loader(before, rank)
+        loader = _loader(before, rank, batch_size=6 // before)
         trained += _first(loader, batches)
         states.append(loader.state_dict())
+        assert states[-1]["batches_handed_out"] == batches
     for rank in range(after):
-        resumed = _loader(after, rank)
+        resumed = _loader(after, rank, batch_size=6 // after)
         resumed.load_state_dict(states[0])  # every rank saves the same position
         trained += _rest(resumed)
     assert Counter(trained) == Counter(range(N))
@@ -54,10 +56,10 @@ def test_a_resume_on_the_same_ranks_continues_the_same_order():
     assert head + _rest(resumed) == straight
 
 
-def test_a_position_that_is_not_a_whole_step_on_the_new_ranks_is_refused():
+def test_a_mid_epoch_resume_with_another_step_size_is_refused():
     loader = _loader(1, 0)
-    _first(loader, 1)  # 3 samples trained; 2 ranks of 3 take 6 a step
-    with pytest.raises(ValueError, match=r"after 1 batches of 3 on 1 rank\(s\) \(3 samples.*6 samples a step"):
+    _first(loader, 2)  # 6 samples trained in 3-sample steps; 2 ranks of 3 take 6 a step
+    with pytest.raises(ValueError, match=r"after 2 batches of 3 on 1 rank\(s\) \(6 samples.*6 samples a step, not 3"):
         _loader(2, 0).load_state_dict(loader.state_dict())
 
 
