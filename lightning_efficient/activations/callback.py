@@ -6,12 +6,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._step import restored_run_state, step_loss
 from lightning_efficient._torch import storage_key
 from lightning_efficient._validation import require, require_int
@@ -29,15 +29,6 @@ _RECOMPUTED = ("checkpoint", "selective")
 def _storage_exclusion(pl_module: LightningModule) -> Callable[[Tensor], bool]:
     excluded = {storage_key(t) for t in [*pl_module.parameters(), *pl_module.buffers()]}
     return lambda t: storage_key(t) in excluded
-
-
-def _gather(obj: Any) -> list[Any]:
-    """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def _counts(plan: list[str]) -> str:
@@ -277,18 +268,12 @@ class ActivationMemory(Callback):
             failure = error
         # each rank plans for its own micro-batch (hetero_ddp gives ranks different ones); a rank that
         # fails makes every rank fail with its message, rather than leaving the others in a collective
-        outcome = {"micro_batch": micro_batch, "policies": None if plan is None else plan.policies,
-                   "held_bytes": None if plan is None else plan.held_bytes,
-                   "cost_s": None if plan is None else plan.cost_s,
-                   "baseline_bytes": None if plan is None else plan.baseline_bytes,
-                   "error": None if failure is None else (type(failure).__name__, str(failure))}
-        outcomes = _gather(outcome)
-        failed = [(rank, o) for rank, o in enumerate(outcomes) if o["error"] is not None]
-        if failed:
-            lines = [f"rank {rank} (micro-batch {o['micro_batch']}): {o['error'][1]}" for rank, o in failed]
-            message = "ActivationMemory(policy='auto') could not plan: " + "; ".join(lines)
-            kind = ValueError if all(o["error"][0] == "ValueError" for _, o in failed) else RuntimeError
-            raise kind(message) from failure
+        outcome = None if plan is None else {
+            "micro_batch": micro_batch, "policies": plan.policies, "held_bytes": plan.held_bytes,
+            "cost_s": plan.cost_s, "baseline_bytes": plan.baseline_bytes,
+        }
+        outcomes = gather_or_raise_together(outcome, failure, "ActivationMemory(policy='auto') could not plan",
+                                            f"micro-batch {micro_batch}")
         assert plan is not None
         self._rank_plans = [{k: o[k] for k in ("policies", "held_bytes", "cost_s", "baseline_bytes")} for o in outcomes]
         self._plan_summary = plan

@@ -16,13 +16,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._validation import require, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.memory import first_tensor
-from lightning_efficient.tokens.normalize import StepTokenNormaliser
-from lightning_efficient.tokens.output import NormalisedTokenLoss
+from lightning_efficient.tokens.normalize import StepTokenNormaliser, kept_loss_sum
+from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses
 
 
 class _BalancedLoader(DataLoader):
@@ -218,11 +219,12 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def _probe_caps(self, dataloader: DataLoader, global_batch: int) -> list[int | None]:
         """Each rank's largest micro-batch up to the global batch that trains without running out of
         memory (:func:`~lightning_efficient.balance.probe.probe_micro_batch`), all-gathered."""
-        mine = probe_micro_batch(self, dataloader, global_batch)
-        local = torch.tensor([mine], device=self.root_device)
-        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local)
-        caps = [int(g) for g in gathered]
+        mine, failure = None, None
+        try:
+            mine = probe_micro_batch(self, dataloader, global_batch)
+        except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
+            failure = error
+        caps = gather_or_raise_together(mine, failure, "hetero_ddp: max_micro_batch='auto' could not probe")
         rank_zero_info(f"hetero_ddp: probed max_micro_batch per rank: {caps}")
         return caps
 
@@ -297,7 +299,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         Lightning divides each micro-batch's loss by the accumulation ``A`` and DDP averages over
         the ``W`` ranks. By samples, each micro-batch loss (a mean over its samples) is multiplied by
         ``samples * W * A / global_batch`` — the plan fixes every size, so no communication. By
-        tokens (an output with a ``"mask"``), the global token count of the step is only known after
+        tokens (a :class:`~lightning_efficient.TokenLosses` or :class:`~lightning_efficient.FusedTokenLoss`
+        output; any other dict is weighted by samples), the global token count of the step is only known after
         its last micro-batch: :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`
         weights each micro-batch's token *sum* by ``W * A / K`` and the gradients by ``K / count``
         once the step's last backward is done (:meth:`optimizer_step`), with one all-reduce a step.
@@ -316,9 +319,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if isinstance(output, Mapping):
             if "loss" not in output:
                 return output
-            loss, mask = output["loss"], output.get("mask")
-            if isinstance(mask, Tensor):
-                count = mask.sum()
+            loss = output["loss"]
+            if isinstance(output, TokenLosses):  # the exact sum, not one rebuilt from a rounded mean
+                return {**output, "loss": self._token_weighted(kept_loss_sum(output.token_losses, output.mask), output.mask.sum())}
+            if isinstance(output, FusedTokenLoss):  # its fused mean keeps the gradients the forward computed
+                count = output.mask.sum()
                 return {**output, "loss": self._token_weighted(loss * count, count)}
         elif isinstance(output, Tensor):
             loss = output

@@ -19,6 +19,7 @@ from lightning_efficient.tokens.normalize import (
     all_gather_variable,
     distributed_world_size,
     globally_normalised_loss,
+    kept_loss_sum,
 )
 from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses, deferred_reduction
 from lightning_efficient.tokens.selection import METHODS, SCORES, KeepRatioSchedule, select_tokens
@@ -306,10 +307,14 @@ class SelectiveTokenLoss(Callback):
         self, trainer: Trainer, pl_module: LightningModule, output: Any, args: tuple, kwargs: dict
     ) -> NormalisedTokenLoss:
         losses, valid, entropy = self._per_token(output, want_entropy=self.score == "entropy")
-        non_finite = int((valid & ~torch.isfinite(losses)).sum())
-        if non_finite:
+        non_finite = (valid & ~torch.isfinite(losses)).sum()
+        # under data parallelism (automatic optimization) the count travels with the step's token count
+        # and every rank raises together after the backward; one rank raising alone would leave the
+        # others waiting in a collective
+        deferred = pl_module.automatic_optimization and distributed_world_size() > 1
+        if not deferred and int(non_finite):
             raise FloatingPointError(
-                f"{non_finite} of {int(valid.sum())} per-token losses are not finite at step "
+                f"{int(non_finite)} of {int(valid.sum())} per-token losses are not finite at step "
                 f"{trainer.global_step}; SelectiveTokenLoss does not drop them silently."
             )
         keep_ratio = self.schedule(trainer.global_step)
@@ -322,10 +327,10 @@ class SelectiveTokenLoss(Callback):
             generator=self.generator,
             gather=all_gather_variable if self.scope == "global" and distributed_world_size() > 1 else None,
         )
-        loss = self._loss(trainer, pl_module, losses, selection.keep, int(batch_idx))
+        loss = self._loss(trainer, pl_module, losses, selection.keep, int(batch_idx), non_finite)
         valid_count = valid.sum().clamp_min(1)
         stats = {
-            "selection/mean_loss": float(torch.where(valid, losses.detach().double(), 0.0).sum() / valid_count),
+            "selection/mean_loss": float(kept_loss_sum(losses.detach(), valid) / valid_count),
             "selection/keep_ratio": keep_ratio,
             "selection/kept_fraction": selection.kept_fraction,
             "selection/threshold": math.nan if selection.threshold is None else selection.threshold,
@@ -337,7 +342,8 @@ class SelectiveTokenLoss(Callback):
         return NormalisedTokenLoss(extra, loss=loss, mask=valid.detach(), keep=selection.keep)
 
     def _loss(
-        self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, keep: Tensor, batch_idx: int
+        self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, keep: Tensor, batch_idx: int,
+        non_finite: Tensor,
     ) -> Tensor:
         """The micro-batch's loss: its kept sum weighted for the step (automatic optimization), or
         its own global kept mean (manual optimization, where the user calls backward and step)."""
@@ -353,9 +359,8 @@ class SelectiveTokenLoss(Callback):
         if batch_idx % trainer.accumulate_grad_batches == 0:
             # a step's first micro-batch: forget tokens counted by a call outside the loop (a profile)
             self.normaliser.begin_step()
-        kept = torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
-        local_sum = kept.sum(dtype=torch.promote_types(losses.dtype, torch.float32))
-        return self.normaliser.micro_batch_loss(local_sum, keep.sum(), trainer.accumulate_grad_batches)
+        return self.normaliser.micro_batch_loss(kept_loss_sum(losses, keep), keep.sum(), trainer.accumulate_grad_batches,
+                                                non_finite)
 
     def draw_seed(self, step: int, batch_idx: int) -> int:
         """The seed of ``random``'s draw on this rank at ``step`` for batch ``batch_idx``."""

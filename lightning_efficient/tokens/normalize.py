@@ -36,11 +36,11 @@ def all_gather_variable(local: Tensor) -> Tensor:
     return torch.cat([g[: int(c.item())] for g, c in zip(gathered, counts)])
 
 
-def global_kept_count(keep: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+def global_kept_count(keep: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
     """Every rank's number of kept tokens, summed (at least 1, so that it can divide).
 
-    The count is taken in int64 and returned in ``dtype``, which must hold it exactly: float64
-    (the default) or an integer type. A half-precision count would be inf above 65,504 tokens
+    The count is taken in int64 and returned in ``dtype``, which must hold it exactly: an integer
+    type (the default int64, available on every backend) or float64. A half-precision count would be inf above 65,504 tokens
     (float16) or rounded above 256 (bfloat16).
 
     Raises:
@@ -56,7 +56,8 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _kept_sum(token_losses: Tensor, keep: Tensor) -> Tensor:
+def kept_loss_sum(token_losses: Tensor, keep: Tensor) -> Tensor:
+    """The sum of the kept token losses, in float32 at least (half-precision sums lose tokens)."""
     losses = token_losses.to(_loss_dtype(token_losses.dtype))
     return torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
 
@@ -73,10 +74,10 @@ def globally_normalised_loss(token_losses: Tensor, keep: Tensor, global_count: T
     This is one micro-batch's global mean: with gradient accumulation, use
     :class:`StepTokenNormaliser` to weight every token of the step alike.
     """
-    kept_sum = _kept_sum(token_losses, keep)
+    kept_sum = kept_loss_sum(token_losses, keep)
     if global_count is None:
         global_count = global_kept_count(keep)
-    factor = distributed_world_size() / global_count.to(torch.float64)
+    factor = distributed_world_size() / global_count  # a float tensor of the default (float32) dtype
     return kept_sum * factor.to(kept_sum.dtype)
 
 
@@ -92,7 +93,8 @@ class StepTokenNormaliser:
     all-reduces the step's local token counts once into ``T`` and multiplies the gradients by
     ``K / T``; then ``K := T``. The step's gradient is then (sum of every token's loss gradient) / T,
     the same as one big batch, also for a last step with fewer micro-batches than ``A``. Counts are
-    kept in float64 (exact up to 2**53 tokens); the host waits for the device once a step, for ``K / T``.
+    int64 on the device (exact, and available on every backend); the host waits for the device once a
+    step, for ``K / T``.
 
     Used by :class:`~lightning_efficient.tokens.SelectiveTokenLoss` and by the ``hetero_ddp`` strategy
     for :class:`~lightning_efficient.tokens.TokenLosses` without the callback, both from the optimizer
@@ -101,8 +103,8 @@ class StepTokenNormaliser:
     """
 
     def __init__(self) -> None:
-        self.scale: Tensor | None = None  # K: the previous step's global token count (float64, 1 element)
-        self.step_tokens: Tensor | None = None  # this rank's tokens in the step's micro-batches so far
+        self.scale: float | None = None  # K: the previous step's global token count
+        self.step_tokens: Tensor | None = None  # [tokens, non-finite losses] of this rank's micro-batches so far (int64)
 
     def reset(self) -> None:
         """Forget ``K`` and any step in progress (a new fit starts from its first micro-batch's count)."""
@@ -111,37 +113,51 @@ class StepTokenNormaliser:
 
     def begin_step(self) -> None:
         """Forget the tokens counted so far in this step (call it at a step's first micro-batch, so that
-        a ``training_step`` run outside the loop, e.g. to profile memory, is not counted)."""
+        a ``training_step`` run outside the loop is not counted)."""
         self.step_tokens = None
 
-    def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int) -> Tensor:
+    def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int,
+                         non_finite: Tensor | int = 0) -> Tensor:
         """This micro-batch's loss: its local token-loss sum times ``W * A / K``.
 
         Args:
             local_sum: the sum of this rank's (kept) token losses in the micro-batch.
             local_count: how many tokens that sum is over.
             accumulation: ``A``, the micro-batches per optimizer step Lightning divides by.
+            non_finite: this rank's non-finite token losses in the micro-batch: counted with the
+                tokens, so that :meth:`normalise_gradients` raises on every rank together instead of
+                one rank raising while the others wait in a collective.
         """
-        count = torch.as_tensor(local_count, device=local_sum.device).to(torch.float64).reshape(1)
-        if self.scale is None:  # the first step: one all-reduce estimates the step's count
-            self.scale = (global_sum(count) * accumulation).clamp_min(1.0)
-        self.step_tokens = count if self.step_tokens is None else self.step_tokens + count
+        device = local_sum.device
+        counts = torch.stack([torch.as_tensor(c, device=device).to(torch.int64).reshape(()) for c in (local_count, non_finite)])
+        if self.scale is None:  # the first step: one all-reduce (and one host sync) estimates the step's count
+            self.scale = float(max(int(global_sum(counts[:1])) * accumulation, 1))
+        self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
-        factor = (distributed_world_size() * accumulation) / self.scale
-        return local_sum * factor.to(local_sum.dtype).squeeze(0)
+        return local_sum * (distributed_world_size() * accumulation / self.scale)
 
     def normalise_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Multiply the optimizer's gradients by ``K / T`` (``T``: the step's global token count), then
         ``K := T``. Call it on every rank after the step's last backward; nothing to do when no
-        micro-batch went through :meth:`micro_batch_loss` since the last call."""
+        micro-batch went through :meth:`micro_batch_loss` since the last call.
+
+        Raises:
+            FloatingPointError: on every rank, when any rank had non-finite token losses this step.
+        """
         if self.step_tokens is None:
             return
-        total = global_sum(self.step_tokens).clamp_min(1.0)
-        factor = float(self.scale / total)  # one host sync a step (a Python number also scales DTensor grads)
-        self.step_tokens, self.scale = None, total
+        tokens, non_finite = (int(c) for c in global_sum(self.step_tokens))  # one host sync a step
+        self.step_tokens = None
+        if non_finite:
+            raise FloatingPointError(f"{non_finite} per-token losses over all ranks are not finite in this step; "
+                                     "they are not dropped silently.")
+        total = max(tokens, 1)
+        factor, self.scale = self.scale / total, float(total)
         if factor == 1.0:
             return
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(factor)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if all(type(g) is Tensor for g in grads):
+            torch._foreach_mul_(grads, factor)
+        else:  # DTensor gradients (FSDP2): one at a time
+            for grad in grads:
+                grad.mul_(factor)

@@ -140,3 +140,16 @@ def test_choice_arguments_are_typed_with_literal():
     assert typing.get_args(hints["method"]) == METHODS
     assert typing.get_args(hints["score"]) == SCORES
     assert typing.get_args(hints["scope"]) == ("batch", "global")
+
+
+def test_non_finite_losses_on_one_rank_stop_every_rank_together(tmp_path):
+    """Rank 1 alone has a NaN at step 1: both ranks raise at that step, instead of rank 1 raising while
+    rank 0 waits in the gradient all-reduce."""
+    from pathlib import Path
+
+    from tests.ddp import run_script
+
+    run_script(Path(__file__).parent / "ddp_non_finite.py", tmp_path, timeout=240)
+    for rank in (0, 1):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert message.startswith("FloatingPointError at step 1:") and "2 per-token losses over all ranks are not finite" in message  # one NaN column, 2 rows

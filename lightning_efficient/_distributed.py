@@ -1,0 +1,40 @@
+"""Collectives that keep the ranks together when one of them fails."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def gather_or_raise_together(value: Any, error: BaseException | None, what: str, context: str = "") -> list[Any]:
+    """Every rank's ``value``; when any rank's ``error`` is set, every rank raises the same error.
+
+    A rank that raised alone would leave the others waiting in their next collective (on NCCL, a
+    hang). Each rank passes what it computed, or the error it caught; the message names each failed
+    rank (with its ``context``, e.g. ``"micro-batch 6"``) and its error. The error is a ValueError
+    when every failure was one (a setting that cannot work), else a RuntimeError.
+
+    Args:
+        value: this rank's result (None when it failed).
+        error: the exception this rank caught, or None.
+        what: the start of the message, e.g. ``"ActivationMemory(policy='auto') could not plan"``.
+        context: this rank's detail shown beside its rank number.
+    """
+    outcome = {"value": value, "context": context, "error": None if error is None else (type(error).__name__, str(error))}
+    outcomes = gather_objects(outcome)
+    failed = [(rank, o) for rank, o in enumerate(outcomes) if o["error"] is not None]
+    if failed:
+        lines = [f"rank {rank}" + (f" ({o['context']})" if o["context"] else "") + f": {o['error'][1]}" for rank, o in failed]
+        kind = ValueError if all(o["error"][0] == "ValueError" for _, o in failed) else RuntimeError
+        raise kind(f"{what}: " + "; ".join(lines)) from error
+    return [o["value"] for o in outcomes]
