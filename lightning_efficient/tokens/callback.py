@@ -184,6 +184,8 @@ class SelectiveTokenLoss(Callback):
 
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> NormalisedTokenLoss:
+            if not trainer.training:  # e.g. a validation_step that calls self.training_step: the plain output
+                return original(*args, **kwargs)
             with deferred_reduction():
                 output = original(*args, **kwargs)
             return self._step_loss(trainer, pl_module, output, args, kwargs)

@@ -6,6 +6,7 @@ import typing
 import lightning
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_efficient import DemoGPT, FusedTokenLoss, SelectiveTokenLoss, TokenLosses
 from lightning_efficient.hf import HFCausalLM
@@ -153,3 +154,56 @@ def test_non_finite_losses_on_one_rank_stop_every_rank_together(tmp_path):
     for rank in (0, 1):
         message = (tmp_path / f"rank{rank}.txt").read_text()
         assert message.startswith("FloatingPointError at step 1:") and "2 per-token losses over all ranks are not finite" in message  # one NaN column, 2 rows
+
+
+class _ValidatesWithTrainingStep(lightning.LightningModule):
+    """A common pattern: validation_step reuses training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+        self.val_losses: list[float] = []
+        self.grads: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self.head(self.embed(ids[:, :-1]))
+        labels = ids[:, 1:].clone()
+        labels[:, : int(ids[0, 0]) % 3] = -100  # valid-token counts differ between batches
+        losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+        return TokenLosses(losses, labels != -100)
+
+    def validation_step(self, batch, batch_idx):
+        out = self.training_step(batch, batch_idx)
+        mean = out["token_losses"][out["mask"]].mean()
+        self.val_losses.append((type(out).__name__, float(out["loss"]), float(mean)))
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append(torch.cat([p.grad.flatten().clone() for p in self.parameters()]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_validating_mid_window(callbacks, validate):
+    model = _ValidatesWithTrainingStep()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 16, (12, 6))), batch_size=2)
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=3, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                val_check_interval=3 if validate else None, check_val_every_n_epoch=None if validate else 1,
+                                limit_val_batches=2 if validate else 0, callbacks=callbacks)
+    trainer.fit(model, data, data)
+    return model
+
+
+def test_a_validation_step_calling_training_step_gets_the_plain_output_and_changes_no_gradient():
+    """Validation in the middle of an accumulation window neither counts in the step's tokens nor is selected."""
+    without = _fit_validating_mid_window([SelectiveTokenLoss(method="topk", keep_ratio=0.5)], validate=False)
+    with_validation = _fit_validating_mid_window([SelectiveTokenLoss(method="topk", keep_ratio=0.5)], validate=True)
+    assert len(without.grads) == len(with_validation.grads) == 3
+    for a, b in zip(without.grads, with_validation.grads):
+        assert torch.equal(a, b)
+    assert len(with_validation.val_losses) >= 2
+    for kind, loss, mean in with_validation.val_losses:  # the module's own output: the mean over every valid token
+        assert kind == "TokenLosses" and loss == pytest.approx(mean, rel=1e-6)
