@@ -176,7 +176,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
                 f"on {saved_world} rank(s); this run's global batch is {self.global_batch}: the rest of the epoch "
                 f"cannot be re-planned to another global batch (Lightning restores the epoch's step count). Resume "
                 f"with global_batch_size={saved_global} (global_batch_size=None means the DataLoader's batch size "
-                f"times the number of ranks), or from an end-of-epoch checkpoint"
+                f"x ranks x accumulate_grad_batches), or from an end-of-epoch checkpoint"
             )
         if saved_plan.accumulation != current.accumulation:
             raise ValueError(

@@ -67,7 +67,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
 
     Args:
         global_batch_size: samples per optimizer step over all ranks (None: the DataLoader's batch
-            size times the number of ranks).
+            size times the number of ranks times ``accumulate_grad_batches``, what plain DDP trains a step).
         shares: ``"auto"`` (measured) or fixed positive weights, one per rank.
         max_micro_batch: the largest micro-batch per rank (an int for all, a list, ``"auto"`` to probe
             each rank's memory before the first step — :mod:`~lightning_efficient.balance.probe` —
@@ -181,8 +181,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             raise ValueError(
                 "hetero_ddp: the training DataLoader has batch_size=None (no batching: each dataset item is handed "
                 "over as it is), but hetero_ddp builds every rank's batches from single samples by their shares. Give "
-                "the DataLoader a batch_size (the global batch is batch_size times the number of ranks unless "
-                "global_batch_size is set) over a dataset of single samples"
+                "the DataLoader a batch_size (the global batch is batch_size x ranks x accumulate_grad_batches "
+                "unless global_batch_size is set) over a dataset of single samples"
             )
         world = self.world_size
         if self.global_batch_size is None and dataloader.batch_size is None:
@@ -190,10 +190,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 "hetero_ddp: the training DataLoader has a batch_sampler and no batch_size, so the global batch is "
                 "unknown: set HeterogeneousDDPStrategy(global_batch_size=...) (hetero_ddp replaces the batch sampler)"
             )
-        global_batch = self.global_batch_size or dataloader.batch_size * world
+        requested = trainer.accumulate_grad_batches
+        # by default a step trains what it would under plain DDP: a DataLoader batch per rank and micro-batch
+        global_batch = self.global_batch_size or dataloader.batch_size * world * requested
         if self.max_micro_batch == "auto" and self._probed_caps is None:
             self._probed_caps = self._probe_caps(dataloader, global_batch)
-        requested = trainer.accumulate_grad_batches
         self._plan = plan_shares(global_batch, self._initial_weights(), self._caps(), None if requested == 1 else requested)
         if self._plan.accumulation != requested:
             rank_zero_info(f"hetero_ddp: {self._plan.accumulation} micro-batches per step to respect max_micro_batch")

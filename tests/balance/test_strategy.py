@@ -127,3 +127,12 @@ def test_registered_as_hetero_ddp():
 
     trainer = lightning.Trainer(strategy="hetero_ddp", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, HeterogeneousDDPStrategy)
+
+
+def test_by_default_a_step_trains_what_plain_ddp_would_under_accumulation(tmp_path):
+    """global_batch_size=None: DataLoader batch x ranks x accumulate_grad_batches, one DataLoader batch a micro-batch."""
+    from tests.ddp import run_script
+
+    run_script(SCRIPT.parent / "hetero_accumulate.py", tmp_path / "out.json", timeout=240)
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["global_batch"] == 6 and result["sizes"] == [3] * 8 and result["steps"] == 4
