@@ -23,7 +23,10 @@ class DemoTransformerLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         inputs, labels = batch["input_ids"], batch["labels"]
-        log_probs = self.model(inputs, labels.clamp_min(0))
+        # a causal language model: the decoder reads the inputs under its causal mask; the encoder gets
+        # nothing (it sees its whole sequence, so inputs there would show it the next tokens, and labels
+        # given to the decoder would show it the very token it predicts)
+        log_probs = self.model(torch.zeros_like(inputs), inputs)
         losses = F.nll_loss(log_probs, labels.flatten(), reduction="none", ignore_index=-100)
         return TokenLosses(losses.view_as(labels), labels != -100)
 
