@@ -395,6 +395,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         trained = self._micro_done if self._sampler.epoch == self._counter_epoch else 0
         state["next_batch"] = trained // self._plan.accumulation
         state["speeds"] = list(self._speeds)
+        state["step_token_scale"] = self._token_normaliser.scale  # a resumed first step scales as the uninterrupted one
         return state
 
     def load_data_state_dict(self, state: dict[str, Any]) -> None:
@@ -406,6 +407,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if len(speeds) == self.world_size:
             self._speeds = [float(s) for s in speeds]
         self._counter_epoch = self._sampler.epoch
+        self._token_normaliser.scale = state.get("step_token_scale")
 
     @property
     def micro_batch_caps(self) -> list[int | None]:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -184,7 +185,7 @@ class SelectiveTokenLoss(Callback):
 
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> NormalisedTokenLoss:
-            if not trainer.training:  # e.g. a validation_step that calls self.training_step: the plain output
+            if trainer.state.stage not in (None, RunningStage.TRAINING):  # a validation_step calling training_step
                 return original(*args, **kwargs)
             with deferred_reduction():
                 output = original(*args, **kwargs)
@@ -373,10 +374,14 @@ class SelectiveTokenLoss(Callback):
     def state_dict(self) -> dict[str, Any]:
         # the schedule position is the trainer's global_step (restored by Lightning) and the random
         # draws are seeded by (seed, rank, step, batch): the settings are kept to check a resume against
-        return {"schedule": vars(self.schedule).copy(), "method": self.method, "seed": self.seed}
+        # the step normaliser's K (the last step's global kept count), so that a resumed run scales its
+        # first step as the uninterrupted run does, to the last bit
+        return {"schedule": vars(self.schedule).copy(), "method": self.method, "seed": self.seed,
+                "step_token_scale": self.normaliser.scale}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.normaliser.scale = state_dict.get("step_token_scale")
         if state_dict.get("method", self.method) != self.method:
             rank_zero_info(
                 f"SelectiveTokenLoss: the checkpoint was trained with method={state_dict['method']!r}; "

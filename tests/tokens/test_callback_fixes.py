@@ -207,3 +207,26 @@ def test_a_validation_step_calling_training_step_gets_the_plain_output_and_chang
     assert len(with_validation.val_losses) >= 2
     for kind, loss, mean in with_validation.val_losses:  # the module's own output: the mean over every valid token
         assert kind == "TokenLosses" and loss == pytest.approx(mean, rel=1e-6)
+
+
+def test_a_resumed_run_scales_its_steps_as_the_uninterrupted_one_to_the_last_bit(tmp_path):
+    """The step normaliser's scale is in the checkpoint: a mid-run resume gives bitwise the same parameters."""
+
+    def trainer(steps, callbacks):
+        return lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=2, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 limit_val_batches=0, callbacks=callbacks)
+
+    from lightning_efficient.resumable import ResumableDataLoader
+
+    data = ResumableDataLoader(torch.utils.data.TensorDataset(torch.randint(0, 16, (24, 6))), batch_size=2)
+    straight = _ValidatesWithTrainingStep()
+    trainer(4, [SelectiveTokenLoss(method="none")]).fit(straight, data)
+    first = _ValidatesWithTrainingStep()
+    head = trainer(2, [SelectiveTokenLoss(method="none")])
+    head.fit(first, data)
+    head.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = _ValidatesWithTrainingStep()
+    trainer(4, [SelectiveTokenLoss(method="none")]).fit(resumed, data, ckpt_path=tmp_path / "mid.ckpt")
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
