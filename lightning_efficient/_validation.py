@@ -30,3 +30,15 @@ def require_int(name: str, value: Any, minimum: int) -> None:
     """Raise a ValueError unless ``value`` is an int (not a bool) at least ``minimum``."""
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
     require(ok, name, value, f"an integer >= {minimum}")
+
+
+def require_bool(name: str, value: Any) -> None:
+    """Raise a ValueError unless ``value`` is True or False (a string like ``"no"`` is truthy)."""
+    require(isinstance(value, bool), name, value, "True or False")
+
+
+def require_path(name: str, value: Any) -> None:
+    """Raise a ValueError unless ``value`` is None or a path string (``str`` or ``os.PathLike``)."""
+    import os
+
+    require(value is None or isinstance(value, (str, os.PathLike)), name, value, "None or a path")

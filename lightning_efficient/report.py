@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_efficient._torch import synchronize
-from lightning_efficient._validation import require, require_int
+from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.memory import (
     SavedTensorCounter,
     first_tensor,
@@ -82,6 +82,9 @@ class MemoryReport(Callback):
         self, every_n_steps: int = 50, log: bool = True, print_table: bool = True, json_path: str | None = None
     ) -> None:
         require_int("every_n_steps", every_n_steps, 1)
+        require_bool("log", log)
+        require_bool("print_table", print_table)
+        require_path("json_path", json_path)
         if json_path is not None:
             target = Path(json_path).expanduser()
             require(not target.is_dir(), "json_path", json_path, "a file path, not a directory")

@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._step import restored_run_state, step_loss
 from lightning_efficient._torch import storage_key
-from lightning_efficient._validation import require, require_int
+from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
 from lightning_efficient.activations.planner import BlockProfile, Plan, parse_budget, plan_blocks
@@ -82,6 +82,11 @@ class ActivationMemory(Callback):
             parse_budget(budget)  # validates now; a fraction is resolved once the baseline is measured
         require(blocks == "auto" or (isinstance(blocks, list) and blocks and all(isinstance(b, str) for b in blocks)),
                 "blocks", blocks, "'auto' or a non-empty list of class names / name patterns")
+        require_bool("use_streams", use_streams)
+        require_bool("reentrant", reentrant)
+        require_path("offload_dir", offload_dir)
+        require(auto_policies is None or (isinstance(auto_policies, list) and len(auto_policies) > 0), "auto_policies",
+                auto_policies, "None (every policy) or a non-empty list of policies")
         require_int("min_offload_bytes", min_offload_bytes, 0)
         self.auto_policies = tuple(auto_policies or ("keep", "selective", "checkpoint", "offload", "disk"))
         for item in self.auto_policies:

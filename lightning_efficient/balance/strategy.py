@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_efficient._distributed import gather_or_raise_together
-from lightning_efficient._validation import require, require_int
+from lightning_efficient._validation import require, require_bool, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
@@ -120,6 +120,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             require(all(isinstance(c, int) and c >= 1 for c in max_micro_batch), "max_micro_batch", max_micro_batch, "integers >= 1")
         elif max_micro_batch is not None:
             require_int("max_micro_batch", max_micro_batch, 1)
+        require_int("seed", seed, 0)
+        require_bool("shuffle", shuffle)
+        require_bool("drop_last", drop_last)
         require_int("rebalance_every", rebalance_every, 1)
         require_int("warmup_steps", warmup_steps, 1)
         require(0.0 <= hysteresis < 1.0, "hysteresis", hysteresis, "a fraction in [0, 1)")

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_efficient._validation import require, require_choice, require_int
+from lightning_efficient._validation import require, require_bool, require_choice, require_int
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.offload import host_offloaded
 from lightning_efficient.optim.schedulers import rebind_schedulers
@@ -84,7 +84,11 @@ class EightBitOptimizer(Callback):
         bits: Literal[8, 32] = 8,
     ) -> None:
         require_int("min_8bit_size", min_8bit_size, 1)
-        require(keep_32bit is None or all(isinstance(p, str) for p in keep_32bit), "keep_32bit", keep_32bit, "a list of name patterns")
+        require(keep_32bit is None or (isinstance(keep_32bit, (list, tuple)) and all(isinstance(p, str) for p in keep_32bit)),
+                "keep_32bit", keep_32bit, "a list of name patterns (not a single string)")
+        require_bool("embeddings_32bit", embeddings_32bit)
+        require_bool("paged", paged)
+        require_bool("strict", strict)
         if offload is not None:
             require_choice("offload", offload, ("cpu",))
         require(not (paged and offload), "offload", offload, "None when paged=True (paged states already move to the host)")

@@ -144,7 +144,8 @@ class SelectiveTokenLoss(Callback):
         seed: int = 0,
     ) -> None:
         require_choice("method", method, METHODS)
-        require(isinstance(keep_ratio, (int, float)) and 0.0 < keep_ratio <= 1.0, "keep_ratio", keep_ratio, "a fraction in (0, 1]")
+        ratio_ok = isinstance(keep_ratio, (int, float)) and not isinstance(keep_ratio, bool) and 0.0 < keep_ratio <= 1.0
+        require(ratio_ok, "keep_ratio", keep_ratio, "a fraction in (0, 1]")
         require(0.0 < start_keep_ratio <= 1.0, "start_keep_ratio", start_keep_ratio, "a fraction in (0, 1]")
         require_choice("score", score, SCORES)
         require(score == "loss" or method == "eslm", "score", score, "'loss' unless method='eslm'")
@@ -155,6 +156,11 @@ class SelectiveTokenLoss(Callback):
         if method == "rho1":
             require(reference is not None or reference_key is not None, "reference", reference,
                     "a checkpoint path or nn.Module (or set reference_key) for method='rho1'")
+        require(reference is None or isinstance(reference, (str, nn.Module)), "reference", reference,
+                "None, a checkpoint path or an nn.Module with a training_step returning per-token losses")
+        require(not isinstance(reference, nn.Module) or callable(getattr(reference, "training_step", None)), "reference",
+                type(reference).__name__, "an nn.Module with a training_step returning per-token losses (such as a "
+                "LightningModule of the model's kind)")
         if isinstance(reference, str):
             require(Path(reference).expanduser().exists(), "reference", reference, "an existing checkpoint path")
         self.method = method
