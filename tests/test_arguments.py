@@ -22,7 +22,8 @@ from lightning_efficient import ActivationMemory, EightBitOptimizer, Heterogeneo
     (MemoryReport, {"json_path": 5}, "json_path=5 is not allowed: expected None or a path"),
     (SelectiveTokenLoss, {"keep_ratio": True}, "keep_ratio=True is not allowed"),
     (SelectiveTokenLoss, {"method": "rho1", "reference": 42}, "reference=42 is not allowed"),
-    (SelectiveTokenLoss, {"method": "rho1", "reference": torch.nn.Linear(2, 2)}, "reference='Linear' is not allowed: expected an nn.Module with a training_step"),
+    (SelectiveTokenLoss, {"method": "rho1", "reference": torch.nn.Linear(2, 2)},
+     "reference='Linear' is not allowed: expected an nn.Module with a training_step"),
 ])
 def test_wrong_typed_arguments_are_refused_at_construction(make, kwargs, message):
     with pytest.raises(ValueError, match=message):
