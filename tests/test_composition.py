@@ -1,21 +1,16 @@
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from tests.ddp import run_script
 
 HERE = Path(__file__).resolve().parent
 
 
 def _run(out, steps, small_datamodule_kwargs, resume=None):
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
-    args = [sys.executable, str(HERE / "composition_run.py"), str(out), str(steps),
-            small_datamodule_kwargs["data_path"], small_datamodule_kwargs["cache_dir"], resume or "-"]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
+    return run_script(HERE / "composition_run.py", out, steps, small_datamodule_kwargs["data_path"],
+                      small_datamodule_kwargs["cache_dir"], resume or "-", timeout=600)
 
 
 def test_all_four_plugins_on_two_processes_and_an_exact_mid_epoch_resume(tmp_path, small_datamodule_kwargs):
