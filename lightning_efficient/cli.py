@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -120,6 +121,9 @@ def run_cli(args: list[str] | None = None) -> EfficientCLI:
 
 def main() -> None:
     """Console-script entry point of ``lightning-efficient``."""
+    # Lightning 2.6's pytree helper trips torch's own deprecation of LeafSpec on every fit: nothing a
+    # user of this command can act on (it is between Lightning and torch), so the command hides it
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     run_cli()
 
 

@@ -94,6 +94,7 @@ def test_default_config_on_a_tiny_corpus_with_one_block_is_quiet_and_saves_no_co
     assert re.search(r"Epoch [1-9]", output)  # the progress bar is on, past the first epoch ...
     assert "/-2" not in output  # ... and shows no epoch limit of -2
     assert "sync_dist" not in output
+    assert "LeafSpec" not in output and "kernels-community" not in output  # nothing a user cannot act on
     assert list(work.iterdir()) == []  # no config.yaml (nor anything else) in the working directory
 
 
