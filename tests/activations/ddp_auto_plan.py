@@ -11,20 +11,11 @@ import time
 from pathlib import Path
 
 import lightning
-import torch
+from script_data import Rows
 from torch.utils.data import DataLoader
 
 from lightning_efficient import ActivationMemory, DemoGPT, HeterogeneousDDPStrategy
 from lightning_efficient.memory import SavedTensorCounter
-
-
-class Rows(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return {"input_ids": torch.randint(0, 512, (32,), generator=g), "labels": torch.randint(0, 512, (32,), generator=g)}
 
 
 class Report(lightning.Callback):

@@ -10,21 +10,11 @@ import signal
 import sys
 
 import lightning
-import torch
+from script_data import Rows
 from torch.utils.data import DataLoader
 
 from lightning_efficient import ActivationMemory, DemoGPT
 from lightning_efficient.activations import DiskFullError
-
-
-class Rows(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return {"input_ids": torch.randint(0, 512, (32,), generator=g), "labels": torch.randint(0, 512, (32,), generator=g)}
-
 
 if __name__ == "__main__":
     offload_dir, limit = sys.argv[1], int(sys.argv[2])
