@@ -111,10 +111,12 @@ class EightBitOptimizer(Callback):
             for module in pl_module.modules():
                 if isinstance(module, nn.Embedding):
                     reasons[id(module.weight)] = "embedding"
+        matched = False
         for name, param in pl_module.named_parameters():
             if any(fnmatch.fnmatch(name, pattern) for pattern in self.keep_32bit):
+                matched = True  # also when the parameter is 32-bit already for another reason (an embedding)
                 reasons.setdefault(id(param), "pattern")
-        if self.keep_32bit and not any(r == "pattern" for r in reasons.values()):
+        if self.keep_32bit and not matched:
             names = [n for n, _ in pl_module.named_parameters()][:10]
             raise ValueError(f"keep_32bit={self.keep_32bit!r} matches no parameter name; names look like {names}")
         return reasons

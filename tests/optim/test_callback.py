@@ -236,3 +236,11 @@ def test_a_fit_that_raises_leaves_no_32bit_override_behind():
 def test_paged_with_an_sgd_module_is_refused_at_fit_start_even_on_cpu():
     with pytest.raises(ValueError, match=r"paged=True is not allowed for optimizer 0: torch\.optim\.sgd\.SGD's 8-bit twin SGD8bit"):
         trainer(1, [EightBitOptimizer(paged=True)]).fit(Regression(optimizer="sgd"))
+
+
+def test_a_pattern_naming_a_parameter_already_32bit_is_not_refused():
+    """keep_32bit=["embed.weight"] matches the embedding, which embeddings_32bit already keeps 32-bit."""
+    model = Regression()
+    t = trainer(1, [EightBitOptimizer(keep_32bit=["embed.weight"])])
+    t.fit(model)
+    assert t.optimizers[0].state[model.embed.weight]["state1"].dtype == torch.float32
