@@ -36,7 +36,8 @@ class TokenLossSteps:
         metric.update(mean, weight=out.mask.sum())
 
     def _log_loss(self, name: str, metric: MeanMetric) -> float:
-        # the metric's compute() already reduces over ranks: sync_dist=True only says so to Lightning
+        # compute() already reduces over ranks; sync_dist=True adds one small all-reduce of that same value
+        # per validation, which tells Lightning the logged value is rank-wide (no warning under DDP)
         loss = metric.compute()
         metric.reset()
         self.log(f"{name}_loss", loss, prog_bar=True, sync_dist=True)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from lightning_efficient import ActivationMemory, CorpusDataModule, DemoGPT
 from lightning_efficient.activations import BlockProfile, parse_budget, plan_blocks
+from tests.activations.script_data import Rows
 from tests.conftest import tiny_gpt_kwargs
 
 HERE = Path(__file__).resolve().parent
@@ -184,19 +185,8 @@ def test_a_failed_disk_write_stops_the_fit_naming_the_path_and_the_bytes(tmp_pat
     assert result["left"] == []  # on_exception removed the files and the private directory
 
 
-class _Rows(torch.utils.data.Dataset):
-    """16 fixed rows of the tiny demo's shape."""
-
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return {"input_ids": torch.randint(0, 512, (32,), generator=g), "labels": torch.randint(0, 512, (32,), generator=g)}
-
-
 def _loader():
-    return torch.utils.data.DataLoader(_Rows(), batch_size=4)
+    return torch.utils.data.DataLoader(Rows(), batch_size=4)
 
 
 class _Losses(lightning.Callback):
