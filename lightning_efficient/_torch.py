@@ -1,6 +1,8 @@
-"""Small torch helpers shared across the plugins: storage identity, device sync, seeded orders."""
+"""Small torch helpers shared across the plugins: storage identity, device sync and timing, seeded orders."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import Tensor
@@ -27,3 +29,35 @@ def seeded_permutation(length: int, seed: int, shuffle: bool = True) -> list[int
         return list(range(length))
     generator = torch.Generator().manual_seed(seed)
     return torch.randperm(length, generator=generator).tolist()
+
+
+class DeviceClock:
+    """Marks on a device's timeline, read without stalling the device.
+
+    On CUDA a mark is an event recorded on the device's current stream, so the interval between two
+    marks is the device's execution time, not the host's launch time; reading it waits only for
+    the later mark. Elsewhere a mark is ``time.perf_counter()``, and the work is already done when
+    the host records it.
+
+    Args:
+        device: the device whose work is timed.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"
+
+    def mark(self) -> object:
+        """A point on the device's timeline (enqueued after the work submitted so far)."""
+        if self.on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: object, end: object) -> float:
+        """Seconds between two marks (on CUDA this waits for ``end`` to be reached)."""
+        if self.on_cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return end - start
