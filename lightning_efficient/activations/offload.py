@@ -1,17 +1,25 @@
 """Moving the tensors a block saves for backward off the device: to host memory or to disk.
 
 Both work through ``torch.autograd.graph.saved_tensors_hooks`` active during a block's forward.
-Parameters and buffers (``exclude``) and tensors under ``min_bytes`` are left where they are.
+Parameters and buffers (``exclude``), their casts and views (autocast's low-precision weight
+copies, recognised by their autograd history) and tensors under ``min_bytes`` are left where they
+are. Both move each saved *storage* once, however many saved tensors (the same tensor saved by two
+ops, views such as ``q``/``k``/``v`` of one projection) refer to it, and restore each view's shape,
+strides and offset from it.
 
-* :class:`HostOffload` (CUDA): each saved tensor is copied into pinned host memory on a side
-  stream; in backward, the first unpack in a block starts copying the *previous* block's tensors
-  back (backward runs blocks in reverse), so transfers overlap compute.
-* :class:`DiskOffload`: each saved storage is written once (however many saved tensors are views
-  of it) by a background writer into a private directory (mode 0700) and read back in backward,
-  the previous block's files prefetched by reader threads. A file is removed as soon as autograd
-  frees its saved tensors (after backward, or when an exception drops the graph), and
-  :meth:`DiskOffload.clear` removes whatever is left. A failed write raises
-  :class:`DiskFullError` (path and bytes) on the training thread.
+* :class:`HostOffload` (CUDA): each saved storage is copied into pinned host memory on a
+  device-to-host stream. The device storages whose copy may still be in flight are held in a
+  bounded stash; one pushed out is released only after the compute stream waits for its copy. In
+  backward a storage still on the device is reused rather than copied back, and entering a block
+  starts copying back its storages and the next offloaded block's on a host-to-device stream, so
+  transfers overlap compute; what is left is released when backward ends. The stream and event
+  operations sit behind a small interface (``_CudaStreams``; ``_SyncStreams`` copies synchronously,
+  and on CPU lets tests drive the whole logic).
+* :class:`DiskOffload`: each saved storage is written once by a background writer into a private
+  directory (mode 0700) and read back in backward, the previous block's files prefetched by reader
+  threads. A file is removed as soon as autograd frees its saved tensors (after backward, or when
+  an exception drops the graph), and :meth:`DiskOffload.clear` removes whatever is left. A failed
+  write raises :class:`DiskFullError` (path and bytes) on the training thread.
 """
 
 from __future__ import annotations
@@ -28,10 +36,46 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_efficient._torch import storage_key
+from lightning_efficient._validation import require_bool, require_int
 
 Exclude = Callable[[Tensor], bool]
+
+# autograd nodes of a cast or a view: a chain of them back to a parameter makes a copy of the
+# parameter (autocast's cached low-precision weight, and the transposes of it that matmuls save)
+_CAST_OR_VIEW = frozenset({
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+    "UnsafeViewBackward0", "AliasBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+    "SqueezeBackward1", "SqueezeBackward2",
+})
+
+
+def _is_copy_of(tensor: Tensor, exclude: Exclude, depth: int = 8) -> bool:
+    """Whether ``tensor`` is a cast or a view of a parameter (or of another leaf ``exclude`` matches).
+
+    Under autocast a matmul saves the parameter's low-precision copy (``_to_copy`` of it, cached
+    for the whole forward), or a transpose of that copy: autograd records it as a chain of cast
+    and view nodes ending at the parameter's ``AccumulateGrad``. Moving it would copy the weights
+    out and back every step, though the parameter itself stays on the device. The chain is what
+    identifies it: an activation of the same shape and dtype has other nodes in its history. (A
+    frozen parameter's cast has no autograd history and is not recognised.)
+    """
+    node = tensor.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return isinstance(node.variable, torch.nn.Parameter) or bool(exclude(node.variable))
+        if name not in _CAST_OR_VIEW:
+            return False
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
 
 
 class DiskFullError(OSError):
@@ -115,6 +159,12 @@ class _DiskView:
 class _BlockHooks:
     """Per-block ``saved_tensors_hooks`` over a subclass's ``_pack(block, tensor)`` / ``_unpack(block, packed)``."""
 
+    exclude: Exclude
+
+    def _excluded(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` stays: ``exclude`` matches it, or it is a cast or view of what it matches."""
+        return bool(self.exclude(tensor)) or _is_copy_of(tensor, self.exclude)
+
     def hooks(self, block_index: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks context for the forward of block ``block_index``."""
         return torch.autograd.graph.saved_tensors_hooks(
@@ -191,7 +241,7 @@ class DiskOffload(_BlockHooks):
     def _pack(self, block_index: int, tensor: Tensor) -> Tensor | _DiskView:
         self.check()
         nbytes = tensor.numel() * tensor.element_size()
-        if self.exclude(tensor) or nbytes < self.min_bytes or tensor.layout != torch.strided or nbytes == 0:
+        if self._excluded(tensor) or nbytes < self.min_bytes or tensor.layout != torch.strided or nbytes == 0:
             return tensor
         return _DiskView(self._file_for(block_index, tensor), tensor)
 
@@ -221,73 +271,366 @@ class DiskOffload(_BlockHooks):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class _HostHandle:
-    def __init__(self, host: Tensor, device: torch.device, event: torch.cuda.Event | None) -> None:
-        self.host, self.device, self.event = host, device, event
-        self.on_device: Tensor | None = None
-        self.ready: torch.cuda.Event | None = None
+# -- host offload ----------------------------------------------------------------------------------
+
+
+class _Event:
+    """An event of :class:`_SyncStreams`: done at once, or (``pending``) once waited for."""
+
+    __slots__ = ("__weakref__", "done")
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+
+class _SyncStreams:
+    """Host offload's copies made synchronously on the current stream.
+
+    This is ``use_streams=False`` on CUDA, and on CPU the stand-in through which the whole offload
+    logic runs without a GPU (a "host" copy of a CPU tensor is then a second CPU tensor). With
+    ``pending=True`` each copy's event stays unfinished until the compute side waits for it
+    (:meth:`wait`), until a copy back waits for it, or until :meth:`complete`, as a side stream's
+    copies would while the host runs ahead. Copies, bytes and waits are counted.
+
+    Args:
+        device_type: the device type whose tensors are offloaded.
+        pending: events stay unfinished until waited for.
+    """
+
+    def __init__(self, device_type: str = "cuda", pending: bool = False) -> None:
+        self.device_type = device_type
+        self.pending = pending
+        self.copies_to_host = 0
+        self.bytes_to_host = 0
+        self.copies_to_device = 0
+        self.bytes_to_device = 0
+        self.waits = 0
+        self._unfinished: weakref.WeakSet[_Event] = weakref.WeakSet()
+
+    def _event(self) -> _Event:
+        event = _Event(done=not self.pending)
+        if self.pending:
+            self._unfinished.add(event)
+        return event
+
+    def copy_to_host(self, whole: Tensor) -> tuple[Tensor, _Event]:
+        """A host copy of ``whole`` (a flat uint8 tensor over a device storage) and its event."""
+        host = torch.empty(whole.shape, dtype=whole.dtype, pin_memory=whole.is_cuda)
+        host.copy_(whole)
+        self.copies_to_host += 1
+        self.bytes_to_host += whole.numel()
+        return host, self._event()
+
+    def copy_to_device(self, host: Tensor, device: torch.device, after: _Event) -> tuple[Tensor, _Event]:
+        """A device copy of ``host``, made once ``after`` (its copy out) is done, and its event."""
+        after.done = True
+        whole = torch.empty(host.shape, dtype=host.dtype, device=device)
+        whole.copy_(host)
+        self.copies_to_device += 1
+        self.bytes_to_device += host.numel()
+        return whole, self._event()
+
+    def wait(self, event: _Event, device: torch.device) -> None:
+        """Make ``device``'s current stream wait for ``event``."""
+        event.done = True
+        self.waits += 1
+
+    def is_done(self, event: _Event) -> bool:
+        """Whether ``event`` has happened."""
+        return event.done
+
+    def record_stream(self, tensor: Tensor) -> None:
+        """Mark ``tensor`` (made by a copy back) as used on its device's current stream."""
+
+    def complete(self) -> None:
+        """Finish every unfinished event."""
+        for event in list(self._unfinished):
+            event.done = True
+        self._unfinished.clear()
+
+
+class _CudaStreams:
+    """Host offload's copies on two side streams per device, one each way.
+
+    Copies out wait for the work queued so far on the tensor's device's current stream; copies back
+    run on their own stream, so the first one in backward does not queue behind the forward's
+    copies out. A tensor made by a copy back is used on the compute stream, so the compute stream
+    is recorded on it (``record_stream``) and the allocator does not reuse its memory early.
+    """
+
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._pairs: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+    def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        pair = self._pairs.get(device)
+        if pair is None:
+            pair = self._pairs[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return pair
+
+    def copy_to_host(self, whole: Tensor) -> tuple[Tensor, torch.cuda.Event]:
+        """A pinned host copy of ``whole`` started on the device-to-host stream, and its event."""
+        to_host, _ = self._streams(whole.device)
+        to_host.wait_stream(torch.cuda.current_stream(whole.device))
+        with torch.cuda.stream(to_host):
+            host = torch.empty(whole.shape, dtype=whole.dtype, pin_memory=True)
+            host.copy_(whole, non_blocking=True)
+            return host, to_host.record_event()
+
+    def copy_to_device(self, host: Tensor, device: torch.device, after: torch.cuda.Event) -> tuple[Tensor, torch.cuda.Event]:
+        """A device copy of ``host`` started on the host-to-device stream once ``after`` (its copy
+        out) is done, and its event."""
+        _, to_device = self._streams(device)
+        with torch.cuda.stream(to_device):
+            to_device.wait_event(after)
+            whole = torch.empty(host.shape, dtype=host.dtype, device=device)
+            whole.copy_(host, non_blocking=True)
+            return whole, to_device.record_event()
+
+    def wait(self, event: torch.cuda.Event, device: torch.device) -> None:
+        """Make ``device``'s current stream wait for ``event`` (the host does not wait)."""
+        torch.cuda.current_stream(device).wait_event(event)
+
+    def is_done(self, event: torch.cuda.Event) -> bool:
+        """Whether ``event`` has happened."""
+        return event.query()
+
+    def record_stream(self, tensor: Tensor) -> None:
+        """Mark ``tensor`` (made on the host-to-device stream) as used on its device's current stream."""
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
+class _HostStorage:
+    """One saved device storage offloaded to the host.
+
+    It holds the host copy (the whole storage, however many saved tensors are views of it) and,
+    while the storage is still on the device (its copy out in flight in the stash, or reused in
+    backward), the device storage itself (``device``); a copy back in ``fetched``.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "alive",
+        "block",
+        "copied",
+        "device",
+        "fetched",
+        "host",
+        "key",
+        "on",
+        "ready",
+        "source",
+        "version",
+    )
+
+    def __init__(self, tensor: Tensor, block: int, whole: Tensor, host: Tensor, copied: object) -> None:
+        self.key = storage_key(tensor)
+        self.alive = StorageWeakRef(tensor.untyped_storage())  # the device storage still exists
+        self.source = weakref.ref(tensor)
+        self.version = tensor._version
+        self.block = block
+        self.on = tensor.device
+        self.host, self.copied = host, copied
+        self.device: Tensor | None = whole
+        self.fetched: Tensor | None = None
+        self.ready: object = None
+
+    def resident(self) -> Tensor | None:
+        """The device storage when the saved tensor still exists there unchanged (else None)."""
+        source = self.source()
+        if source is None or self.alive.expired() or source._version != self.version or storage_key(source) != self.key:
+            return None
+        return _whole(source)
+
+
+class _HostView:
+    """A saved tensor as a view (dtype, shape, strides, offset) of a :class:`_HostStorage`."""
+
+    __slots__ = ("dtype", "offset", "shape", "storage", "stride")
+
+    def __init__(self, storage: _HostStorage, tensor: Tensor) -> None:
+        self.storage = storage
+        self.dtype, self.shape, self.stride = tensor.dtype, tensor.shape, tensor.stride()
+        self.offset = tensor.storage_offset()
+
+    def restore(self, whole: Tensor) -> Tensor:
+        """The saved tensor as the same view of ``whole`` (the storage's bytes on the device)."""
+        return torch.empty(0, dtype=self.dtype, device=whole.device).set_(
+            whole.untyped_storage(), self.offset, self.shape, self.stride
+        )
 
 
 class HostOffload(_BlockHooks):
     """Saved-tensor hooks that keep a block's saved CUDA tensors in pinned host memory.
 
+    Each saved storage is copied out once, however many saved tensors are views of it, and comes
+    back with each view's shape, strides and offset. With ``use_streams`` the copies out run on a
+    device-to-host stream while compute goes on; the device storages whose copy may still be in
+    flight are held in a stash of at most ``max_in_flight``: a storage pushed out of it, and every
+    one left when backward ends, is let go only after the compute stream waits for its copy (a
+    device-side wait; the host runs on). In backward a storage still on the device (in the stash,
+    or still referenced elsewhere) is reused, not copied back; entering a block's backward starts
+    the copies back of that block and of the next offloaded block below it on a host-to-device
+    stream, so they overlap compute.
+
+    Parameters, buffers (``exclude``) and their casts and views (autocast's low-precision weight
+    copies) stay where they are, as do tensors under ``min_bytes``.
+
     Args:
         min_bytes: tensors smaller than this stay on the device.
-        use_streams: copy on a side stream and prefetch the previous block in backward; else copy
-            synchronously.
+        use_streams: copy on side streams and prefetch in backward; else copy synchronously.
         exclude: tensors never moved (the model's parameters and buffers).
+        max_in_flight: the most device storages held while their copy out may be in flight.
+
+    Raises:
+        ValueError: for a negative ``min_bytes``, a ``use_streams`` that is not a bool or a
+            ``max_in_flight`` under 1.
     """
 
-    def __init__(self, min_bytes: int = 2**20, use_streams: bool = True, exclude: Exclude = lambda t: False) -> None:
+    def __init__(
+        self,
+        min_bytes: int = 2**20,
+        use_streams: bool = True,
+        exclude: Exclude = lambda t: False,
+        *,
+        max_in_flight: int = 4,
+        _streams: _SyncStreams | _CudaStreams | None = None,
+    ) -> None:
+        require_int("min_bytes", min_bytes, 0)
+        require_bool("use_streams", use_streams)
+        require_int("max_in_flight", max_in_flight, 1)
         self.min_bytes = min_bytes
         self.exclude = exclude
-        self.stream = torch.cuda.Stream() if use_streams and torch.cuda.is_available() else None
-        self._in_flight: list[tuple[torch.cuda.Event, Tensor]] = []
-        self._by_block: dict[int, weakref.WeakSet] = {}
+        self.max_in_flight = max_in_flight
+        self._streams = _streams if _streams is not None else _CudaStreams() if use_streams else _SyncStreams("cuda")
+        self._storages: weakref.WeakValueDictionary[tuple[str, int], _HostStorage] = weakref.WeakValueDictionary()
+        self._stash: list[weakref.ref[_HostStorage]] = []  # device storages held for their copy out, oldest first
+        self._by_block: dict[int, list[weakref.ref[_HostStorage]]] = {}
+        self._backward: int | None = None  # the autograd graph task whose end drains the stash
+        self._backward_block: int | None = None
         self.bytes_offloaded = 0
+        self.reused = 0
 
-    def _pack(self, block_index: int, tensor: Tensor) -> Tensor | _HostHandle:
+    @property
+    def held_on_device(self) -> int:
+        """How many offloaded storages the hooks still reference on the device."""
+        return sum(1 for storage in self._storages.values() if storage.device is not None)
+
+    # -- forward ----------------------------------------------------------------------------
+    def _pack(self, block_index: int, tensor: Tensor) -> Tensor | _HostView:
         nbytes = tensor.numel() * tensor.element_size()
-        if not tensor.is_cuda or self.exclude(tensor) or nbytes < self.min_bytes:
+        if (type(tensor) is not Tensor or tensor.device.type != self._streams.device_type
+                or tensor.layout != torch.strided or nbytes == 0 or nbytes < self.min_bytes or self._excluded(tensor)):
             return tensor
-        self._in_flight = [(e, t) for e, t in self._in_flight if not e.query()]  # device copies done: free them
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        event = None
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                host.copy_(tensor, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            self._in_flight.append((event, tensor))  # the device tensor lives until its copy is done
+        return _HostView(self._storage_for(block_index, tensor), tensor)
+
+    def _storage_for(self, block_index: int, tensor: Tensor) -> _HostStorage:
+        known = self._storages.get(storage_key(tensor))
+        if known is not None and not known.alive.expired() and known.version == tensor._version:
+            return known  # a view of a storage already copied (unchanged since)
+        whole = _whole(tensor)
+        host, copied = self._streams.copy_to_host(whole)
+        storage = _HostStorage(tensor, block_index, whole, host, copied)
+        self._storages[storage.key] = storage
+        block = self._by_block.setdefault(block_index, [])
+        if len(block) > 4096:
+            block[:] = [ref for ref in block if ref() is not None]
+        block.append(weakref.ref(storage))
+        self._stash.append(weakref.ref(storage))
+        self._drain(keep=self.max_in_flight)
+        self.bytes_offloaded += whole.numel()
+        return storage
+
+    def _stashed(self) -> list[_HostStorage]:
+        return [s for s in (ref() for ref in self._stash) if s is not None and s.device is not None]
+
+    def _release(self, storage: _HostStorage) -> None:
+        """Let go of the device storage once its copy out is done (the compute stream waits for it)."""
+        self._streams.wait(storage.copied, storage.on)
+        storage.device = None
+
+    def _drain(self, keep: int = 0, above_block: int | None = None) -> None:
+        """Release stashed storages: all but the newest ``keep``, or those of blocks above ``above_block``."""
+        stashed = self._stashed()
+        if above_block is not None:
+            kept = [s for s in stashed if s.block <= above_block]
         else:
-            host.copy_(tensor)
-        handle = _HostHandle(host, tensor.device, event)
-        self._by_block.setdefault(block_index, weakref.WeakSet()).add(handle)
-        self.bytes_offloaded += nbytes
-        return handle
+            kept = stashed[max(len(stashed) - keep, 0):] if keep else []
+        for storage in stashed:
+            if not any(storage is k for k in kept):
+                self._release(storage)
+        self._stash = [weakref.ref(s) for s in kept]
 
-    def _fetch(self, handle: _HostHandle) -> None:
-        if handle.on_device is not None:
-            return
-        if self.stream is None:
-            handle.on_device = handle.host.to(handle.device)
-            return
-        with torch.cuda.stream(self.stream):
-            if handle.event is not None:
-                self.stream.wait_event(handle.event)
-            handle.on_device = handle.host.to(handle.device, non_blocking=True)
-            handle.ready = torch.cuda.Event()
-            handle.ready.record(self.stream)
-
-    def _unpack(self, block_index: int, packed: Tensor | _HostHandle) -> Tensor:
+    # -- backward ---------------------------------------------------------------------------
+    def _unpack(self, block_index: int, packed: Tensor | _HostView) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        self._fetch(packed)
-        for handle in list(self._by_block.get(block_index - 1, ())):
-            self._fetch(handle)
-        if packed.ready is not None:
-            torch.cuda.current_stream().wait_event(packed.ready)
-            packed.on_device.record_stream(torch.cuda.current_stream())
-        tensor, packed.on_device = packed.on_device, None
-        return tensor
+        self._entering(block_index)
+        storage = packed.storage
+        if storage.device is None and storage.fetched is None:
+            self._fetch(storage)
+        if storage.device is not None:
+            if any(ref() is storage for ref in self._stash):  # still stashed: reused, never copied back
+                self._stash = [ref for ref in self._stash if ref() is not storage]
+                self.reused += 1
+            self._streams.wait(storage.copied, storage.on)  # its memory outlives the copy out
+            return packed.restore(storage.device)
+        self._streams.wait(storage.ready, storage.on)
+        self._streams.record_stream(storage.fetched)
+        return packed.restore(storage.fetched)
+
+    def _entering(self, block_index: int) -> None:
+        """At a block's first unpack in a backward: release what earlier blocks' backward left in the
+        stash and start copying back this block's storages and the next offloaded block's below."""
+        task = torch._C._current_graph_task_id()
+        if task != self._backward:
+            self._backward, self._backward_block = task, None
+            if task != -1:  # inside autograd's backward (not an unpack from Python)
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        if block_index == self._backward_block:
+            return
+        self._backward_block = block_index
+        self._drain(above_block=block_index)
+        self._fetch_block(block_index)
+        below = [k for k in self._by_block if k < block_index and self._live(k)]
+        if below:
+            self._fetch_block(max(below))
+
+    def _live(self, block_index: int) -> list[_HostStorage]:
+        live = [s for s in (ref() for ref in self._by_block.get(block_index, ())) if s is not None]
+        if live:
+            self._by_block[block_index] = [weakref.ref(s) for s in live]
+        else:
+            self._by_block.pop(block_index, None)
+        return live
+
+    def _fetch_block(self, block_index: int) -> None:
+        for storage in reversed(self._live(block_index)):  # backward asks for the last saved first
+            self._fetch(storage)
+
+    def _fetch(self, storage: _HostStorage) -> None:
+        """Start bringing ``storage`` back, unless it is on the device (then reused)."""
+        if storage.device is not None or storage.fetched is not None:
+            return
+        resident = storage.resident()
+        if resident is not None:  # the saved tensor is still alive on the device
+            storage.device = resident
+            self.reused += 1
+            return
+        storage.fetched, storage.ready = self._streams.copy_to_device(storage.host, storage.on, storage.copied)
+
+    def _backward_done(self) -> None:
+        """At the end of a backward: release the stash, and every device storage the hooks still hold
+        (reused or copied back for saved tensors whose graph lives on: a retained graph, a branch the
+        loss did not use); forget what is gone."""
+        self._drain()
+        self._backward, self._backward_block = None, None
+        for block_index in list(self._by_block):
+            for storage in self._live(block_index):
+                storage.device = storage.fetched = storage.ready = None
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """The whole storage under ``tensor`` as a flat uint8 tensor (no autograd history)."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
