@@ -515,7 +515,8 @@ class HostOffload(_BlockHooks):
     @property
     def held_on_device(self) -> int:
         """How many offloaded storages the hooks still reference on the device."""
-        return sum(1 for storage in self._storages.values() if storage.device is not None)
+        refs = [ref for block in self._by_block.values() for ref in block]
+        return sum(1 for storage in (ref() for ref in refs) if storage is not None and storage.device is not None)
 
     # -- forward ----------------------------------------------------------------------------
     def _pack(self, block_index: int, tensor: Tensor) -> Tensor | _HostView:
