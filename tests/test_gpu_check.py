@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_check import GRAD_TOLERANCE, TABLE_CHECKS, Bench  # noqa: E402
+from benchmarks.gpu_check import GRAD_TOLERANCE, TABLE_CHECKS, Bench
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
