@@ -641,6 +641,18 @@ def check_optim(b: Bench) -> None:
         b.cuda_only("optim", variant, "steady_device_bytes", fit.figures.get("steady_device_bytes"),
                     fused and fused.figures.get("steady_device_bytes"))
         b.cuda_only("optim", variant, "pinned_host_peak_bytes", fit.figures.get("pinned_host_peak_bytes"))
+    # the allocator's view of the same (whatever the optimizer keeps where): between steps the device
+    # holds the parameters and the device states, so a variant's device states are plain 8-bit's
+    # plus the difference of the two steady figures
+    plain = b.get("optim/8bit")
+    for variant in ("8bit_paged", "8bit_offload"):
+        fit = b.get(f"optim/{variant}")
+        if plain is None or fit is None:
+            continue
+        steady, plain_steady = fit.figures.get("steady_device_bytes"), plain.figures.get("steady_device_bytes")
+        plain_states = plain.figures.get("optimizer_device_bytes")
+        derived = None if steady is None or plain_steady is None or plain_states is None else steady - plain_steady + plain_states
+        b.cuda_only("optim", variant, "device_state_bytes_by_allocator", derived, plain_states)
 
 
 def check_optim_exact(b: Bench) -> None:
@@ -799,13 +811,15 @@ def shown(metric: str, value: float | None) -> str:
         return "-"
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
-    if metric.endswith("bytes") or "_bytes_" in metric:
+    if "bytes" in metric:
         return f"{value / 2**20:,.1f} MiB"
     if metric.endswith("_s") and "per_s" not in metric:
         return f"{value * 1e3:,.2f} ms"
     if "max_abs_diff" in metric:
         return f"{value:.3g}"
-    return f"{value:,.4g}" if isinstance(value, float) else f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return f"{value:,}"
 
 
 def table(rows: list[Row]) -> str:
