@@ -397,6 +397,7 @@ class Bench:
     # -- rows ------------------------------------------------------------------------------
     def add(self, check: str, variant: str, metric: str, value: float | None, ratio: float | None = None,
             result: str = "") -> None:
+        """Add one row to the table."""
         self.rows.append(Row(check, variant, metric, value, ratio, result))
 
     def cuda_only(self, check: str, variant: str, metric: str, value: float | None, base: float | None = None) -> None:
@@ -452,6 +453,7 @@ class Bench:
         return fit
 
     def get(self, key: str) -> Fit | None:
+        """The fit of case ``check/variant`` (None if it did not run or raised)."""
         return self.fits.get(key)
 
 
