@@ -11,7 +11,8 @@ Without a CUDA device (and without ``--smoke``) it says so and exits 0. ``--smok
 check at toy sizes on the CPU (under a minute; ``make test`` runs it): CUDA-only variants run their
 CPU fallback (``offload`` keeps, paged/offloaded 8-bit states are plain 8-bit) and CUDA-only figures
 and goals say ``skipped: needs CUDA``, but every numerical check runs. ``--only CHECK`` (repeatable)
-runs some checks only.
+runs some checks only; ``--out FILE`` also writes the table to FILE (the table is wider and longer
+than a terminal's tail).
 
 Every case is a real ``lightning.Trainer.fit`` of ``DemoGPT`` (on a GPU: 12 layers, d_model 768,
 seq 1024, vocab 32,768, about 110 M parameters, batch 8, precision ``bf16-mixed``, its own foreach
@@ -842,6 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (checks the script itself)")
     parser.add_argument("--only", action="append", choices=list(CHECKS), help="run this check only (repeatable)")
     parser.add_argument("--verbose", action="store_true", help="keep Lightning's and the plugins' info lines")
+    parser.add_argument("--out", type=Path, help="also write the table (Markdown) and its notes to this file")
     parser.add_argument("--perturb", action="append", default=[], help=argparse.SUPPRESS)  # tests: make a check fail
     args = parser.parse_args(argv)
     if args.smoke:
@@ -865,7 +867,8 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()  # the libraries' objects are never garbage: each case's collection skips them
     header = (f"gpu_check on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "gpu_check --smoke on CPU")
-    print(f"{header} (torch {torch.__version__}, precision {PRECISION}, model {sizes['model']}, batch {sizes['batch']})")
+    header += f" (torch {torch.__version__}, precision {PRECISION}, model {sizes['model']}, batch {sizes['batch']})"
+    print(header)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
         bench = Bench(device, sizes, set(args.perturb), Path(workdir))
@@ -875,11 +878,14 @@ def main(argv: list[str] | None = None) -> int:
                 CHECKS[name](bench)
             except Exception as error:  # noqa: BLE001 - a failure while making rows is a failure, not a crash
                 bench.add(name, "-", "rows", None, None, f"error: {type(error).__name__}: {error}".splitlines()[0][:150])
-    print(table(bench.rows))
-    for text in sorted(bench.nondeterministic):
-        print(f"not deterministic during the numerical fits: {text}")
     failed = [r for r in bench.rows if r.result.startswith(RESULTS_THAT_FAIL)]
-    print(f"gpu_check: {len(failed)} failed check(s) or error(s); {time.perf_counter() - start:.0f} s")
+    lines = [header, "", table(bench.rows), ""]
+    lines += [f"not deterministic during the numerical fits: {text}" for text in sorted(bench.nondeterministic)]
+    lines.append(f"gpu_check: {len(failed)} failed check(s) or error(s); {time.perf_counter() - start:.0f} s")
+    print("\n".join(lines[2:]))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
     return 1 if failed else 0
 
 

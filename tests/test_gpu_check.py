@@ -35,9 +35,10 @@ def test_without_a_gpu_it_says_so_and_exits_zero():
     assert not _rows(done.stdout)
 
 
-def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes():
-    done = _run("--smoke")
+def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path):
+    done = _run("--smoke", "--out", str(tmp_path / "table.md"))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    assert _rows((tmp_path / "table.md").read_text()) == _rows(done.stdout)  # the same table, in a file
     rows = _rows(done.stdout)
     assert all(len(row) == 6 for row in rows), rows[:3]
     checks = {row[0] for row in rows}
