@@ -37,6 +37,9 @@ Checks (table ``check`` column):
     ``max|diff| / max|keep|``); ``keep_rerun`` is the control that shows the platform's own noise.
   * ``tokens``: ``SelectiveTokenLoss(method="eslm", keep_ratio=0.5)`` on the fused path beside the
     fused path alone and the baseline.
+  * ``linear_ce``: the loss path alone (16,384 tokens, hidden 2,048, vocabulary 32,000, bf16): full
+    logits + cross-entropy against ``linear_cross_entropy`` (mean; per token with half kept):
+    forward+backward time and device peak.
   * ``memory_report``: ``MemoryReport`` beside the baseline: step time; its CUDA peak (reset at fit
     start: includes the first step) beside this script's steady-state peak; its activation bytes
     equal this script's count of the baseline (numerical).
@@ -86,14 +89,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch import Tensor
 
+from lightning_efficient._torch import synchronize
+
 SIZES: dict[str, dict[str, Any]] = {
     "gpu": {"model": {"vocab_size": 32768, "n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024},
             "batch": 8, "warm": 2, "timed": 6, "exact_steps": 4, "probe_batch": 256, "probe_headroom": 24 * 2**30,
-            "probe_steps": 2, "budget": 0.5, "min_offload_bytes": None},
+            "probe_steps": 2, "budget": 0.5, "min_offload_bytes": None,
+            "linear_ce": (16384, 2048, 32000)},
     "smoke": {"model": {"vocab_size": 512, "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32},
               "batch": 2, "warm": 2, "timed": 2, "exact_steps": 2, "probe_batch": 8, "probe_headroom": None,
               # the toy model saves half its bytes outside the blocks, and no tensor of 64 KiB (the default)
-              "probe_steps": 2, "budget": 0.75, "min_offload_bytes": 0},
+              "probe_steps": 2, "budget": 0.75, "min_offload_bytes": 0, "linear_ce": (256, 32, 512)},
 }
 PRECISION = "bf16-mixed"
 #: gradients of a policy against keep: bitwise, or largest per-tensor max|diff| / max|keep| within this
@@ -194,7 +200,6 @@ def make_probe(device: torch.device, warm: int, count_saved: bool, keep_params: 
     """
     from lightning.pytorch import Callback
 
-    from lightning_efficient._torch import synchronize
     from lightning_efficient.memory import SavedTensorCounter
 
     on_cuda = device.type == "cuda"
@@ -592,6 +597,57 @@ def check_tokens(b: Bench) -> None:
                     ratio(selected.figures.get("peak_device_bytes"), fused.figures.get("peak_device_bytes")))
 
 
+def check_linear_ce(b: Bench) -> None:
+    """The loss path alone (tokens x hidden x vocabulary): full logits + cross-entropy against the chunked
+    ``linear_cross_entropy``, mean and per token with half the tokens kept: forward+backward time and peak."""
+    measured = _measure_linear_ce(b)
+    b.free("linear_ce")  # the inputs are gone with the function's frame
+    base_time, base_peak = measured.get("full_logits", (None, None))
+    for variant, (seconds, peak) in measured.items():
+        b.add("linear_ce", variant, "fwd_bwd_time_s", seconds, ratio(seconds, base_time))
+        b.cuda_only("linear_ce", variant, "peak_device_bytes", peak, base_peak)
+
+
+def _measure_linear_ce(b: Bench) -> dict[str, tuple[float | None, int | None]]:
+    import torch.nn.functional as F
+
+    from lightning_efficient import linear_cross_entropy
+
+    n, d, v = b.sizes["linear_ce"]
+    dtype = torch.bfloat16 if b.on_cuda else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, d, generator=generator).to(b.device, dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=generator) * 0.02).to(b.device, dtype).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=generator).to(b.device)
+    variants = {
+        "full_logits": lambda: F.cross_entropy((hidden @ weight.t()).float(), labels),
+        "chunked_mean": lambda: linear_cross_entropy(hidden, weight, labels, reduction="mean"),
+        "chunked_per_token_keep_0.5": lambda: linear_cross_entropy(hidden, weight, labels)[::2].mean(),
+    }
+    measured: dict[str, tuple[float | None, int | None]] = {}
+    for variant, loss in variants.items():
+        def step(loss=loss) -> None:
+            loss().backward()
+            hidden.grad = weight.grad = None
+
+        def case(step=step) -> Fit:
+            step()  # warm-up
+            synchronize(b.device)
+            if b.on_cuda:
+                torch.cuda.reset_peak_memory_stats(b.device)
+            start = time.perf_counter()
+            for _ in range(b.sizes["timed"]):
+                step()
+            synchronize(b.device)
+            figures = {"peak_device_bytes": torch.cuda.max_memory_allocated(b.device)} if b.on_cuda else {}
+            return Fit(step_time_s=(time.perf_counter() - start) / b.sizes["timed"], figures=figures)
+
+        fit = b.run_case("linear_ce", variant, case)
+        if fit is not None:
+            measured[variant] = (fit.step_time_s, fit.figures.get("peak_device_bytes"))
+    return measured
+
+
 def check_memory_report(b: Bench) -> None:
     """MemoryReport beside the plain fit: its cost, its peak beside ours, its activation bytes against our count."""
     from lightning.pytorch import Callback
@@ -794,6 +850,7 @@ CHECKS: dict[str, Callable[[Bench], None]] = {
     "activations": check_activations,
     "grads": check_grads,
     "tokens": check_tokens,
+    "linear_ce": check_linear_ce,
     "memory_report": check_memory_report,
     "optim": check_optim,
     "optim_exact": check_optim_exact,  # its rows are under optim_exact and resume
@@ -803,7 +860,7 @@ CHECKS: dict[str, Callable[[Bench], None]] = {
     "goals": check_goals,
 }
 #: the table's ``check`` names (``resume`` rows come from ``optim_exact``)
-TABLE_CHECKS = ("baseline", "activations", "grads", "tokens", "memory_report", "optim", "optim_exact", "resume",
+TABLE_CHECKS = ("baseline", "activations", "grads", "tokens", "linear_ce", "memory_report", "optim", "optim_exact", "resume",
                 "hetero", "fsdp2", "cleanup", "goals")
 
 
