@@ -19,24 +19,6 @@ def test_harness_runs_one_quick_case_and_writes_three_files(tmp_path):
     assert "| baseline | tokens_per_s |" in (tmp_path / "demo.md").read_text()
 
 
-def test_gpu_check_without_a_gpu_says_so_and_exits_zero():
-    import torch
-
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py")], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0
-    if not torch.cuda.is_available():
-        assert "no CUDA device" in done.stdout
-
-
-def test_gpu_check_smoke_runs_every_check_at_toy_sizes_on_cpu():
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--smoke"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for check in ("end_to_end", "optim_step", "linear_ce"):
-        assert f"| {check:<11} |" in done.stdout
-    assert "error" not in done.stdout
-
-
 def test_rounds_merge_into_medians_with_their_spread():
     sys.path.insert(0, str(REPO))
     from benchmarks.harness import median_over_rounds

@@ -1,0 +1,93 @@
+"""benchmarks/gpu_check.py: its ``--smoke`` run on the CPU, its exit code, and its comparisons."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(REPO))
+
+from benchmarks.gpu_check import GRAD_TOLERANCE, TABLE_CHECKS, Bench
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env=dict(os.environ, **(env or {})))
+
+
+def _rows(stdout: str) -> list[list[str]]:
+    """The table's rows as lists of cells (the header and the rule left out)."""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in stdout.splitlines()
+            if line.startswith("| ")]
+    return rows[1:]
+
+
+def test_without_a_gpu_it_says_so_and_exits_zero():
+    done = _run(env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "no CUDA device" in done.stdout
+    assert not _rows(done.stdout)
+
+
+def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path):
+    done = _run("--smoke", "--out", str(tmp_path / "table.md"))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    assert _rows((tmp_path / "table.md").read_text()) == _rows(done.stdout)  # the same table, in a file
+    rows = _rows(done.stdout)
+    assert all(len(row) == 6 for row in rows), rows[:3]
+    checks = {row[0] for row in rows}
+    assert set(TABLE_CHECKS) <= checks, set(TABLE_CHECKS) - checks
+    results = {(row[0], row[1]): row[5] for row in rows if row[5].startswith(("pass", "FAIL", "error"))}
+    # every numerical check runs on the CPU (CUDA-only variants in their fallback) and passes
+    expected = {("grads", v) for v in ("keep_rerun", "checkpoint", "selective", "offload", "disk", "memory_report")}
+    expected |= {("optim_exact", v) for v in ("8bit_rerun", "8bit_paged", "8bit_offload")}
+    expected |= {("resume", v) for v in ("8bit", "8bit_paged", "8bit_offload")}
+    expected |= {("memory_report", "with_report")}
+    assert expected <= set(results), expected - set(results)
+    assert all(result.startswith("pass") for result in results.values()), results
+    assert not [row for row in rows if row[5].startswith(("error", "FAIL"))]
+    # the disk policy really moved bytes at toy sizes (the size threshold is 0 in --smoke)
+    written = [row for row in rows if row[:3] == ["activations", "disk", "disk_written_bytes_per_step"]]
+    assert written and written[0][3] not in ("-", "0.0 MiB"), written
+    # CUDA-only figures and goals say they were skipped, they are not made up
+    assert any(row[0] == "goals" and row[5] == "skipped: needs CUDA" for row in rows)
+    assert "gpu_check: 0 failed check(s)" in done.stdout
+
+
+def test_a_failed_numerical_check_makes_the_run_fail():
+    done = _run("--smoke", "--only", "grads", "--perturb", "grads")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [row[5] for row in _rows(done.stdout) if row[0] == "grads"]
+    assert results and all(result.startswith("FAIL") for result in results), results
+    assert {row[0] for row in _rows(done.stdout)} == {"grads"}  # --only ran that check alone
+
+
+def _bench(tmp_path, perturb=()) -> Bench:
+    return Bench(torch.device("cpu"), {}, set(perturb), tmp_path)
+
+
+def test_exact_comparisons_fail_on_one_ulp_and_tolerant_ones_on_more_than_the_tolerance(tmp_path):
+    reference = {"w": torch.tensor([1.0, -2.0, 0.5]), "b": torch.tensor([0.25])}
+    one_ulp = {"w": torch.tensor([1.0, -2.0, torch.nextafter(torch.tensor(0.5), torch.tensor(1.0)).item()]),
+               "b": torch.tensor([0.25])}
+    beyond = {"w": reference["w"] + torch.tensor([0.0, 0.0, 2.0 * 2 * GRAD_TOLERANCE]), "b": torch.tensor([0.25])}
+    bench = _bench(tmp_path)
+    bench.compare("resume", "a", reference, dict(reference), exact=True, what="params")
+    bench.compare("resume", "b", reference, one_ulp, exact=True, what="params")
+    bench.compare("grads", "c", reference, one_ulp, exact=False, what="grad")
+    bench.compare("grads", "d", reference, beyond, exact=False, what="grad")
+    bench.compare("grads", "e", reference, {"w": reference["w"]}, exact=False, what="grad")  # a gradient missing
+    bench.compare("grads", "f", None, reference, exact=False, what="grad")  # the reference fit failed
+    results = [row.result for row in bench.rows]
+    assert results[0] == "pass (bitwise)"
+    assert results[1].startswith("FAIL")
+    assert results[2].startswith("pass (<=")
+    assert results[3].startswith("FAIL") and results[4].startswith("FAIL")
+    assert results[5].startswith("error")
+    assert bench.rows[1].value == 2.0**-24  # one float32 ulp at 0.5
