@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_efficient._validation import require, require_bool, require_choice, require_int
 from lightning_efficient.optim._bnb import bitsandbytes
-from lightning_efficient.optim.offload import host_offloaded
+from lightning_efficient.optim.offload import host_offloaded, repaged_on_load
 from lightning_efficient.optim.schedulers import rebind_schedulers
 from lightning_efficient.optim.state import (
     BNB_BLOCKWISE,
@@ -163,6 +163,8 @@ class EightBitOptimizer(Callback):
                     self._overridden.add(id(param))
             if offload:
                 twin = self._offloaded(twin)
+            elif paged:
+                twin = self._rebuilt(twin, repaged_on_load(type(twin)))  # still paged after a resume
             rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
             replaced.append(twin)
         trainer.strategy.optimizers = replaced
@@ -174,12 +176,16 @@ class EightBitOptimizer(Callback):
         Only the keyword arguments ``type(twin)``'s constructor accepts are passed: ``twin.defaults``
         also holds keys its constructor refuses (``alpha`` for AdamW8bit, ``betas`` for SGD8bit).
         """
+        return self._rebuilt(twin, host_offloaded(type(twin)))
+
+    def _rebuilt(self, twin: torch.optim.Optimizer, cls: type) -> torch.optim.Optimizer:
+        """``twin`` (no state yet) rebuilt as ``cls``, a subclass of its class, same param groups."""
         accepted = set(inspect.signature(type(twin).__init__).parameters) - {"self", "params", "args", "min_8bit_size"}
         groups = twin.param_groups
         kwargs = {k: groups[0][k] for k in accepted if k in groups[0]}
-        offloaded = host_offloaded(type(twin))(groups, **kwargs, min_8bit_size=self.min_8bit_size)
-        follow_torch_names(offloaded)
-        return offloaded
+        rebuilt = cls(groups, **kwargs, min_8bit_size=self.min_8bit_size)
+        follow_torch_names(rebuilt)
+        return rebuilt
 
     def _report(self, trainer: Trainer, reasons: dict[int, str]) -> None:
         counts = {"8bit": [0, 0], "32bit_small": [0, 0], "32bit_embedding": [0, 0], "32bit_pattern": [0, 0]}
