@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +32,30 @@ from lightning_efficient.memory import (
 PER_RANK_FIGURES = ("peak_rss_bytes", "cuda_max_allocated_bytes", "activation_bytes")
 
 
-def paged_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of ``optimizer``'s paged states: the tensors of its state that bitsandbytes' page
-    manager holds (CUDA managed memory, outside the caching allocator's counts); 0 for others."""
+def _paged_ids(optimizer: torch.optim.Optimizer) -> set[int]:
     manager = getattr(optimizer, "page_mng", None)
-    if manager is None:
-        return 0
-    registered = {id(t) for t in manager.paged_tensors}
+    return {id(t) for t in manager.paged_tensors} if manager is not None else set()
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor, bool], bool]) -> int:
+    paged = _paged_ids(optimizer)
     seen: dict[int, int] = {}
     for state in optimizer.state.values():
         for value in state.values():
-            if isinstance(value, torch.Tensor) and id(value) in registered:
+            if isinstance(value, torch.Tensor) and keep(value, id(value) in paged):
                 seen.setdefault(value.data_ptr(), value.numel() * value.element_size())
     return sum(seen.values())
+
+
+def paged_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s paged states: the tensors of its state that bitsandbytes' page
+    manager holds (CUDA managed memory, outside the caching allocator's counts); 0 for others."""
+    return _state_bytes(optimizer, lambda tensor, paged: paged)
+
+
+def host_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s states in host memory (host-offloaded states), paged buffers not included."""
+    return _state_bytes(optimizer, lambda tensor, paged: tensor.device.type == "cpu" and not paged)
 
 
 def _format(name: str, value: float | int | None) -> str:
@@ -68,7 +79,9 @@ class MemoryReport(Callback):
     ``saved_tensors_hooks`` on the sampled steps; the largest), ``peak_rss_bytes`` (process VmHWM) and,
     on CUDA, ``cuda_max_allocated_bytes``; with a paged bitsandbytes optimizer also
     ``paged_optimizer_bytes``, the bytes of its paged states (CUDA managed memory, which
-    ``max_memory_allocated`` does not see). Any other callback with a ``memory_figures()`` method
+    ``max_memory_allocated`` does not see); on CUDA ``optimizer_state_host_bytes``, the part of
+    ``optimizer_state_bytes`` in host memory (``EightBitOptimizer(offload="cpu")``'s states between
+    steps; the rest of it, paged bytes aside, is on the device). Any other callback with a ``memory_figures()`` method
     returning a dict adds its figures. They are logged through the Trainer's loggers under
     ``memory/``, printed as one table at the end of fit on rank zero, and returned by :meth:`report`.
 
@@ -210,6 +223,8 @@ class MemoryReport(Callback):
         self._raise("optimizer_state_bytes", sum(optimizer_state_bytes(o) for o in trainer.optimizers))
         if any(getattr(o, "is_paged", False) for o in trainer.optimizers):
             self._raise("paged_optimizer_bytes", sum(paged_state_bytes(o) for o in trainer.optimizers))
+        if pl_module.device.type == "cuda":
+            self._raise("optimizer_state_host_bytes", sum(host_state_bytes(o) for o in trainer.optimizers))
         self._figures["peak_rss_bytes"] = peak_rss_bytes()
         if pl_module.device.type == "cuda":
             self._figures["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(pl_module.device)

@@ -62,10 +62,12 @@ class EightBitOptimizer(Callback):
         min_8bit_size: tensors with fewer elements keep 32-bit states (>= 1; bitsandbytes' default 4096).
         keep_32bit: ``fnmatch`` patterns of parameter names that keep 32-bit states.
         embeddings_32bit: keep the weights of ``nn.Embedding`` modules (and what is tied to them) 32-bit.
-        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU). bitsandbytes has
-            paged twins for Adam, AdamW and Lion only: for SGD, RMSprop or Adagrad fit raises ``ValueError``.
+        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU); states loaded
+            from a checkpoint are paged again. bitsandbytes has paged twins for Adam, AdamW and Lion only:
+            for SGD, RMSprop or Adagrad fit raises ``ValueError``.
         offload: ``"cpu"`` keeps the 8-bit states in host memory between steps, copied in and out per
-            parameter with the next one prefetched (CUDA; warns once and is ignored on CPU); or None.
+            parameter with the next one prefetched and the copies back overlapping the next updates
+            (CUDA; warns once and is ignored on CPU); or None.
         strict: raise for an optimizer with no 8-bit twin; with False, leave it as it is and warn.
         bits: 8 to convert; 32 to keep the module's optimizers and only dequantize 8-bit checkpoint states.
 

@@ -280,8 +280,20 @@ def test_cuda_offloaded_or_paged_states_train_bitwise_like_plain_8bit_and_resume
 
 @needs_cuda
 def test_cuda_offload_keeps_no_optimizer_state_on_the_device_between_steps():
-    _, trainer = _cuda_fit(3, EightBitOptimizer(offload="cpu"))
+    from lightning_efficient import MemoryReport
+
+    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+    model = _Wide()
+    trainer = lightning.Trainer(
+        accelerator="cuda", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[EightBitOptimizer(offload="cpu"), report],
+    )
+    trainer.fit(model)
     optimizer = trainer.optimizers[0]
     on_device = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
                     if torch.is_tensor(v) and v.is_cuda and not k.startswith("qmap"))
     assert on_device == 0
+    figures = report.report()
+    # all but the two quantization maps (float32, 256 codes each), which stay on the device
+    assert 0 <= figures["optimizer_state_bytes"] - figures["optimizer_state_host_bytes"] <= 2 * 256 * 4
+    assert figures["optimizer_state_host_bytes"] > 2 * 512 * 512 * 2  # the 8-bit moments of both weights
