@@ -209,6 +209,15 @@ class EightBitOptimizer(Callback):
 
     # -- checkpoints --------------------------------------------------------------------------
     @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning moves every loaded optimizer state to the device after load_state_dict: offloaded
+        # and paged states go back where they belong before the first forward
+        for optimizer in trainer.optimizers:
+            settle = getattr(optimizer, "settle_loaded_states", None)
+            if callable(settle):
+                settle()
+
+    @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # Lightning loads the optimizer states from this same dict after on_fit_start, once the
         # optimizers are replaced: they are converted there, against the new optimizers' parameters.

@@ -20,6 +20,11 @@ same schedule as a GPU.
 resumed paged optimizer would silently stop paging. After loading, every state bitsandbytes would
 page (``get_state_buffer`` decides, as for a new state) is re-created as a paged buffer holding the
 loaded values.
+
+Lightning moves every optimizer state to the device right after ``load_state_dict`` (its
+``load_optimizer_state_dict``): both classes put loaded states where they belong in
+``settle_loaded_states()``, which ``EightBitOptimizer`` calls at train start (before the first
+forward) and the next ``step`` calls at the latest.
 """
 
 from __future__ import annotations
@@ -158,6 +163,7 @@ class _HostOffloadMixin:
         self._writes: deque[Any] = deque()  # events of the copies back still in flight, oldest first
         self._order: list[Tensor] = []
         self._next_index: dict[int, int] = {}
+        self._loaded = False  # a state was loaded: place it on the host at the next step at the latest
 
     def _copies_for(self, device: torch.device) -> CudaCopies | SyncCopies:
         if self._copies is None:
@@ -202,6 +208,8 @@ class _HostOffloadMixin:
         if not self.initialized:
             self.check_overrides()  # not bitsandbytes' to_gpu(): the states belong on the host
             self.initialized = True
+        if self._loaded:
+            self.settle_loaded_states()
         self._order = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         self._next_index = {id(p): i + 1 for i, p in enumerate(self._order)}
         try:
@@ -250,13 +258,21 @@ class _HostOffloadMixin:
         """Load a state (any bitsandbytes optimizer's, offloaded or not) into the host buffers."""
         super().load_state_dict(state_dict, move_to_device=move_to_device)
         self._host_states.clear()
+        self.settle_loaded_states()
+        self._loaded = True  # Lightning moves every state to the device right after loading
+
+    def settle_loaded_states(self) -> None:
+        """Copy every state that is not in its host buffer (a loaded state, or one that Lightning's
+        ``load_optimizer_state_dict`` moved to the device after loading) into it, and drop the other copy."""
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
                     for key, value in self._movable(p).items():
                         host = self._host_buffer(p, key, value)
-                        host.copy_(value)
-                        self.state[p][key] = host
+                        if host is not value:
+                            host.copy_(value)
+                            self.state[p][key] = host
+        self._loaded = False
 
 
 @cache
@@ -304,14 +320,34 @@ def repage_states(optimizer: torch.optim.Optimizer) -> int:
 
 
 class _RepagedOnLoadMixin:
-    """Mixed into a paged bitsandbytes optimizer class: states stay paged after ``load_state_dict``."""
+    """Mixed into a paged bitsandbytes optimizer class: states stay paged after ``load_state_dict``.
+
+    Loaded states are paged again by :meth:`settle_loaded_states`, which ``EightBitOptimizer`` calls
+    at train start (after Lightning's ``load_optimizer_state_dict`` has moved every state to the
+    device) and the next ``step`` calls (before its first update) at the latest.
+    """
+
+    _loaded = False
 
     def load_state_dict(self, state_dict, move_to_device=True):
-        """Load a state, then re-page what bitsandbytes' loading moved to the device as ordinary tensors."""
+        """Load a state; what bitsandbytes' loading put on the device as ordinary tensors is paged again by
+        :meth:`settle_loaded_states` (not at once: Lightning moves the states after loading, and paged
+        memory that bitsandbytes' page manager holds is never freed)."""
         super().load_state_dict(state_dict, move_to_device=move_to_device)
-        repage_states(self)
-        if torch.cuda.is_available():
+        self._loaded = True
+
+    def settle_loaded_states(self) -> None:
+        """Page again every state bitsandbytes would page that is an ordinary tensor now."""
+        if repage_states(self) and torch.cuda.is_available():
             torch.cuda.synchronize()  # copies into managed memory are done before the first paged kernel
+        self._loaded = False
+
+    def prefetch_state(self, p: Tensor) -> None:
+        """bitsandbytes' prefetch; at the first parameter after a load, every loaded state is paged again
+        first (not by overriding ``step``: torch's step hooks would run twice)."""
+        if self._loaded:
+            self.settle_loaded_states()
+        super().prefetch_state(p)
 
 
 @cache

@@ -46,6 +46,15 @@ def _run(optimizer, params, steps, first=0):
         optimizer.step()
 
 
+def _moved_to_the_device(optimizer):
+    """What Lightning's ``load_optimizer_state_dict`` does right after ``load_state_dict``: every state
+    tensor moved to the device, as a new ordinary tensor (on CPU a clone stands for the device copy)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.clone()
+
+
 def _saved(optimizer):
     """The optimizer's state_dict through torch.save and torch.load, as a checkpoint holds it."""
     buffer = io.BytesIO()
@@ -138,13 +147,33 @@ def test_an_offloaded_resume_equals_the_uninterrupted_run(first):
     resumed._copies = SyncCopies()
     resumed.load_state_dict(checkpoint)
     # the loaded states are in their host buffers at once (not left where loading put them)
-    for p in resumed_params:
-        for key, value in resumed.state[p].items():
-            if torch.is_tensor(value) and not key.startswith("qmap"):
-                assert value is resumed._host_states[id(p)][key]
-    _run(resumed, resumed_params, 3, first=3)
+    assert _in_host_buffers(resumed, resumed_params)
+    # Lightning then moves them to the device: the first step puts them back before any update, so
+    # every parameter's state is fetched from its host buffer
+    _moved_to_the_device(resumed)
+    assert not _in_host_buffers(resumed, resumed_params)
+    _run(resumed, resumed_params, 1, first=3)
+    assert [op for op, *_ in resumed._copies.log].count("to_device") == len(SHAPES)
+    assert _in_host_buffers(resumed, resumed_params)
+    _run(resumed, resumed_params, 2, first=4)
     for p, q in zip(whole, resumed_params):
         assert torch.equal(p, q)
+
+
+def _in_host_buffers(optimizer, params):
+    return all(value is optimizer._host_states[id(p)][key] for p in params
+               for key, value in optimizer.state[p].items() if torch.is_tensor(value) and not key.startswith("qmap"))
+
+
+def test_settling_puts_states_moved_to_the_device_back_in_their_host_buffers():
+    params = _params()
+    optimizer = host_offloaded(bnb.optim.AdamW8bit)(params, lr=1e-2)
+    _run(optimizer, params, 2)
+    values = {(id(p), k): v.clone() for p in params for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
+    _moved_to_the_device(optimizer)
+    optimizer.settle_loaded_states()  # what EightBitOptimizer calls at train start
+    assert _in_host_buffers(optimizer, params)
+    assert all(torch.equal(optimizer.state[p][k], values[(id(p), k)]) for p in params for k in optimizer._host_states[id(p)])
 
 
 class _FakePagedAdamW8bit(bnb.optim.PagedAdamW8bit):
@@ -194,17 +223,25 @@ def test_states_loaded_into_a_paged_optimizer_are_paged_again_with_their_values(
     resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     resumed = repaged_on_load(_FakePagedAdamW8bit)(resumed_params, lr=1e-2)
     resumed.load_state_dict(checkpoint)
+    resumed.settle_loaded_states()  # EightBitOptimizer calls it at train start
     assert _paged_states(resumed) == paged
     for p, q in zip(params, resumed_params):
         for key in ("state1", "state2", "absmax1", "absmax2"):
             if key in before.state[p]:
                 assert torch.equal(before.state[p][key], resumed.state[q][key])
-    _run(before, params, 2, first=3)
-    _run(resumed, resumed_params, 2, first=3)
+    _run(before, params, 1, first=3)
+    _run(resumed, resumed_params, 1, first=3)
+    # without the settle: loaded, then moved to the device by Lightning, paged again by the next step
+    again = repaged_on_load(_FakePagedAdamW8bit)(resumed_params, lr=1e-2)
+    again.load_state_dict(_saved(resumed))
+    _moved_to_the_device(again)
+    assert not any(_paged_states(again).values())
+    _run(before, params, 1, first=4)
+    _run(again, resumed_params, 1, first=4)
+    assert _paged_states(again) == paged
+    assert repage_states(again) == 0  # nothing left to page
     for p, q in zip(params, resumed_params):
         assert torch.equal(p, q)
-    assert _paged_states(resumed) == paged
-    assert repage_states(resumed) == 0  # nothing left to page
 
 
 def test_repaging_leaves_an_optimizer_that_is_not_paged_alone():
