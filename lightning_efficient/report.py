@@ -80,9 +80,9 @@ class MemoryReport(Callback):
     on CUDA, ``cuda_max_allocated_bytes``; with a paged bitsandbytes optimizer also
     ``paged_optimizer_bytes``, the bytes of its paged states (CUDA managed memory, which
     ``max_memory_allocated`` does not see); on CUDA ``optimizer_state_host_bytes``, the part of
-    ``optimizer_state_bytes`` in host memory (``EightBitOptimizer(offload="cpu")``'s states between
-    steps; the rest of it, paged bytes aside, is on the device). Any other callback with a ``memory_figures()`` method
-    returning a dict adds its figures. They are logged through the Trainer's loggers under
+    ``optimizer_state_bytes`` in host memory (``EightBitOptimizer(offload="cpu")``'s states
+    between steps; the rest of it, paged bytes aside, is on the device). Any other callback with a
+    ``memory_figures()`` method returning a dict adds its figures. They are logged through the Trainer's loggers under
     ``memory/``, printed as one table at the end of fit on rank zero, and returned by :meth:`report`.
 
     The peaks cover training steps only: ``peak_rss_bytes`` (on Linux, where the kernel's peak can be
