@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,38 @@ from lightning_efficient.memory import (
     optimizer_state_bytes,
     parameter_bytes,
     peak_rss_bytes,
+    reset_peak_rss,
 )
 
 #: memory figures that differ by rank: under several processes each rank's is reported as
 #: ``rank{i}/<name>`` and ``<name>`` is the largest over the ranks
 PER_RANK_FIGURES = ("peak_rss_bytes", "cuda_max_allocated_bytes", "activation_bytes")
+
+
+def _paged_ids(optimizer: torch.optim.Optimizer) -> set[int]:
+    manager = getattr(optimizer, "page_mng", None)
+    return {id(t) for t in manager.paged_tensors} if manager is not None else set()
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor, bool], bool]) -> int:
+    paged = _paged_ids(optimizer)
+    seen: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and keep(value, id(value) in paged):
+                seen.setdefault(value.data_ptr(), value.numel() * value.element_size())
+    return sum(seen.values())
+
+
+def paged_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s paged states: the tensors of its state that bitsandbytes' page
+    manager holds (CUDA managed memory, outside the caching allocator's counts); 0 for others."""
+    return _state_bytes(optimizer, lambda tensor, paged: paged)
+
+
+def host_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s states in host memory (host-offloaded states), paged buffers not included."""
+    return _state_bytes(optimizer, lambda tensor, paged: tensor.device.type == "cpu" and not paged)
 
 
 def _format(name: str, value: float | int | None) -> str:
@@ -50,9 +77,18 @@ class MemoryReport(Callback):
     the first), ``parameter_bytes``, ``gradient_bytes``, ``optimizer_state_bytes`` (exact tensor
     bytes of every optimizer's state), ``activation_bytes`` (saved for backward, counted with
     ``saved_tensors_hooks`` on the sampled steps; the largest), ``peak_rss_bytes`` (process VmHWM) and,
-    on CUDA, ``cuda_max_allocated_bytes``. Any other callback with a ``memory_figures()`` method
-    returning a dict adds its figures. They are logged through the Trainer's loggers under
+    on CUDA, ``cuda_max_allocated_bytes``; with a paged bitsandbytes optimizer also
+    ``paged_optimizer_bytes``, the bytes of its paged states (CUDA managed memory, which
+    ``max_memory_allocated`` does not see); on CUDA ``optimizer_state_host_bytes``, the part of
+    ``optimizer_state_bytes`` in host memory (``EightBitOptimizer(offload="cpu")``'s states
+    between steps; the rest of it, paged bytes aside, is on the device). Any other callback with a
+    ``memory_figures()`` method returning a dict adds its figures. They are logged through the Trainer's loggers under
     ``memory/``, printed as one table at the end of fit on rank zero, and returned by :meth:`report`.
+
+    The peaks cover training steps only: ``peak_rss_bytes`` (on Linux, where the kernel's peak can be
+    reset) and ``cuda_max_allocated_bytes`` are reset when the first training step of the fit begins,
+    after everything that runs before it, in any callback order: ``ActivationMemory``'s auto plan
+    (a profiling step at the first batch), ``hetero_ddp``'s micro-batch probe, checkpoint loading.
 
     Tokens per step are the valid tokens of a :class:`~lightning_efficient.tokens.TokenLosses`
     output, else the elements of the batch's first tensor when it has two or more dimensions.
@@ -107,19 +143,61 @@ class MemoryReport(Callback):
         self._counter: SavedTensorCounter | None = None
         self._sampling = False
         self._run: dict[str, Any] = {}
+        self._first_step_pending = False
 
     def _sync(self, pl_module: LightningModule) -> None:
         synchronize(pl_module.device)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._unwrap_training_step(trainer)
         self._reset()
         self._figures["parameter_bytes"] = parameter_bytes(pl_module)
+        self._first_step_pending = True
+
+    def _reset_peaks(self, pl_module: LightningModule) -> None:
+        """Start the peaks and the step counters afresh: what ran before the first step is not training."""
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
+        reset_peak_rss()
+        self._step_times.clear()
+        self._tokens.clear()
+        self._samples.clear()
+
+    def _wrap_training_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Reset the peaks when the strategy's ``training_step`` first runs: callbacks after this one may
+        still do work in ``on_train_batch_start`` of the first batch (``ActivationMemory``'s auto plan
+        profiles a step there). The profile and the micro-batch probe call the module's step directly,
+        never the strategy's."""
+        strategy = trainer.strategy
+        original = strategy.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            self._unwrap_training_step(trainer)
+            self._reset_peaks(pl_module)
+            return original(*args, **kwargs)
+
+        training_step._memory_report_original = original  # type: ignore[attr-defined]
+        training_step._memory_report_had_own = "training_step" in vars(strategy)  # type: ignore[attr-defined]
+        strategy.training_step = training_step
+
+    @staticmethod
+    def _unwrap_training_step(trainer: Trainer) -> None:
+        strategy = trainer.strategy
+        wrapper = vars(strategy).get("training_step")
+        if wrapper is None or not hasattr(wrapper, "_memory_report_original"):
+            return
+        if wrapper._memory_report_had_own:
+            strategy.training_step = wrapper._memory_report_original
+        else:
+            del strategy.training_step
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._first_step_pending:
+            self._first_step_pending = False
+            self._reset_peaks(pl_module)  # also here: on its own if no strategy step runs this batch
+            self._wrap_training_step(trainer, pl_module)
         self._sampling = batch_idx % self.every_n_steps == 0
         if self._sampling:
             self._counter = SavedTensorCounter(exclude=[*pl_module.parameters(), *pl_module.buffers()])
@@ -143,6 +221,10 @@ class MemoryReport(Callback):
             return
         self._close_counter()
         self._raise("optimizer_state_bytes", sum(optimizer_state_bytes(o) for o in trainer.optimizers))
+        if any(getattr(o, "is_paged", False) for o in trainer.optimizers):
+            self._raise("paged_optimizer_bytes", sum(paged_state_bytes(o) for o in trainer.optimizers))
+        if pl_module.device.type == "cuda":
+            self._raise("optimizer_state_host_bytes", sum(host_state_bytes(o) for o in trainer.optimizers))
         self._figures["peak_rss_bytes"] = peak_rss_bytes()
         if pl_module.device.type == "cuda":
             self._figures["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(pl_module.device)
@@ -162,8 +244,13 @@ class MemoryReport(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._unwrap_training_step(trainer)
         with contextlib.suppress(Exception):
             self._close_counter()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._unwrap_training_step(trainer)  # a fit that ended before its first step
 
     def _raise(self, name: str, value: int) -> None:
         self._figures[name] = max(value, self._figures.get(name, 0))

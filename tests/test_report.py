@@ -1,10 +1,13 @@
 import json
 from pathlib import Path
 
+import bitsandbytes as bnb
 import lightning
 import pytest
+import torch
 
 from lightning_efficient import CorpusDataModule, DemoGPT, MemoryReport
+from lightning_efficient.memory import current_rss_bytes
 from tests.conftest import tiny_gpt_kwargs
 
 
@@ -90,3 +93,140 @@ def test_ddp_report_counts_every_rank_and_gives_each_rank_memory(small_datamodul
     assert rank1["samples_per_step"] == 8.0 and rank1["rank0/peak_rss_bytes"] == figures["rank0/peak_rss_bytes"]
     assert "2 ranks" in done.stdout and "rank1/peak_rss_bytes" in done.stdout
 
+
+
+BIG = 384 * 2**20  # bytes allocated (and freed) before the first training step
+
+
+class _AllocatesBeforeTraining(lightning.Callback):
+    """Allocates and frees BIG bytes where planning and probing happen: at fit start, at train start and
+    in on_train_batch_start of the first batch (where ActivationMemory's auto plan profiles a step)."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+        self.rss_at_fit_start = 0
+
+    def _allocate(self):
+        big = torch.ones(BIG // 4, device=self.device)  # every page written: resident
+        del big
+
+    def on_fit_start(self, trainer, pl_module):
+        self.rss_at_fit_start = current_rss_bytes()
+        self._allocate()
+
+    def on_train_start(self, trainer, pl_module):
+        self._allocate()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self._allocate()
+
+
+class _FirstStepAllocates(DemoGPT):
+    """The first ``training_step`` call (ActivationMemory's profiling step, made at the first batch)
+    allocates BIG bytes; the real steps do not."""
+
+    def __init__(self, device="cpu", **kwargs):
+        super().__init__(**kwargs)
+        self.alloc_device, self.calls = device, 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        if self.calls == 1:
+            big = torch.ones(BIG // 4, device=self.alloc_device)
+            del big
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_after_planning(small_datamodule_kwargs, accelerator):
+    from lightning_efficient import ActivationMemory
+
+    device = "cuda" if accelerator == "cuda" else "cpu"
+    before = _AllocatesBeforeTraining(device)
+    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+    model = _FirstStepAllocates(device, **tiny_gpt_kwargs())
+    # MemoryReport first: the callbacks after it (the auto plan) still run before the first step
+    trainer = lightning.Trainer(
+        accelerator=accelerator, devices=1, max_steps=3, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[report, before, ActivationMemory(policy="auto", budget=0.6)],
+    )
+    trainer.fit(model, datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    assert model.calls > 3  # the auto plan's profile did call the step (and allocated) before training
+    assert vars(trainer.strategy).get("training_step") is None  # the one-shot wrapper is gone
+    return report.report(), before
+
+
+def test_peaks_cover_training_steps_only_not_planning_or_anything_before(small_datamodule_kwargs):
+    figures, before = _fit_after_planning(small_datamodule_kwargs, "cpu")
+    assert figures["steps"] == 3
+    # a tiny model's training adds far less than BIG to the resident memory at fit start
+    assert before.rss_at_fit_start > 0
+    assert figures["peak_rss_bytes"] < before.rss_at_fit_start + BIG // 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_covers_training_steps_only(small_datamodule_kwargs):
+    figures, _ = _fit_after_planning(small_datamodule_kwargs, "cuda")
+    assert 0 < figures["cuda_max_allocated_bytes"] < BIG // 2
+
+
+class _FakePagedAdamW8bit(bnb.optim.PagedAdamW8bit):
+    """bitsandbytes' paged AdamW with its large buffers marked paged and registered with the page
+    manager as ``get_paged`` does (CUDA managed memory does not exist on CPU)."""
+
+    def get_state_buffer(self, p, dtype=torch.float32):
+        buffer = torch.zeros(p.shape, dtype=dtype)
+        if p.numel() >= 4096:
+            buffer.is_paged = True
+            self.page_mng.paged_tensors.append(buffer)
+        return buffer
+
+    def prefetch_state(self, p):
+        pass
+
+
+def test_paged_optimizer_bytes_are_reported_apart(small_datamodule_kwargs):
+    from tests.optim.helpers import Regression
+
+    class PagedRegression(Regression):
+        def configure_optimizers(self):
+            return _FakePagedAdamW8bit(self.parameters(), lr=1e-2)
+
+    manager = bnb.functional.GlobalPageManager.get_instance()
+    registered = list(manager.paged_tensors)
+    try:
+        model = PagedRegression()
+        report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+        lightning.Trainer(
+            accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[report],
+        ).fit(model)
+    finally:
+        manager.paged_tensors[:] = registered
+    paged = [p for p in model.parameters() if p.numel() >= 4096]
+    assert len(paged) == 2  # the embedding and the hidden weight: uint8 state1 and state2 each
+    assert report.report()["paged_optimizer_bytes"] == sum(2 * p.numel() for p in paged)
+    assert "paged_optimizer_bytes" in report.table()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_paged_optimizer_bytes():
+    from tests.optim.helpers import Regression
+
+    class WidePaged(Regression):
+        def __init__(self):
+            super().__init__()
+            self.hidden = torch.nn.Linear(80, 2048)  # 163,840 elements: bitsandbytes pages it
+            self.out = torch.nn.Linear(2048, 1)
+
+        def configure_optimizers(self):
+            return bnb.optim.PagedAdamW8bit(self.parameters(), lr=1e-2)
+
+    model = WidePaged()
+    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+    lightning.Trainer(
+        accelerator="cuda", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[report],
+    ).fit(model)
+    assert report.report()["paged_optimizer_bytes"] == 2 * model.hidden.weight.numel()

@@ -12,6 +12,10 @@ misses what checkpointing keeps inside its own frame):
 Costs: ``checkpoint`` recomputes the forward; ``selective`` recomputes the ops it does not save
 (their share of the forward, timed op by op); ``offload``/``disk`` move the bytes at the measured
 bandwidth (out and back).
+
+Device work is timed with :class:`~lightning_efficient._torch.DeviceClock`: on CUDA, events recorded
+on the stream around each block and each op, read after the step, so a time is the device's
+execution time (not the host's launch time) and nothing synchronises between ops.
 """
 
 from __future__ import annotations
@@ -28,31 +32,43 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_efficient._torch import storage_key, synchronize
+from lightning_efficient._torch import DeviceClock, storage_key
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import SAVED_BY_SELECTIVE
 from lightning_efficient.memory import distinct_storage_bytes
 
 
 class _OpTimer(TorchDispatchMode):
-    """Times each op and sums the output bytes of the ops ``selective`` saves."""
+    """Marks each op on the device's timeline and sums the output bytes of the ops ``selective`` saves.
 
-    def __init__(self) -> None:
+    The marks are read (:meth:`read`) once the forward is done: on CUDA only then does the host wait.
+    """
+
+    def __init__(self, clock: DeviceClock) -> None:
         super().__init__()
+        self.clock = clock
         self.saved_bytes = 0
         self.saved_time = 0.0
         self.other_time = 0.0
+        self._marks: list[tuple[bool, object, object]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        start = time.perf_counter()
+        start = self.clock.mark()
         out = func(*args, **(kwargs or {}))
-        elapsed = time.perf_counter() - start
+        self._marks.append((func in SAVED_BY_SELECTIVE, start, self.clock.mark()))
         if func in SAVED_BY_SELECTIVE:
-            self.saved_time += elapsed
             self.saved_bytes += distinct_storage_bytes(t for t in tree_flatten(out)[0] if isinstance(t, Tensor))
-        else:
-            self.other_time += elapsed
         return out
+
+    def read(self) -> None:
+        """Sum the marked intervals into ``saved_time`` and ``other_time``."""
+        for saved, start, end in self._marks:
+            elapsed = self.clock.seconds(start, end)
+            if saved:
+                self.saved_time += elapsed
+            else:
+                self.other_time += elapsed
+        self._marks.clear()
 
 
 def disk_bandwidth(directory: str | None, nbytes: int = 32 * 2**20) -> tuple[float, float]:
@@ -76,14 +92,14 @@ def disk_bandwidth(directory: str | None, nbytes: int = 32 * 2**20) -> tuple[flo
 
 def host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
     """Measured device-to-host bytes per second into pinned memory (CUDA only)."""
+    clock = DeviceClock(device)
     source = torch.empty(nbytes, dtype=torch.uint8, device=device)
     target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    target.copy_(source)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    target.copy_(source)
-    torch.cuda.synchronize(device)
-    return nbytes / max(time.perf_counter() - start, 1e-9)
+    target.copy_(source, non_blocking=True)  # warm-up
+    start = clock.mark()
+    target.copy_(source, non_blocking=True)
+    end = clock.mark()
+    return nbytes / max(clock.seconds(start, end), 1e-9)
 
 
 def profile_blocks(
@@ -100,7 +116,8 @@ def profile_blocks(
     """Profile every block on one training step (``run_step``: forward and backward) and one
     forward pass without gradients (``run_forward``), and return what each policy would hold and cost.
     """
-    stats: dict[int, dict[str, Any]] = {i: {"saved": {}, "small": 0, "inputs": 0, "time": 0.0} for i in range(len(blocks))}
+    clock = DeviceClock(device)
+    stats: dict[int, dict[str, Any]] = {i: {"saved": {}, "small": 0, "inputs": 0, "marks": None} for i in range(len(blocks))}
     originals = []
     for index, (_, block) in enumerate(blocks):
         forward = block.forward
@@ -120,12 +137,10 @@ def profile_blocks(
                             record["small"] += t.untyped_storage().nbytes()
                 return t
 
-            synchronize(device)
-            start = time.perf_counter()
+            start = clock.mark()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = _forward(*args, **kwargs)
-            synchronize(device)
-            record["time"] = time.perf_counter() - start
+            record["marks"] = (start, clock.mark())
             return out
 
         block.forward = measured
@@ -134,7 +149,7 @@ def profile_blocks(
         timers = {}
         for index, (_, block) in enumerate(blocks):
             def timed(*args: Any, _forward=originals[index][2], _index=index, **kwargs: Any) -> Any:
-                timers[_index] = _OpTimer()
+                timers[_index] = _OpTimer(clock)
                 with timers[_index]:
                     return _forward(*args, **kwargs)
 
@@ -147,6 +162,10 @@ def profile_blocks(
                 block.forward = forward
             else:
                 del block.forward
+    for record in stats.values():  # read after the step: on CUDA the host waits here, once
+        record["time"] = clock.seconds(*record["marks"]) if record["marks"] is not None else 0.0
+    for timer in timers.values():
+        timer.read()
     write_bw = read_bw = host_bw = None
     if "disk" in policies:
         write_bw, read_bw = disk_bandwidth(offload_dir)

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_efficient._validation import require, require_bool, require_choice, require_int
 from lightning_efficient.optim._bnb import bitsandbytes
-from lightning_efficient.optim.offload import host_offloaded
+from lightning_efficient.optim.offload import host_offloaded, repaged_on_load
 from lightning_efficient.optim.schedulers import rebind_schedulers
 from lightning_efficient.optim.state import (
     BNB_BLOCKWISE,
@@ -62,10 +62,12 @@ class EightBitOptimizer(Callback):
         min_8bit_size: tensors with fewer elements keep 32-bit states (>= 1; bitsandbytes' default 4096).
         keep_32bit: ``fnmatch`` patterns of parameter names that keep 32-bit states.
         embeddings_32bit: keep the weights of ``nn.Embedding`` modules (and what is tied to them) 32-bit.
-        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU). bitsandbytes has
-            paged twins for Adam, AdamW and Lion only: for SGD, RMSprop or Adagrad fit raises ``ValueError``.
+        paged: use bitsandbytes' paged optimizers (CUDA; warns once and is ignored on CPU); states loaded
+            from a checkpoint are paged again. bitsandbytes has paged twins for Adam, AdamW and Lion only:
+            for SGD, RMSprop or Adagrad fit raises ``ValueError``.
         offload: ``"cpu"`` keeps the 8-bit states in host memory between steps, copied in and out per
-            parameter with the next one prefetched (CUDA; warns once and is ignored on CPU); or None.
+            parameter with the next one prefetched and the copies back overlapping the next updates
+            (CUDA; warns once and is ignored on CPU); or None.
         strict: raise for an optimizer with no 8-bit twin; with False, leave it as it is and warn.
         bits: 8 to convert; 32 to keep the module's optimizers and only dequantize 8-bit checkpoint states.
 
@@ -163,6 +165,8 @@ class EightBitOptimizer(Callback):
                     self._overridden.add(id(param))
             if offload:
                 twin = self._offloaded(twin)
+            elif paged:
+                twin = self._rebuilt(twin, repaged_on_load(type(twin)))  # still paged after a resume
             rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
             replaced.append(twin)
         trainer.strategy.optimizers = replaced
@@ -174,12 +178,16 @@ class EightBitOptimizer(Callback):
         Only the keyword arguments ``type(twin)``'s constructor accepts are passed: ``twin.defaults``
         also holds keys its constructor refuses (``alpha`` for AdamW8bit, ``betas`` for SGD8bit).
         """
+        return self._rebuilt(twin, host_offloaded(type(twin)))
+
+    def _rebuilt(self, twin: torch.optim.Optimizer, cls: type) -> torch.optim.Optimizer:
+        """``twin`` (no state yet) rebuilt as ``cls``, a subclass of its class, same param groups."""
         accepted = set(inspect.signature(type(twin).__init__).parameters) - {"self", "params", "args", "min_8bit_size"}
         groups = twin.param_groups
         kwargs = {k: groups[0][k] for k in accepted if k in groups[0]}
-        offloaded = host_offloaded(type(twin))(groups, **kwargs, min_8bit_size=self.min_8bit_size)
-        follow_torch_names(offloaded)
-        return offloaded
+        rebuilt = cls(groups, **kwargs, min_8bit_size=self.min_8bit_size)
+        follow_torch_names(rebuilt)
+        return rebuilt
 
     def _report(self, trainer: Trainer, reasons: dict[int, str]) -> None:
         counts = {"8bit": [0, 0], "32bit_small": [0, 0], "32bit_embedding": [0, 0], "32bit_pattern": [0, 0]}
@@ -200,6 +208,15 @@ class EightBitOptimizer(Callback):
         rank_zero_info("EightBitOptimizer: optimizer states by precision\n" + "\n".join(lines))
 
     # -- checkpoints --------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning moves every loaded optimizer state to the device after load_state_dict: offloaded
+        # and paged states go back where they belong before the first forward
+        for optimizer in trainer.optimizers:
+            settle = getattr(optimizer, "settle_loaded_states", None)
+            if callable(settle):
+                settle()
+
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # Lightning loads the optimizer states from this same dict after on_fit_start, once the

@@ -1,86 +1,278 @@
-"""Host offload of 8-bit optimizer states, updated on an interleaved schedule.
+"""Where 8-bit optimizer states live: in host memory between steps (offload), or paged after a resume.
 
-States live in host memory (pinned on CUDA) between steps. During ``step`` each parameter's state
-is brought to the device just before its update while the *next* parameter's state is copied on a
-side stream, and the updated state is copied back asynchronously: transfers overlap the updates
-(the idea of Deep Optimizer States). On a CPU device the copies are no-ops and the schedule is the
-same, which is what the tests exercise.
+**Host offload** (:func:`host_offloaded`). States live in host memory (pinned on CUDA) between
+steps. During ``step`` each parameter's state is brought to the device just before its update
+while the *next* parameter's state is copied in on one side stream, and each updated state is
+copied back on a second side stream while the following updates run (the idea of Deep Optimizer
+States). bitsandbytes' own ``step`` synchronises the whole device after every parameter; ours does
+not: the update of a parameter waits only for the copy-in of its own state (an event), the
+copy-back waits only for its own update (an event), and the host waits once, at the end of the
+step, for the last copies back (and, before that, for the oldest copy back whenever more than
+:data:`MAX_WRITES_IN_FLIGHT` are in flight, so that the device holds only a few parameters' states
+at a time). Every device tensor used on a stream other than the one it was made on is marked with
+``record_stream``, so the caching allocator does not hand its memory out again before that use
+is done. The stream operations sit behind a small interface (:class:`CudaCopies`, and
+:class:`SyncCopies`: synchronous copies that log what they did) so that a CPU test drives the
+same schedule as a GPU.
+
+**Paged states after a resume** (:func:`repaged_on_load`, :func:`repage_states`). bitsandbytes'
+``load_state_dict`` puts the loaded ``state1``/``state2`` on the device as ordinary tensors: a
+resumed paged optimizer would silently stop paging. After loading, every state bitsandbytes would
+page (``get_state_buffer`` decides, as for a new state) is re-created as a paged buffer holding the
+loaded values.
+
+Lightning moves every optimizer state to the device right after ``load_state_dict`` (its
+``load_optimizer_state_dict``): both classes put loaded states where they belong in
+``settle_loaded_states()``, which ``EightBitOptimizer`` calls at train start (before the first
+forward) and the next ``step`` calls at the latest.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from functools import cache
+from typing import Any
 
 import torch
 from torch import Tensor
 
 _SHARED_KEYS = ("qmap1", "qmap2")  # quantization maps: shared by every parameter, tiny, stay on the device
+_PAGED_KEYS = ("state1", "state2")  # what bitsandbytes allocates with get_state_buffer (paged when large)
+
+#: copies back to the host that may be in flight before the host waits for the oldest one: each
+#: holds one parameter's device state until it is done
+MAX_WRITES_IN_FLIGHT = 2
+
+
+class CudaCopies:
+    """The CUDA streams and events of host offload on one device.
+
+    Copies to the device run on one side stream, copies to the host on another, so the two
+    directions overlap each other and the updates on the compute stream (the stream current when
+    the step runs). One event marks each parameter's copies done.
+
+    Args:
+        device: the CUDA device the parameters are on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.to_device_stream = torch.cuda.Stream(device)
+        self.to_host_stream = torch.cuda.Stream(device)
+
+    def _compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def to_device(self, hosts: list[Tensor]) -> tuple[list[Tensor], Any]:
+        """Start copying ``hosts`` to the device; the copies (made on the copy stream) and the event
+        that marks them done."""
+        stream = self.to_device_stream
+        with torch.cuda.stream(stream):
+            copies = [torch.empty_like(host, device=self.device) for host in hosts]
+            for copy, host in zip(copies, hosts):
+                copy.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return copies, event
+
+    def use(self, tensors: list[Tensor], event: Any) -> None:
+        """Make the compute stream wait for ``event`` (only) before it uses ``tensors``, made on the copy stream."""
+        compute = self._compute()
+        compute.wait_event(event)
+        for tensor in tensors:
+            tensor.record_stream(compute)  # its memory is not reused before the compute stream's use is done
+
+    def to_host(self, pairs: list[tuple[Tensor, Tensor]]) -> Any:
+        """Copy each ``(device tensor, host tensor)`` pair to the host once the compute stream's work
+        so far (the update) is done; the event that marks the copies done."""
+        stream = self.to_host_stream
+        updated = torch.cuda.Event()
+        updated.record(self._compute())
+        stream.wait_event(updated)
+        with torch.cuda.stream(stream):
+            for device_tensor, host in pairs:
+                host.copy_(device_tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        for device_tensor, _ in pairs:
+            device_tensor.record_stream(stream)  # still read by this copy after the caller drops it
+        return done
+
+    def wait_host(self, event: Any) -> None:
+        """Block the host until ``event`` is reached."""
+        event.synchronize()
+
+    def finish(self) -> None:
+        """Block the host until every copy is done (the host buffers then hold the states)."""
+        self._compute().wait_stream(self.to_device_stream)
+        self.to_host_stream.synchronize()
+        self.to_device_stream.synchronize()
+
+
+class SyncCopies:
+    """The same interface with synchronous copies (any device, CPU included), logging each operation.
+
+    What a CPU test drives: ``log`` holds ``(operation, event number, tensor count)`` in the order
+    the optimizer issued them (``to_device``, ``use``, ``to_host``, ``wait_host``, ``finish``).
+    The "device" copies are fresh tensors on the host tensor's device.
+    """
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int, int]] = []
+        self._events = 0
+
+    def _event(self) -> int:
+        self._events += 1
+        return self._events
+
+    def to_device(self, hosts: list[Tensor]) -> tuple[list[Tensor], int]:
+        """Copy ``hosts`` now; the copies and an event number."""
+        copies = [host.clone() for host in hosts]
+        event = self._event()
+        self.log.append(("to_device", event, len(hosts)))
+        return copies, event
+
+    def use(self, tensors: list[Tensor], event: int) -> None:
+        """Log the wait for ``event``."""
+        self.log.append(("use", event, len(tensors)))
+
+    def to_host(self, pairs: list[tuple[Tensor, Tensor]]) -> int:
+        """Copy each pair's device tensor into its host tensor now; an event number."""
+        for device_tensor, host in pairs:
+            host.copy_(device_tensor)
+        event = self._event()
+        self.log.append(("to_host", event, len(pairs)))
+        return event
+
+    def wait_host(self, event: int) -> None:
+        """Log the host's wait for ``event``."""
+        self.log.append(("wait_host", event, 0))
+
+    def finish(self) -> None:
+        """Log the end-of-step wait."""
+        self.log.append(("finish", 0, 0))
 
 
 class _HostOffloadMixin:
     """Mixed into a bitsandbytes optimizer class: keeps per-parameter states in host memory."""
 
     def _offload_setup(self) -> None:
-        self._host_states: dict[int, dict[str, Tensor]] = {}
-        self._device_states: dict[int, dict[str, Tensor]] = {}
-        self._copy_stream = None
+        self._host_states: dict[int, dict[str, Tensor]] = {}  # id(param) -> key -> host buffer
+        self._staged: dict[int, tuple[dict[str, Tensor], Any]] = {}  # prefetched device states and their event
+        self._copies: CudaCopies | SyncCopies | None = None
+        self._writes: deque[Any] = deque()  # events of the copies back still in flight, oldest first
         self._order: list[Tensor] = []
         self._next_index: dict[int, int] = {}
+        self._loaded = False  # a state was loaded: place it on the host at the next step at the latest
+
+    def _copies_for(self, device: torch.device) -> CudaCopies | SyncCopies:
+        if self._copies is None:
+            self._copies = CudaCopies(device) if device.type == "cuda" else SyncCopies()
+        return self._copies
 
     def _movable(self, p: Tensor) -> dict[str, Tensor]:
         return {k: v for k, v in self.state[p].items() if isinstance(v, Tensor) and k not in _SHARED_KEYS}
 
-    def _fetch(self, p: Tensor, non_blocking: bool) -> dict[str, Tensor]:
-        return {k: v.to(p.device, non_blocking=non_blocking) for k, v in self._movable(p).items()}
+    def _host_buffer(self, p: Tensor, key: str, like: Tensor) -> Tensor:
+        """The host buffer of ``p``'s state ``key`` (made once, pinned for a CUDA parameter, reused every step)."""
+        host = self._host_states.setdefault(id(p), {})
+        buffer = host.get(key)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=p.is_cuda)
+            host[key] = buffer
+        return buffer
+
+    def _start_fetch(self, p: Tensor) -> None:
+        """Start copying ``p``'s states that are in their host buffers to the device (others stay)."""
+        host = self._host_states.get(id(p), {})
+        keys = [key for key, value in self._movable(p).items() if host.get(key) is value]
+        staged: dict[str, Tensor] = {}
+        event = None
+        if keys:
+            copies, event = self._copies_for(p.device).to_device([self.state[p][key] for key in keys])
+            staged = dict(zip(keys, copies))
+        self._staged[id(p)] = (staged, event)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step with states fetched per parameter and written back to the host."""
+        """One optimizer step with states fetched per parameter and written back to the host.
+
+        bitsandbytes' loop (overrides checked once, a state made on first use, ``prefetch_state``
+        then ``update_step`` per parameter) without its device synchronisation after every
+        parameter: the copies are ordered by events, and the host waits once, at the end.
+        """
         loss = None
         if closure is not None:  # before listing the parameters: the closure computes the gradients
             with torch.enable_grad():
                 loss = closure()
-        if self._copy_stream is None and any(p.is_cuda for g in self.param_groups for p in g["params"]):
-            self._copy_stream = torch.cuda.Stream()
+        if not self.initialized:
+            self.check_overrides()  # not bitsandbytes' to_gpu(): the states belong on the host
+            self.initialized = True
+        if self._loaded:
+            self.settle_loaded_states()
         self._order = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         self._next_index = {id(p): i + 1 for i, p in enumerate(self._order)}
-        super().step()
-        if self._copy_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._copy_stream)
-            self._copy_stream.synchronize()
-        self._device_states.clear()
+        try:
+            for gindex, group in enumerate(self.param_groups):
+                for pindex, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    if len(self.state[p]) == 0:
+                        self.init_state(group, p, gindex, pindex)
+                    self.prefetch_state(p)
+                    self.update_step(group, p, gindex, pindex)
+        finally:
+            if self._copies is not None:
+                self._copies.finish()
+            self._staged.clear()
+            self._writes.clear()
         return loss
 
     def prefetch_state(self, p: Tensor) -> None:
-        """Bring ``p``'s state to its device (waiting for an earlier prefetch) and prefetch the next one."""
-        if id(p) in self._device_states and self._copy_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._copy_stream)
-        staged = self._device_states.pop(id(p), None) or self._fetch(p, non_blocking=False)
-        self.state[p].update(staged)
+        """Put ``p``'s state on its device (waiting for its own copy only) and start copying the next one's."""
+        if id(p) not in self._staged:
+            self._start_fetch(p)
+        staged, event = self._staged.pop(id(p))
+        if staged:
+            self._copies_for(p.device).use(list(staged.values()), event)
+            self.state[p].update(staged)
         index = self._next_index.get(id(p))
         if index is not None and index < len(self._order):
             following = self._order[index]
-            if self.state[following]:
-                if self._copy_stream is not None:
-                    with torch.cuda.stream(self._copy_stream):
-                        self._device_states[id(following)] = self._fetch(following, non_blocking=True)
-                else:
-                    self._device_states[id(following)] = self._fetch(following, non_blocking=False)
+            if self.state[following] and id(following) not in self._staged:
+                self._start_fetch(following)
 
     def update_step(self, group, p, gindex, pindex):
-        """Update ``p`` on its device, then copy its state back to (pinned) host memory."""
+        """Update ``p`` on its device, then start copying its state back to (pinned) host memory."""
         super().update_step(group, p, gindex, pindex)
-        host = self._host_states.setdefault(id(p), {})
-        for key, value in self._movable(p).items():
-            if key not in host or host[key].shape != value.shape or host[key].dtype != value.dtype:
-                host[key] = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=value.is_cuda)
-            if value.is_cuda and self._copy_stream is not None:
-                self._copy_stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._copy_stream):
-                    host[key].copy_(value, non_blocking=True)
-            else:
-                host[key].copy_(value)
-            self.state[p][key] = host[key]
+        hosts = {key: self._host_buffer(p, key, value) for key, value in self._movable(p).items()}
+        if not hosts:
+            return
+        copies = self._copies_for(p.device)
+        self._writes.append(copies.to_host([(self.state[p][key], host) for key, host in hosts.items()]))
+        self.state[p].update(hosts)  # each device copy is freed once its copy back is done
+        while len(self._writes) > MAX_WRITES_IN_FLIGHT:
+            copies.wait_host(self._writes.popleft())
+
+    def load_state_dict(self, state_dict, move_to_device=True):
+        """Load a state (any bitsandbytes optimizer's, offloaded or not) into the host buffers."""
+        super().load_state_dict(state_dict, move_to_device=move_to_device)
+        self._host_states.clear()
+        self.settle_loaded_states()
+        self._loaded = True  # Lightning moves every state to the device right after loading
+
+    def settle_loaded_states(self) -> None:
+        """Copy every state that is not in its host buffer (a loaded state, or one that Lightning's
+        ``load_optimizer_state_dict`` moved to the device after loading) into it, and drop the other copy."""
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    for key, value in self._movable(p).items():
+                        host = self._host_buffer(p, key, value)
+                        if host is not value:
+                            host.copy_(value)
+                            self.state[p][key] = host
+        self._loaded = False
 
 
 @cache
@@ -92,3 +284,73 @@ def host_offloaded(cls: type) -> type:
         self._offload_setup()
 
     return type(f"HostOffloaded{cls.__name__}", (_HostOffloadMixin, cls), {"__init__": __init__})
+
+
+def repage_states(optimizer: torch.optim.Optimizer) -> int:
+    """Re-create the states a paged bitsandbytes ``optimizer`` would page as paged buffers, values kept.
+
+    For every ``state1``/``state2`` not held by bitsandbytes' page manager, asks ``optimizer.get_state_buffer`` for a
+    buffer of its shape and dtype, as bitsandbytes does for a new state; where that buffer is paged
+    (bitsandbytes pages tensors of 100,000 elements or more on CUDA) the values are copied into it
+    and it replaces the state. Returns the number of states re-paged.
+    """
+    if not getattr(optimizer, "is_paged", False):
+        return 0
+    # a tensor is paged when bitsandbytes' page manager holds it: a loaded tensor may carry a stale
+    # ``is_paged`` attribute (torch.save keeps it) without being managed memory
+    registered = {id(t) for t in optimizer.page_mng.paged_tensors}
+    count = 0
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                for key in _PAGED_KEYS:
+                    value = state.get(key)
+                    if not isinstance(value, Tensor) or id(value) in registered:
+                        continue
+                    like = value if value.device == p.device else value.to(p.device)
+                    buffer = optimizer.get_state_buffer(like, dtype=value.dtype)
+                    if not getattr(buffer, "is_paged", False):
+                        continue  # bitsandbytes would not page it either (small, or on CPU)
+                    buffer.copy_(value)
+                    state[key] = buffer
+                    registered.add(id(buffer))
+                    count += 1
+    return count
+
+
+class _RepagedOnLoadMixin:
+    """Mixed into a paged bitsandbytes optimizer class: states stay paged after ``load_state_dict``.
+
+    Loaded states are paged again by :meth:`settle_loaded_states`, which ``EightBitOptimizer`` calls
+    at train start (after Lightning's ``load_optimizer_state_dict`` has moved every state to the
+    device) and the next ``step`` calls (before its first update) at the latest.
+    """
+
+    _loaded = False
+
+    def load_state_dict(self, state_dict, move_to_device=True):
+        """Load a state; what bitsandbytes' loading put on the device as ordinary tensors is paged again by
+        :meth:`settle_loaded_states` (not at once: Lightning moves the states after loading, and paged
+        memory that bitsandbytes' page manager holds is never freed)."""
+        super().load_state_dict(state_dict, move_to_device=move_to_device)
+        self._loaded = True
+
+    def settle_loaded_states(self) -> None:
+        """Page again every state bitsandbytes would page that is an ordinary tensor now."""
+        if repage_states(self) and torch.cuda.is_available():
+            torch.cuda.synchronize()  # copies into managed memory are done before the first paged kernel
+        self._loaded = False
+
+    def prefetch_state(self, p: Tensor) -> None:
+        """bitsandbytes' prefetch; at the first parameter after a load, every loaded state is paged again
+        first (not by overriding ``step``: torch's step hooks would run twice)."""
+        if self._loaded:
+            self.settle_loaded_states()
+        super().prefetch_state(p)
+
+
+@cache
+def repaged_on_load(cls: type) -> type:
+    """A subclass of the paged bitsandbytes optimizer ``cls`` whose loaded states are paged again."""
+    return type(cls.__name__, (_RepagedOnLoadMixin, cls), {})

@@ -1,0 +1,120 @@
+"""The auto plan's profiler times device work on the device's timeline (DeviceClock), never by a
+host timer around unsynchronised launches, and its times are still measured on CPU."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_efficient.activations.profile as profile
+from lightning_efficient._torch import DeviceClock
+
+SLEEP_S = 0.05
+
+
+@torch.library.custom_op("lightning_efficient_tests::slow_copy", mutates_args=())
+def slow_copy(x: torch.Tensor) -> torch.Tensor:
+    """An op that takes at least SLEEP_S (a stand-in for a slow elementwise kernel)."""
+    time.sleep(SLEEP_S)
+    return x.clone()
+
+
+@slow_copy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class SlowBlock(nn.Module):
+    """A linear layer (an op ``selective`` saves) plus a slow op it recomputes; optionally a host
+    sleep in forward (no op at all: only the block's time sees it)."""
+
+    def __init__(self, host_sleep: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.host_sleep = host_sleep
+
+    def forward(self, x):
+        if self.host_sleep:
+            time.sleep(SLEEP_S)
+        return self.linear(x) + slow_copy(x.detach())
+
+
+def _profile(blocks, device="cpu", policies=("keep", "checkpoint", "selective")):
+    model = nn.Sequential(*blocks).to(device)
+    x = torch.randn(4, 16, device=device)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def run_step():
+        model(x).sum().backward()
+
+    def run_forward():
+        model(x)
+
+    return profile.profile_blocks(
+        run_step, run_forward, [(str(i), b) for i, b in enumerate(blocks)],
+        lambda t: t.untyped_storage().data_ptr() in parameters, torch.device(device),
+        min_offload_bytes=0, policies=policies,
+    )
+
+
+def test_block_and_op_times_are_measured_on_cpu():
+    profiles = _profile([SlowBlock(host_sleep=True), SlowBlock(host_sleep=False)])
+    sleeping, plain = profiles
+    # checkpoint recomputes the whole forward: the host sleep and the slow op, each >= SLEEP_S
+    assert sleeping.cost_s["checkpoint"] >= 2 * SLEEP_S
+    assert SLEEP_S <= plain.cost_s["checkpoint"] < sleeping.cost_s["checkpoint"]
+    # selective recomputes what it does not save: the slow op's share of the block's time, timed op by op
+    assert plain.cost_s["selective"] >= 0.9 * SLEEP_S
+    assert plain.cost_s["selective"] <= plain.cost_s["checkpoint"]
+
+
+class CountingClock(DeviceClock):
+    marks = 0
+    reads = 0
+
+    def mark(self):
+        type(self).marks += 1
+        return super().mark()
+
+    def seconds(self, start, end):
+        type(self).reads += 1
+        return super().seconds(start, end)
+
+
+def test_every_time_is_read_from_device_clock_marks_without_synchronising(monkeypatch):
+    synchronised = []
+    monkeypatch.setattr(profile, "DeviceClock", CountingClock)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: synchronised.append(a))
+    import lightning_efficient._torch as shared
+
+    monkeypatch.setattr(shared, "synchronize", lambda *a, **k: synchronised.append(a))
+    monkeypatch.setattr(profile, "synchronize", lambda *a, **k: synchronised.append(a), raising=False)
+    CountingClock.marks = CountingClock.reads = 0
+    blocks = [SlowBlock(host_sleep=False), SlowBlock(host_sleep=False)]
+    _profile(blocks)
+    # one interval per block in the step, one per op in the timed forward (a linear, an add, the slow op, ...)
+    assert CountingClock.reads >= len(blocks) * (1 + 3)
+    assert CountingClock.marks == 2 * CountingClock.reads
+    assert synchronised == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_times_are_execution_times():
+    class Spin(nn.Module):
+        """A block of a chain of small kernels (on the device's timeline, measured by events)."""
+
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+
+        def forward(self, x):
+            for _ in range(20):
+                x = torch.tanh(self.linear(x))
+            return x
+
+    torch.cuda.synchronize()
+    profiles = _profile([Spin()], device="cuda", policies=("keep", "checkpoint", "selective", "offload"))
+    assert profiles[0].cost_s["checkpoint"] > 0
+    assert profiles[0].cost_s["offload"] > 0  # moved bytes over the bandwidth timed with events
+    assert 0 < profiles[0].cost_s["selective"] <= profiles[0].cost_s["checkpoint"]
