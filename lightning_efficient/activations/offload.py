@@ -52,7 +52,7 @@ _CAST_OR_VIEW = frozenset({
 })
 
 
-def _is_copy_of(tensor: Tensor, exclude: Exclude, depth: int = 8) -> bool:
+def is_copy_of(tensor: Tensor, exclude: Exclude, depth: int = 8) -> bool:
     """Whether ``tensor`` is a cast or a view of a parameter (or of another leaf ``exclude`` matches).
 
     Under autocast a matmul saves the parameter's low-precision copy (``_to_copy`` of it, cached
@@ -163,7 +163,7 @@ class _BlockHooks:
 
     def _excluded(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` stays: ``exclude`` matches it, or it is a cast or view of what it matches."""
-        return bool(self.exclude(tensor)) or _is_copy_of(tensor, self.exclude)
+        return bool(self.exclude(tensor)) or is_copy_of(tensor, self.exclude)
 
     def hooks(self, block_index: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks context for the forward of block ``block_index``."""

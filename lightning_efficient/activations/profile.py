@@ -7,7 +7,8 @@ misses what checkpointing keeps inside its own frame):
 * ``checkpoint``: the block's tensor inputs, which checkpointing keeps to recompute from;
 * ``selective``: the inputs plus the outputs of the ops it saves (matmuls, attention), counted
   exactly with a ``TorchDispatchMode`` over the block's forward;
-* ``offload``/``disk``: the saved tensors under ``min_bytes``, which stay on the device.
+* ``offload``/``disk``: the saved tensors under ``min_bytes`` and the casts or views of parameters
+  (autocast's weight copies), which stay on the device.
 
 Costs: ``checkpoint`` recomputes the forward; ``selective`` recomputes the ops it does not save
 (their share of the forward, timed op by op); ``offload``/``disk`` move the bytes at the measured
@@ -33,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_efficient._torch import DeviceClock, storage_key
+from lightning_efficient.activations.offload import is_copy_of
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import SAVED_BY_SELECTIVE
 from lightning_efficient.memory import distinct_storage_bytes
@@ -133,7 +135,9 @@ def profile_blocks(
                     key = storage_key(t)
                     if key not in record["saved"]:
                         record["saved"][key] = t.untyped_storage().nbytes()
-                        if t.untyped_storage().nbytes() < min_offload_bytes:
+                        # what offload/disk leave on the device: small tensors, and casts or views of a
+                        # parameter (autocast's weight copies), which the hooks recognise the same way
+                        if t.untyped_storage().nbytes() < min_offload_bytes or is_copy_of(t, exclude):
                             record["small"] += t.untyped_storage().nbytes()
                 return t
 

@@ -118,3 +118,27 @@ def test_cuda_times_are_execution_times():
     assert profiles[0].cost_s["checkpoint"] > 0
     assert profiles[0].cost_s["offload"] > 0  # moved bytes over the bandwidth timed with events
     assert 0 < profiles[0].cost_s["selective"] <= profiles[0].cost_s["checkpoint"]
+
+
+def test_autocast_weight_copies_count_as_staying_on_the_device_for_disk():
+    """Disk offload leaves autocast's bf16 weight copies in place, so the profile must count them as held."""
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    x = torch.randn(8, 64, requires_grad=True)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def run_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+
+    def run_forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+
+    (block,) = profile.profile_blocks(
+        run_step, run_forward, [("0", model[0])], lambda t: t.untyped_storage().data_ptr() in parameters,
+        torch.device("cpu"), min_offload_bytes=0, policies=("keep", "disk"),
+    )
+    weight_copy = 64 * 64 * 2  # the bf16 cast of the weight, saved by the matmul
+    assert block.held_bytes["disk"] == weight_copy
+    assert block.held_bytes["keep"] == weight_copy + 8 * 64 * 2  # plus the bf16 copy of the input
