@@ -263,7 +263,7 @@ class RunningThreshold:
         if level >= 1.0:
             return -math.inf
         position = (1.0 - max(level, 0.0)) * (self.POINTS - 1)
-        low = min(int(math.floor(position)), self.POINTS - 2)
+        low = min(math.floor(position), self.POINTS - 2)
         fraction = position - low
         return float(self.grid[low] + (self.grid[low + 1] - self.grid[low]) * fraction)
 

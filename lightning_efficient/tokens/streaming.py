@@ -137,7 +137,6 @@ class _StreamingCrossEntropy(torch.autograd.Function):
             hidden, weight, bias, labels, keep_given, threshold, reference, ignore_index, chunk_size, score, want_scores,
             ctx.needs_input_grad[:3],
         )
-        grad_hidden, grad_weight, grad_bias = grads
         ctx.has = tuple(g is not None for g in grads)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(*(g for g in grads if g is not None))
