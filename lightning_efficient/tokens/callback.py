@@ -123,8 +123,9 @@ class SelectiveTokenLoss(Callback):
     head matmul passes at keep ratio ``k``, against ``1 + 3k`` for the exact threshold, which can only
     be known once every token's loss is (and 3 for the plain mean: at k = 0.7 the exact path costs
     more than not selecting). It is the default because selection exists to save step time and only
-    this path does; the price is that a step keeps the target fraction up to sampling noise (about
-    ``sqrt(2 k (1 - k) / n)`` for ``n`` valid tokens a step) instead of exactly. ``random`` draws its
+    this path does; the price is that a step keeps the target fraction up to sampling noise and the
+    shift of its scores from the previous steps' (the mean over steps is held at the target; see
+    ``RunningThreshold`` for the tolerance) instead of exactly. ``random`` draws its
     mask before the pass (the mask the exact path draws), a keep ratio of 1.0 keeps every valid token,
     and a step without an estimate yet (the first step that selects, after a warm-up for ``rho1``)
     takes the exact path. ``threshold="exact"``, and any output other than ``FusedTokenLoss``, use
