@@ -341,6 +341,7 @@ class SelectiveTokenLoss(Callback):
         self._wrapped = None
         self.normaliser.reset()
         self.running.discard_step()
+        self._observed_step = None
 
     # -- the step loss -----------------------------------------------------------------------
     def _per_token(self, output: Any, want_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -368,11 +369,15 @@ class SelectiveTokenLoss(Callback):
         self, trainer: Trainer, pl_module: LightningModule, output: Any, args: tuple, kwargs: dict
     ) -> NormalisedTokenLoss:
         step = trainer.global_step
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         if self._observed_step is not None and self._observed_step != step:
             self._end_step()  # a step not folded by the optimizer closure (manual optimization)
+        elif pl_module.automatic_optimization and int(batch_idx) % trainer.accumulate_grad_batches == 0:
+            # a step's first micro-batch: forget scores observed by a call outside the loop (a profile)
+            self.running.discard_step()
+            self._observed_step = None
         keep_ratio = self.schedule(step)
         batch = args[0] if args else kwargs.get("batch")
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         self.generator.manual_seed(self.draw_seed(step, int(batch_idx)))
         streaming = self.threshold == "streaming" and isinstance(output, FusedTokenLoss)
         # this step's scores feed the running estimate when this step or the next one selects by threshold

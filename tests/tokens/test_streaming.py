@@ -330,3 +330,29 @@ def test_two_processes_under_global_scope_stream_at_one_threshold(tmp_path):
         assert a["selection/threshold_correction"] == b["selection/threshold_correction"]
     # the ranks saw different tokens: their own kept fractions differ, the threshold does not
     assert any(a["selection/kept_fraction"] != b["selection/kept_fraction"] for a, b in zip(*ranks))
+
+
+class _ProfileFirstMicroBatch(lightning.Callback):
+    """Runs the (wrapped) training_step and its backward outside the loop before each step, as a
+    memory profile does, then clears the gradients."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            pl_module.training_step(batch, batch_idx)["loss"].backward()
+            pl_module.zero_grad(set_to_none=True)
+
+
+def test_scores_of_a_training_step_run_outside_the_loop_are_not_estimated_from():
+    runs = []
+    for extra in ([], [_ProfileFirstMicroBatch()]):
+        lightning.seed_everything(0)
+        record = _Record()
+        lightning.Trainer(
+            accelerator="cpu", precision="64-true", max_steps=3, accumulate_grad_batches=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[SelectiveTokenLoss(method="topk", keep_ratio=0.5), record, *extra],
+        ).fit(_Batches(2, samples=12))
+        runs.append(record.metrics)
+    assert [m["selection/streamed"] for m in runs[0]] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    for plain, profiled in zip(*runs):
+        assert plain["selection/threshold"] == profiled["selection/threshold"]
