@@ -116,8 +116,8 @@ class SelectiveTokenLoss(Callback):
 
     **Streaming threshold** (``threshold="streaming"``, the default): with the fused head
     (:class:`FusedTokenLoss`), the rule's threshold is taken before the forward pass from a running
-    estimate (:class:`~lightning_efficient.tokens.selection.RunningThreshold`: the previous step's
-    score quantile, every rank's under ``scope="global"``, corrected by the realised keep ratio), and
+    estimate (:class:`~lightning_efficient.tokens.selection.RunningThreshold`: the previous steps'
+    score quantiles, every rank's under ``scope="global"``, corrected by the realised keep ratio), and
     the head keeps each chunk's tokens at or above it and computes their gradients while it holds
     their logits (:func:`~lightning_efficient.tokens.streaming.streaming_cross_entropy`): ``1 + 2k``
     head matmul passes at keep ratio ``k``, against ``1 + 3k`` for the exact threshold, which can only
@@ -170,8 +170,8 @@ class SelectiveTokenLoss(Callback):
 
     Raises:
         ValueError: naming the argument for an unknown method or score, a ratio outside (0, 1], or
-            ``rho1`` without a reference, an unknown threshold; at setup (before the first step), for a reference
-            checkpoint of another class or a reference with another vocabulary.
+            ``rho1`` without a reference, an unknown threshold; at setup (before the first step), for a
+            reference checkpoint of another class or a reference with another vocabulary.
     """
 
     def __init__(
