@@ -19,11 +19,19 @@ from lightning_efficient.tokens.normalize import (
     StepTokenNormaliser,
     all_gather_variable,
     distributed_world_size,
-    globally_normalised_loss,
+    global_kept_count,
     kept_loss_sum,
 )
 from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses, deferred_reduction
-from lightning_efficient.tokens.selection import METHODS, SCORES, KeepRatioSchedule, select_tokens
+from lightning_efficient.tokens.selection import (
+    METHODS,
+    SCORES,
+    KeepRatioSchedule,
+    RunningThreshold,
+    Selection,
+    select_tokens,
+    summarise_selection,
+)
 
 _SCALAR_HELP = (
     "SelectiveTokenLoss needs per-token losses, but training_step returned {what}. Return "
@@ -36,6 +44,10 @@ _SCALAR_HELP = (
 Method = Literal["eslm", "rho1", "topk", "random", "none"]
 Score = Literal["loss", "entropy"]
 Scope = Literal["batch", "global"]
+Threshold = Literal["streaming", "exact"]
+
+#: the rules whose threshold the streaming path estimates from the previous steps
+_ESTIMATED = ("eslm", "rho1", "topk")
 
 _WRAPPER_MARK = "_selective_token_loss_wrapper"
 
@@ -80,6 +92,15 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _stack_ranks(local: Tensor) -> Tensor:
+    """``[ranks, size]``: a fixed-size 1-D tensor from every rank (one all-gather)."""
+    import torch.distributed as dist
+
+    gathered = [torch.zeros_like(local) for _ in range(distributed_world_size())]
+    dist.all_gather(gathered, local)
+    return torch.stack(gathered)
+
+
 class SelectiveTokenLoss(Callback):
     """Turns a module's per-token losses into a step loss over a selected subset of tokens.
 
@@ -89,7 +110,26 @@ class SelectiveTokenLoss(Callback):
     losses over the *global* kept count (all-reduced under DDP, scaled so that DDP's gradient
     average is the global mean). With the fused path, the output head's backward runs only for
     the kept tokens. Logs ``selection/mean_loss`` (over all valid tokens), ``selection/kept_fraction``, ``selection/keep_ratio``,
-    ``selection/threshold``, ``selection/kept_mean_score`` and ``selection/dropped_mean_score``.
+    ``selection/threshold``, ``selection/kept_mean_score`` and ``selection/dropped_mean_score``; with
+    ``threshold="streaming"`` also ``selection/streamed`` (1 when the step took the streaming path) and
+    ``selection/threshold_correction`` (the running estimate's feedback correction of the keep ratio).
+
+    **Streaming threshold** (``threshold="streaming"``, the default): with the fused head
+    (:class:`FusedTokenLoss`), the rule's threshold is taken before the forward pass from a running
+    estimate (:class:`~lightning_efficient.tokens.selection.RunningThreshold`: the previous steps'
+    score quantiles, every rank's under ``scope="global"``, corrected by the realised keep ratio), and
+    the head keeps each chunk's tokens at or above it and computes their gradients while it holds
+    their logits (:func:`~lightning_efficient.tokens.streaming.streaming_cross_entropy`): ``1 + 2k``
+    head matmul passes at keep ratio ``k``, against ``1 + 3k`` for the exact threshold, which can only
+    be known once every token's loss is (and 3 for the plain mean: at k = 0.7 the exact path costs
+    more than not selecting). It is the default because selection exists to save step time and only
+    this path does; the price is that a step keeps the target fraction up to sampling noise and the
+    shift of its scores from the previous steps' (the mean over steps is held at the target; see
+    ``RunningThreshold`` for the tolerance) instead of exactly. ``random`` draws its
+    mask before the pass (the mask the exact path draws), a keep ratio of 1.0 keeps every valid token,
+    and a step without an estimate yet (the first step that selects, after a warm-up for ``rho1``)
+    takes the exact path. ``threshold="exact"``, and any output other than ``FusedTokenLoss``, use
+    the batch's exact order statistic.
 
     The step's gradient is the mean over every kept token of all its micro-batches and ranks, as one
     big batch would give, whatever the gradient accumulation and the strategy (single device,
@@ -123,11 +163,15 @@ class SelectiveTokenLoss(Callback):
         seed: seed of ``random``: the draw of each rank, step and batch comes from a generator seeded
             by ``(seed, rank, step, batch index)``, so it is reproducible and resumes exactly on every
             rank without saving generator state.
+        threshold: ``"streaming"`` (default: with the fused head, select while streaming the head at
+            a threshold estimated from the previous steps; see above) or ``"exact"`` (each batch's exact
+            order statistic, exact kept counts, the head's kept tokens recomputed in backward). The
+            running estimate is saved in checkpoints and resumes exactly.
 
     Raises:
         ValueError: naming the argument for an unknown method or score, a ratio outside (0, 1], or
-            ``rho1`` without a reference; at setup (before the first step), for a reference
-            checkpoint of another class or a reference with another vocabulary.
+            ``rho1`` without a reference, an unknown threshold; at setup (before the first step), for a
+            reference checkpoint of another class or a reference with another vocabulary.
     """
 
     def __init__(
@@ -142,6 +186,7 @@ class SelectiveTokenLoss(Callback):
         reference: str | nn.Module | None = None,
         reference_key: str | None = None,
         seed: int = 0,
+        threshold: Threshold = "streaming",
     ) -> None:
         require_choice("method", method, METHODS)
         ratio_ok = isinstance(keep_ratio, (int, float)) and not isinstance(keep_ratio, bool) and 0.0 < keep_ratio <= 1.0
@@ -153,6 +198,7 @@ class SelectiveTokenLoss(Callback):
         require_int("warmup_steps", warmup_steps, 0)
         require_int("ramp_steps", ramp_steps, 0)
         require_int("seed", seed, 0)
+        require_choice("threshold", threshold, ("streaming", "exact"))
         if method == "rho1":
             require(reference is not None or reference_key is not None, "reference", reference,
                     "a checkpoint path or nn.Module (or set reference_key) for method='rho1'")
@@ -170,6 +216,9 @@ class SelectiveTokenLoss(Callback):
         self.reference = reference
         self.reference_key = reference_key
         self.seed = seed
+        self.threshold = threshold
+        self.running = RunningThreshold()
+        self._observed_step: int | None = None
         self.generator = torch.Generator()
         self._rank = 0
         self._reference_module: nn.Module | None = None
@@ -184,6 +233,7 @@ class SelectiveTokenLoss(Callback):
             return
         self._rank = trainer.global_rank
         self.normaliser.reset()
+        self.running.reset()
         if self.method == "rho1" and self.reference is not None:
             self._reference_module = self._load_reference(pl_module)
         _restore_hooks(pl_module)  # wrappers left by an earlier fit that raised
@@ -208,6 +258,7 @@ class SelectiveTokenLoss(Callback):
                 result = optimizer_closure()
                 # after the step's last backward, before unscaling, hooks, clipping and the optimizer
                 self.normaliser.normalise_gradients(optimizer)
+                self._end_step()  # the next step's threshold, before any checkpoint of this step
                 return result
 
             return original_optimizer_step(epoch, batch_idx, optimizer, closure_then_normalise)
@@ -289,6 +340,8 @@ class SelectiveTokenLoss(Callback):
             _restore_hooks(self._wrapped)
         self._wrapped = None
         self.normaliser.reset()
+        self.running.discard_step()
+        self._observed_step = None
 
     # -- the step loss -----------------------------------------------------------------------
     def _per_token(self, output: Any, want_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -315,7 +368,60 @@ class SelectiveTokenLoss(Callback):
     def _step_loss(
         self, trainer: Trainer, pl_module: LightningModule, output: Any, args: tuple, kwargs: dict
     ) -> NormalisedTokenLoss:
-        losses, valid, entropy = self._per_token(output, want_entropy=self.score == "entropy")
+        step = trainer.global_step
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if self._observed_step is not None and self._observed_step != step:
+            self._end_step()  # a step not folded by the optimizer closure (manual optimization)
+        elif pl_module.automatic_optimization and int(batch_idx) % trainer.accumulate_grad_batches == 0:
+            # a step's first micro-batch: forget scores observed by a call outside the loop (a profile)
+            self.running.discard_step()
+            self._observed_step = None
+        keep_ratio = self.schedule(step)
+        batch = args[0] if args else kwargs.get("batch")
+        self.generator.manual_seed(self.draw_seed(step, int(batch_idx)))
+        streaming = self.threshold == "streaming" and isinstance(output, FusedTokenLoss)
+        # this step's scores feed the running estimate when this step or the next one selects by threshold
+        observe = streaming and self.method in _ESTIMATED and (keep_ratio < 1 or self.schedule(step + 1) < 1)
+        streamed = self._streamed(output, keep_ratio, batch, args, kwargs, observe) if streaming else None
+        if streamed is not None:
+            losses, valid, selection, kept_sum, scores, estimated = streamed
+            non_finite = self._check_finite(trainer, pl_module, losses, valid)
+        else:
+            losses, valid, entropy = self._per_token(output, want_entropy=self.score == "entropy")
+            non_finite = self._check_finite(trainer, pl_module, losses, valid)
+            reference = self._reference_losses(batch, args, kwargs) if self.method == "rho1" and keep_ratio < 1 else None
+            selection = select_tokens(
+                self.method, losses, valid, keep_ratio, entropy=entropy, reference_losses=reference, score=self.score,
+                generator=self.generator,
+                gather=all_gather_variable if self.scope == "global" and distributed_world_size() > 1 else None,
+            )
+            kept_sum = kept_loss_sum(losses, selection.keep)
+            if observe:
+                scores = entropy if self.score == "entropy" else losses if reference is None else losses - reference
+            estimated = False
+        if observe:
+            self.running.observe(scores.detach(), valid, selection.keep if estimated else None,
+                                 keep_ratio if estimated else None)
+            self._observed_step = step
+        loss = self._loss(trainer, pl_module, kept_sum, selection.keep, int(batch_idx), non_finite)
+        valid_count = valid.sum().clamp_min(1)
+        stats = {
+            "selection/mean_loss": float(kept_loss_sum(losses.detach(), valid) / valid_count),
+            "selection/keep_ratio": keep_ratio,
+            "selection/kept_fraction": selection.kept_fraction,
+            "selection/threshold": math.nan if selection.threshold is None else selection.threshold,
+            "selection/kept_mean_score": selection.kept_mean_score,
+            "selection/dropped_mean_score": selection.dropped_mean_score,
+        }
+        if self.threshold == "streaming":
+            stats["selection/streamed"] = float(streamed is not None)
+            stats["selection/threshold_correction"] = self.running.correction
+        pl_module.log_dict(stats, on_step=True, on_epoch=False, batch_size=int(valid.shape[0]))
+        extra = output.extra() if isinstance(output, (TokenLosses, FusedTokenLoss)) else {}
+        return NormalisedTokenLoss(extra, loss=loss, mask=valid.detach(), keep=selection.keep)
+
+    def _check_finite(self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, valid: Tensor) -> Tensor:
+        """This micro-batch's count of non-finite valid losses; raises here unless it is deferred."""
         non_finite = (valid & ~torch.isfinite(losses)).sum()
         # under data parallelism (automatic optimization) the count travels with the step's token count
         # and every rank raises together after the backward; one rank raising alone would leave the
@@ -326,36 +432,55 @@ class SelectiveTokenLoss(Callback):
                 f"{int(non_finite)} of {int(valid.sum())} per-token losses are not finite at step "
                 f"{trainer.global_step}; SelectiveTokenLoss does not drop them silently."
             )
-        keep_ratio = self.schedule(trainer.global_step)
-        batch = args[0] if args else kwargs.get("batch")
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        self.generator.manual_seed(self.draw_seed(trainer.global_step, int(batch_idx)))
-        reference = self._reference_losses(batch, args, kwargs) if self.method == "rho1" and keep_ratio < 1 else None
-        selection = select_tokens(
-            self.method, losses, valid, keep_ratio, entropy=entropy, reference_losses=reference, score=self.score,
-            generator=self.generator,
-            gather=all_gather_variable if self.scope == "global" and distributed_world_size() > 1 else None,
+        return non_finite
+
+    def _streamed(
+        self, output: FusedTokenLoss, keep_ratio: float, batch: Any, args: tuple, kwargs: dict, observe: bool
+    ) -> tuple[Tensor, Tensor, Selection, Tensor, Tensor | None, bool] | None:
+        """The streaming path: ``(losses, valid, selection, kept sum, scores, estimated)``, or None when
+        the threshold is not known before the pass (no estimate yet: the caller takes the exact path)."""
+        valid = output.mask
+        score = "entropy" if self.score == "entropy" else "excess" if self.method == "rho1" else "loss"
+        threshold: float | None = None
+        keep: Tensor | None = None
+        given: Selection | None = None
+        if self.method == "none" or keep_ratio == 1.0:
+            keep = valid  # every valid token, no threshold
+        elif self.method == "random":  # the exact path's draw, made before the pass
+            given = select_tokens(
+                "random", torch.zeros(valid.shape, device=valid.device), valid, keep_ratio, generator=self.generator,
+                gather=all_gather_variable if self.scope == "global" and distributed_world_size() > 1 else None,
+            )
+            keep = given.keep
+        else:
+            threshold = self.running.threshold(keep_ratio)
+            if threshold is None:
+                return None
+        reference = self._reference_losses(batch, args, kwargs) if score == "excess" and (observe or keep is None) else None
+        if reference is None and score == "excess":
+            score = "loss"  # keep-all without an estimate to feed: the reference is not run
+        out = output.streamed_losses(threshold=threshold, keep=keep, score=score, reference_losses=reference,
+                                     return_scores=observe)
+        selection = given if given is not None else summarise_selection(
+            out.scores if out.scores is not None else out.losses, valid, out.keep, threshold
         )
-        loss = self._loss(trainer, pl_module, losses, selection.keep, int(batch_idx), non_finite)
-        valid_count = valid.sum().clamp_min(1)
-        stats = {
-            "selection/mean_loss": float(kept_loss_sum(losses.detach(), valid) / valid_count),
-            "selection/keep_ratio": keep_ratio,
-            "selection/kept_fraction": selection.kept_fraction,
-            "selection/threshold": math.nan if selection.threshold is None else selection.threshold,
-            "selection/kept_mean_score": selection.kept_mean_score,
-            "selection/dropped_mean_score": selection.dropped_mean_score,
-        }
-        pl_module.log_dict(stats, on_step=True, on_epoch=False, batch_size=int(valid.shape[0]))
-        extra = output.extra() if isinstance(output, (TokenLosses, FusedTokenLoss)) else {}
-        return NormalisedTokenLoss(extra, loss=loss, mask=valid.detach(), keep=selection.keep)
+        return out.losses, valid, selection, out.kept_sum, out.scores, threshold is not None
+
+    def _end_step(self) -> None:
+        """Fold the step's scores into the running threshold (every rank together, under DDP)."""
+        if self._observed_step is None:
+            return
+        self._observed_step = None
+        gather = _stack_ranks if distributed_world_size() > 1 else None
+        self.running.end_step(gather, self.scope)
 
     def _loss(
-        self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, keep: Tensor, batch_idx: int,
+        self, trainer: Trainer, pl_module: LightningModule, kept_sum: Tensor, keep: Tensor, batch_idx: int,
         non_finite: Tensor,
     ) -> Tensor:
-        """The micro-batch's loss: its kept sum weighted for the step (automatic optimization), or
-        its own global kept mean (manual optimization, where the user calls backward and step)."""
+        """The micro-batch's loss from its kept-loss sum: weighted for the step (automatic
+        optimization), or its own global kept mean (manual optimization, where the user calls backward
+        and step)."""
         if not pl_module.automatic_optimization:
             if not self._warned_manual:
                 rank_zero_warn(
@@ -364,12 +489,12 @@ class SelectiveTokenLoss(Callback):
                     "passes per optimizer step, weight them yourself."
                 )
                 self._warned_manual = True
-            return globally_normalised_loss(losses, keep)
+            kept_sum = kept_sum.to(torch.promote_types(kept_sum.dtype, torch.float32))
+            return kept_sum * (distributed_world_size() / global_kept_count(keep)).to(kept_sum.dtype)
         if batch_idx % trainer.accumulate_grad_batches == 0:
             # a step's first micro-batch: forget tokens counted by a call outside the loop (a profile)
             self.normaliser.begin_step()
-        return self.normaliser.micro_batch_loss(kept_loss_sum(losses, keep), keep.sum(), trainer.accumulate_grad_batches,
-                                                non_finite)
+        return self.normaliser.micro_batch_loss(kept_sum, keep.sum(), trainer.accumulate_grad_batches, non_finite)
 
     def draw_seed(self, step: int, batch_idx: int) -> int:
         """The seed of ``random``'s draw on this rank at ``step`` for batch ``batch_idx``."""
@@ -382,12 +507,17 @@ class SelectiveTokenLoss(Callback):
         # draws are seeded by (seed, rank, step, batch): the settings are kept to check a resume against
         # the step normaliser's K (the last step's global kept count), so that a resumed run scales its
         # first step as the uninterrupted run does, to the last bit
+        # the running threshold (every rank's under scope="batch") lets a resumed run stream its first
+        # step at the threshold the uninterrupted run would have used
         return {"schedule": vars(self.schedule).copy(), "method": self.method, "seed": self.seed,
-                "step_token_scale": self.normaliser.scale}
+                "step_token_scale": self.normaliser.scale, "threshold": self.threshold,
+                "running_threshold": self.running.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.normaliser.scale = state_dict.get("step_token_scale")
+        if "running_threshold" in state_dict:
+            self.running.load_state_dict(state_dict["running_threshold"], rank=self._rank)
         if state_dict.get("method", self.method) != self.method:
             rank_zero_info(
                 f"SelectiveTokenLoss: the checkpoint was trained with method={state_dict['method']!r}; "

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_efficient.tokens.linear_ce import check_head_inputs, linear_cross_entropy
+from lightning_efficient.tokens.streaming import StreamedLoss, streaming_cross_entropy
 
 _REDUCTION_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("reduction_deferred", default=False)
 
@@ -96,7 +97,9 @@ class FusedTokenLoss(dict):
     The per-token losses are computed by :func:`~lightning_efficient.tokens.linear_cross_entropy`,
     which never builds the ``[tokens, vocab]`` logits. Without any plugin, ``"loss"`` is the mean
     over valid tokens (gradients computed during the forward pass, as Liger-Kernel does). With
-    :class:`SelectiveTokenLoss` attached, the head's backward pass runs only for the kept tokens.
+    :class:`SelectiveTokenLoss` attached, the head's backward pass runs only for the kept tokens (on
+    its streaming path, the kept tokens' gradients are computed during the forward pass, at a threshold
+    known before it: :meth:`streamed_losses`).
 
     Args:
         hidden: ``[batch, seq, d]`` hidden states, the head's input.
@@ -155,6 +158,23 @@ class FusedTokenLoss(dict):
     def token_losses(self, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Per-token losses ``[batch, seq]`` (and entropies); the backward pass skips zero-gradient tokens."""
         return self._cross_entropy("none", return_entropy)
+
+    def streamed_losses(
+        self,
+        *,
+        threshold: float | Tensor | None = None,
+        keep: Tensor | None = None,
+        score: str = "loss",
+        reference_losses: Tensor | None = None,
+        return_scores: bool = False,
+    ) -> StreamedLoss:
+        """The kept tokens' loss sum, selected while the head streams (see
+        :func:`~lightning_efficient.tokens.streaming.streaming_cross_entropy`, whose keyword arguments
+        these are): each chunk's logits once, the kept tokens' gradients in the same pass."""
+        return streaming_cross_entropy(
+            self["hidden"], self["weight"], self["labels"], self.bias, self.ignore_index, self.chunk_size,
+            threshold=threshold, keep=keep, score=score, reference_losses=reference_losses, return_scores=return_scores,
+        )
 
 
 class NormalisedTokenLoss(dict):

@@ -92,7 +92,8 @@ def fit(method, scope, fused=False, steps=2, clip=None, extra_callbacks=(), **tr
     trainer = lightning.Trainer(
         accelerator="cpu", precision="64-true", max_steps=steps, accumulate_grad_batches=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=clip, callbacks=[grads, SelectiveTokenLoss(method=method, keep_ratio=0.5, scope=scope), *extra_callbacks],
+        gradient_clip_val=clip, callbacks=[grads, SelectiveTokenLoss(method=method, keep_ratio=0.5, scope=scope, threshold="exact"),
+                                         *extra_callbacks],
         **trainer_kwargs,
     )
     trainer.fit(Tiny(fused))

@@ -1,0 +1,231 @@
+"""Streaming selection on the fused head: select and differentiate each chunk in one pass.
+
+When the keep rule's threshold is known *before* the head's forward pass (a running estimate from
+the previous steps, see :class:`~lightning_efficient.tokens.selection.RunningThreshold`), or the
+keep mask itself is (``random``, or every valid token at keep ratio 1.0), the chunked linear
+cross-entropy can decide which tokens it keeps while it holds their logits: per chunk it computes
+the logits once, the per-token losses and scores, keeps the valid tokens whose score is at or above
+the threshold, and computes their gradients right there (``softmax - onehot``; the ``grad_hidden``
+rows and the accumulated ``grad_weight``/``grad_bias``). That is ``1 + 2k`` matmul passes at keep
+ratio ``k`` with nothing recomputed in backward, against ``1 + 3k`` for per-token losses followed
+by a selection (:func:`~lightning_efficient.tokens.linear_cross_entropy` with ``reduction="none"``).
+
+:func:`streaming_cross_entropy` returns the *sum* of the kept tokens' losses, whose backward pass
+only scales the precomputed gradients by the incoming gradient (as the eager ``"mean"`` path of
+``linear_cross_entropy`` does), together with the detached per-token losses, scores and keep mask.
+
+Precision follows ``linear_cross_entropy``: losses, softmax and gradient accumulation in float32
+(float64 for float64 inputs); under autocast the logits and the gradient matmuls run in the
+autocast dtype. A token's score is compared to the threshold in float32, as
+:func:`~lightning_efficient.tokens.selection.threshold_keep` compares them, so a threshold taken
+from a batch's exact selection keeps exactly that selection's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from lightning_efficient._validation import require, require_choice
+from lightning_efficient.tokens.linear_ce import _chunk_logits, _softmax_grad, auto_chunk_size, check_head_inputs
+
+StreamScore = Literal["loss", "entropy", "excess"]
+STREAM_SCORES = ("loss", "entropy", "excess")
+
+
+class StreamedLoss(NamedTuple):
+    """What :func:`streaming_cross_entropy` returns.
+
+    Attributes:
+        kept_sum: the sum of the kept tokens' losses (a scalar; its backward pass scales the
+            gradients computed during the forward pass).
+        losses: every token's loss, detached, shaped like ``labels`` (0 where ignored).
+        keep: bool mask of the kept tokens, shaped like ``labels`` (a subset of the valid ones).
+        scores: the per-token scores the threshold was compared to (detached; 0 where ignored), or
+            None when neither a threshold nor ``return_scores`` asked for them.
+    """
+
+    kept_sum: Tensor
+    losses: Tensor
+    keep: Tensor
+    scores: Tensor | None
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, reference, ignore_index, chunk_size, score,
+                      want_scores, needs_grad):
+    """The one chunked pass. Returns ``(kept_sum, losses, keep, scores, grads)``; ``grads`` is
+    ``(grad_hidden, grad_weight, grad_bias)`` of the kept sum (None entries where not needed)."""
+    acc = _accumulation_dtype(hidden.dtype)
+    n_tokens = hidden.shape[0]
+    device = hidden.device
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    losses = torch.zeros(n_tokens, dtype=acc, device=device)
+    keep = torch.zeros(n_tokens, dtype=torch.bool, device=device)
+    need_scores = threshold is not None or want_scores
+    scores = torch.zeros(n_tokens, dtype=acc, device=device) if need_scores else None
+    kept_sum = torch.zeros((), dtype=acc, device=device)
+    need_hidden, need_weight, need_bias = needs_grad
+    grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
+    grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias and bias is not None else None
+    any_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+    threshold_value = None if threshold is None else torch.as_tensor(threshold, dtype=torch.float32, device=device)
+    zero = torch.zeros((), dtype=acc, device=device)
+    for start in range(0, n_tokens, chunk_size):
+        rows = slice(start, start + chunk_size)
+        h = hidden[rows]
+        chunk_valid, chunk_labels = valid[rows], safe_labels[rows]
+        logits = _chunk_logits(h, weight, bias, acc)
+        lse = torch.logsumexp(logits, dim=1)
+        target = logits.gather(1, chunk_labels.unsqueeze(1)).squeeze(1)
+        chunk_losses = torch.where(chunk_valid, lse - target, zero)
+        losses[rows] = chunk_losses
+        if need_scores:
+            if score == "entropy":  # as linear_cross_entropy computes it, bit for bit
+                probs = torch.softmax(logits, dim=1)
+                chunk_scores = torch.where(chunk_valid, lse - (probs * logits).sum(1), zero)
+                del probs
+            elif score == "excess":
+                chunk_scores = torch.where(chunk_valid, chunk_losses - reference[rows].to(acc), zero)
+            else:
+                chunk_scores = chunk_losses
+            scores[rows] = chunk_scores
+        if keep_given is not None:
+            chunk_keep = keep_given[rows] & chunk_valid
+        else:
+            chunk_keep = chunk_valid & (chunk_scores.float() >= threshold_value)
+        keep[rows] = chunk_keep
+        index = torch.nonzero(chunk_keep).squeeze(1)
+        n_kept = index.numel()
+        if n_kept == 0:
+            continue
+        everything = n_kept == chunk_keep.numel()
+        kept_sum = kept_sum + (chunk_losses.sum() if everything else chunk_losses.index_select(0, index).sum())
+        if not any_grad:
+            continue
+        # the kept rows' softmax - onehot (scale 1: the backward pass scales by the incoming gradient)
+        kept_logits = logits if everything else logits.index_select(0, index)
+        kept_h = h if everything else h.index_select(0, index)
+        grad = _softmax_grad(kept_logits, lse if everything else lse.index_select(0, index),
+                             chunk_labels if everything else chunk_labels.index_select(0, index),
+                             torch.ones(n_kept, dtype=acc, device=device)).to(hidden.dtype)
+        if grad_hidden is not None:
+            rows_grad = (grad @ weight).to(grad_hidden.dtype)
+            if everything:
+                grad_hidden[rows] = rows_grad
+            else:
+                grad_hidden.index_copy_(0, index + start, rows_grad)
+        if grad_weight is not None:
+            grad_weight += (grad.t() @ kept_h).to(acc)
+        if grad_bias is not None:
+            grad_bias += grad.sum(0).to(acc)
+    return kept_sum, losses, keep, scores, (grad_hidden, grad_weight, grad_bias)
+
+
+class _StreamingCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, keep_given, threshold, reference, ignore_index, chunk_size, score,
+                want_scores):
+        kept_sum, losses, keep, scores, grads = _streamed_forward(
+            hidden, weight, bias, labels, keep_given, threshold, reference, ignore_index, chunk_size, score, want_scores,
+            ctx.needs_input_grad[:3],
+        )
+        ctx.has = tuple(g is not None for g in grads)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        if scores is None:
+            scores = torch.zeros(0, dtype=losses.dtype, device=losses.device)
+        ctx.mark_non_differentiable(losses, keep, scores)
+        return kept_sum, losses, keep, scores
+
+    @staticmethod
+    def backward(ctx, grad_sum, *unused):
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved) if has else None for has in ctx.has]
+        out = []
+        for grad, dtype in zip(grads, ctx.dtypes):
+            out.append(None if grad is None else (grad * grad_sum.to(grad.dtype)).to(dtype))
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+def streaming_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    *,
+    threshold: float | Tensor | None = None,
+    keep: Tensor | None = None,
+    score: StreamScore = "loss",
+    reference_losses: Tensor | None = None,
+    return_scores: bool = False,
+) -> StreamedLoss:
+    """The kept tokens' cross-entropy sum of ``hidden @ weight.T + bias``, selected while streaming.
+
+    Exactly one of ``threshold`` and ``keep`` chooses the kept tokens: with ``threshold``, a valid
+    token is kept when its score (compared in float32) is at or above it; with ``keep``, the valid
+    tokens where ``keep`` is true are. Each chunk's logits are computed once; the kept tokens'
+    gradients are computed in the same pass and only scaled in backward.
+
+    Args:
+        hidden: ``[..., d]`` hidden states.
+        weight: ``[vocab, d]`` output-head weight.
+        labels: ``[...]`` target ids; ``ignore_index`` marks positions that do not count.
+        bias: optional ``[vocab]`` head bias.
+        ignore_index: the label of ignored positions (never kept).
+        chunk_size: tokens per chunk; None picks the size ``linear_cross_entropy`` picks.
+        threshold: the score at or above which a valid token is kept (a float or a 0-dim tensor).
+        keep: a bool mask shaped like ``labels``, decided before the pass (``random``, keep-all).
+        score: what the threshold is compared to: ``"loss"`` (the token's loss), ``"entropy"`` (its
+            predictive entropy) or ``"excess"`` (its loss minus ``reference_losses``).
+        reference_losses: a reference model's per-token losses shaped like ``labels`` (``"excess"``).
+        return_scores: also return the scores when ``keep`` is given (the threshold's next estimate).
+
+    Returns:
+        A :class:`StreamedLoss`: the differentiable kept sum, and the detached losses, keep mask
+        and scores (shaped like ``labels``).
+
+    Raises:
+        ValueError: for both or neither of ``threshold`` and ``keep``, an unknown score, ``"excess"``
+            without reference losses, a ``keep`` or reference of the wrong shape, a chunk_size < 1, or
+            mismatched head shapes.
+    """
+    require((threshold is None) != (keep is None), "threshold", threshold, "exactly one of threshold and keep")
+    require_choice("score", score, STREAM_SCORES)
+    require(score != "excess" or reference_losses is not None, "reference_losses", reference_losses,
+            "a tensor shaped like labels for score='excess'")
+    if chunk_size is not None:
+        require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", chunk_size, "an integer >= 1 or None")
+    check_head_inputs(hidden, weight, labels, bias)
+    if keep is not None:
+        require(keep.shape == labels.shape, "keep", tuple(keep.shape), f"a bool mask of the labels' shape {tuple(labels.shape)}")
+        keep = keep.reshape(-1).to(device=labels.device, dtype=torch.bool)
+    reference = None
+    if score == "excess":
+        require(reference_losses.shape == labels.shape, "reference_losses", tuple(reference_losses.shape),
+                f"a tensor of the labels' shape {tuple(labels.shape)}")
+        reference = reference_losses.detach().reshape(-1).to(labels.device)
+    chunk = chunk_size or auto_chunk_size(weight.shape[0])
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        kept_sum, losses, kept, scores = _StreamingCrossEntropy.apply(
+            flat_hidden, weight, bias, flat_labels, keep, threshold, reference, ignore_index, chunk, score, return_scores
+        )
+        if scores.numel() == 0:
+            scores = None
+    else:  # no gradient wanted: the losses, scores and keep mask only
+        kept_sum, losses, kept, scores, _ = _streamed_forward(
+            flat_hidden, weight, bias, flat_labels, keep, threshold, reference, ignore_index, chunk, score, return_scores,
+            (False, False, False),
+        )
+    shape = labels.shape
+    return StreamedLoss(kept_sum, losses.view(shape), kept.view(shape), None if scores is None else scores.view(shape))
