@@ -10,19 +10,23 @@ from lightning_efficient.tokens.output import (
     deferred_reduction,
     masked_mean,
 )
-from lightning_efficient.tokens.selection import KeepRatioSchedule, Selection, select_tokens
+from lightning_efficient.tokens.selection import KeepRatioSchedule, RunningThreshold, Selection, select_tokens
+from lightning_efficient.tokens.streaming import StreamedLoss, streaming_cross_entropy
 
 __all__ = [
     "FusedTokenLoss",
     "KeepRatioSchedule",
     "NormalisedTokenLoss",
+    "RunningThreshold",
     "Selection",
     "SelectiveTokenLoss",
     "StepTokenNormaliser",
+    "StreamedLoss",
     "TokenLosses",
     "deferred_reduction",
     "globally_normalised_loss",
     "linear_cross_entropy",
     "masked_mean",
     "select_tokens",
+    "streaming_cross_entropy",
 ]
