@@ -79,9 +79,11 @@ class ParameterStorages:
     they do: a parameter is a DTensor (its local shard is what this rank holds) until FSDP2's
     pre-forward hook all-gathers it into an unsharded tensor, whose storage is freed again after the
     forward (and re-allocated at another address next time). So while :meth:`track` is active, a
-    forward pre-hook on every FSDP2 module, run after FSDP2's own (which it registers first),
-    re-reads the storages of the parameters registered at that moment: inside a block's forward
-    its unsharded parameters are known, and the tensors autograd saves from them are recognised.
+    forward pre-hook and a forward hook on every FSDP2 module, each run after FSDP2's own (which it
+    registers first), re-read the storages of the parameters registered at that moment: inside a
+    block's forward its unsharded parameters are known, and the tensors autograd saves from them are
+    recognised; after it, their freed addresses are forgotten (an activation allocated there next is
+    an activation).
 
     Args:
         module: the model (a LightningModule).
@@ -107,6 +109,7 @@ class ParameterStorages:
         for module in self.module.modules():
             if is_fsdp2(module):
                 self._handles.append(module.register_forward_pre_hook(lambda *_: self.refresh()))
+                self._handles.append(module.register_forward_hook(lambda *_: self.refresh()))
         self.refresh()
         return self
 
