@@ -100,6 +100,7 @@ class ParameterStorages:
         self._keys = {found[0] for found in keys if found is not None}
 
     def __call__(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` lives in a parameter or buffer storage (as of the last refresh)."""
         found = local_storage(tensor)
         return found is not None and found[0] in self._keys
 
@@ -177,9 +178,9 @@ class SavedTensorCounter:
 
     def _pack(self, tensor: Tensor) -> Tensor:
         found = local_storage(tensor)
-        if found is not None and found[0] not in self._excluded:
-            if self._excluded_by is None or not self._excluded_by(tensor):
-                self._seen.setdefault(*found)
+        excluded = found is None or found[0] in self._excluded
+        if not excluded and (self._excluded_by is None or not self._excluded_by(tensor)):
+            self._seen.setdefault(*found)
         return tensor
 
     @staticmethod
