@@ -76,14 +76,14 @@ class ParameterStorages:
     ``storages(tensor) -> bool`` for saved-tensor hooks, which must not treat weights as activations.
 
     Under DDP or one device the parameters' storages never change. Under FSDP2 (``fully_shard``)
-    they do: a parameter is a DTensor (its local shard is what this rank holds) until FSDP2's
-    pre-forward hook all-gathers it into an unsharded tensor, whose storage is freed again after the
-    forward (and re-allocated at another address next time). So while :meth:`track` is active, a
-    forward pre-hook and a forward hook on every FSDP2 module, each run after FSDP2's own (which it
-    registers first), re-read the storages of the parameters registered at that moment: inside a
-    block's forward its unsharded parameters are known, and the tensors autograd saves from them are
-    recognised; after it, their freed addresses are forgotten (an activation allocated there next is
-    an activation).
+    they do: a parameter is a DTensor (its local shard, whose storage stays put, is what this rank
+    holds) until FSDP2's pre-forward hook all-gathers it into an unsharded plain tensor, whose
+    storage is freed again after the forward (and re-allocated at another address next time). So
+    while :meth:`track` is active, a forward pre-hook on every FSDP2 module, run after FSDP2's own
+    (which it registers first), adds the storages of the module's unsharded parameters, and a
+    forward hook, run after FSDP2's reshard, drops them again: inside a block's forward the tensors
+    autograd saves from its weights are recognised, and after it an activation allocated at a
+    freed weight's address is an activation. Each hook reads only its own module's parameters.
 
     Args:
         module: the model (a LightningModule).
@@ -92,12 +92,28 @@ class ParameterStorages:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._gathered: dict[int, set[tuple[str, int]]] = {}  # id(FSDP2 module) -> its unsharded storages
+        self._static: set[tuple[str, int]] = set()
         self.refresh()
 
     def refresh(self) -> None:
-        """Read the storages of the parameters and buffers registered now."""
+        """Read the storages of every parameter and buffer registered now (forgetting the unsharded
+        ones the hooks added)."""
         keys = (local_storage(t) for t in [*self.module.parameters(), *self.module.buffers()])
-        self._keys = {found[0] for found in keys if found is not None}
+        self._static = {found[0] for found in keys if found is not None}
+        self._gathered = {}
+        self._keys = set(self._static)
+
+    def _unsharded(self, module: nn.Module) -> set[tuple[str, int]]:
+        keys = (local_storage(p) for p in module.parameters() if DTensor is None or not isinstance(p, DTensor))
+        return {found[0] for found in keys if found is not None}
+
+    def _update(self, module: nn.Module, gathered: bool) -> None:
+        if gathered:
+            self._gathered[id(module)] = self._unsharded(module)
+        else:
+            self._gathered.pop(id(module), None)
+        self._keys = self._static.union(*self._gathered.values())
 
     def __call__(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` lives in a parameter or buffer storage (as of the last refresh)."""
@@ -105,12 +121,13 @@ class ParameterStorages:
         return found is not None and found[0] in self._keys
 
     def track(self) -> ParameterStorages:
-        """Keep up with FSDP2's all-gathers (a no-op without FSDP2); undone by :meth:`stop`."""
+        """Keep up with FSDP2's all-gathers (a no-op without FSDP2); undone by :meth:`stop`. Call it
+        while the parameters are sharded (between steps)."""
         self.stop()
         for module in self.module.modules():
             if is_fsdp2(module):
-                self._handles.append(module.register_forward_pre_hook(lambda *_: self.refresh()))
-                self._handles.append(module.register_forward_hook(lambda *_: self.refresh()))
+                self._handles.append(module.register_forward_pre_hook(lambda m, *_: self._update(m, True)))
+                self._handles.append(module.register_forward_hook(lambda m, *_: self._update(m, False)))
         self.refresh()
         return self
 
