@@ -31,13 +31,19 @@ def _counts(plan: list[str]) -> str:
 class ActivationMemory(Callback):
     """Keeps, recomputes or moves off the device the activations of each repeated block.
 
+    Works under DDP and under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` per block): a
+    policy wraps the block's own forward inside FSDP2's all-gather hooks, so ``checkpoint`` and
+    ``selective`` recompute with the parameters FSDP2 gathers again for backward; parameters, sharded
+    or all-gathered, are never taken for activations (not offloaded, not profiled, not counted).
+
     Args:
         policy: one of ``keep``, ``checkpoint``, ``selective``, ``offload``, ``disk`` for every block, a
             list with one per block, or ``auto`` (with ``budget``): profile one real training step
             and choose per block the policy of least time cost that fits the budget. Under data
             parallelism each rank profiles its own first micro-batch and plans for it.
         blocks: ``"auto"`` (the largest ModuleList/Sequential of same-class modules) or a list of
-            class names / qualified-name patterns.
+            class names / qualified-name patterns (a block FSDP2's ``fully_shard`` made ``FSDP<Name>``
+            matches ``<Name>``).
         budget: for ``auto``: activation bytes held for backward per rank, as bytes, a string like
             ``"6GiB"``, or a float in (0, 1] — that fraction of the measured every-block-kept figure.
         offload_dir: where ``disk`` makes its private directory (None: the system temp directory).
