@@ -1,6 +1,9 @@
 """Exact memory counts in plain torch: saved-for-backward bytes, optimizer-state bytes, peak RSS.
 
-Every count is of distinct storages (two views of one storage count once), in bytes.
+Every count is of distinct storages (two views of one storage count once), in bytes. A DTensor (an
+FSDP2 parameter, its gradient and optimizer states) counts as its local shard: the bytes this rank
+holds. A storage of size 0 (an FSDP2 unsharded parameter between its all-gathers) holds nothing and
+counts as nothing.
 """
 
 from __future__ import annotations
@@ -8,12 +11,18 @@ from __future__ import annotations
 import os
 import resource
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_efficient._torch import storage_key
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - a torch built without torch.distributed
+    FSDPModule = DTensor = None
 
 
 def _iter_tensors(obj: object) -> Iterator[Tensor]:
@@ -32,31 +41,131 @@ def first_tensor(obj: object) -> Tensor | None:
     return next(_iter_tensors(obj), None)
 
 
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's part of ``tensor``: the local shard of a DTensor (FSDP2, tensor parallelism), else
+    ``tensor`` itself."""
+    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+
+
+def local_storage(tensor: Tensor) -> tuple[tuple[str, int], int] | None:
+    """``(storage key, bytes)`` of the storage behind this rank's part of ``tensor`` (see
+    :func:`local_tensor`), or None for a tensor without one: a non-strided layout, or a storage of
+    size 0 (an FSDP2 unsharded parameter freed after its forward has no data pointer to key on)."""
+    tensor = local_tensor(tensor)
+    if tensor.layout != torch.strided:
+        return None
+    nbytes = tensor.untyped_storage().nbytes()
+    if nbytes == 0:
+        return None
+    return storage_key(tensor), nbytes
+
+
 def distinct_storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (shared storages counted once)."""
+    """Bytes of the distinct storages behind ``tensors`` (shared storages counted once; a DTensor's
+    local shard; empty storages count 0)."""
     seen: dict[tuple[str, int], int] = {}
     for tensor in tensors:
-        if tensor.layout != torch.strided:
-            continue
-        seen.setdefault(storage_key(tensor), tensor.untyped_storage().nbytes())
+        found = local_storage(tensor)
+        if found is not None:
+            seen.setdefault(*found)
     return sum(seen.values())
+
+
+class ParameterStorages:
+    """Tells whether a tensor lives in one of a module's parameter or buffer storages: a predicate
+    ``storages(tensor) -> bool`` for saved-tensor hooks, which must not treat weights as activations.
+
+    Under DDP or one device the parameters' storages never change. Under FSDP2 (``fully_shard``)
+    they do: a parameter is a DTensor (its local shard, whose storage stays put, is what this rank
+    holds) until FSDP2's pre-forward hook all-gathers it into an unsharded plain tensor, whose
+    storage is freed again after the forward (and re-allocated at another address next time). So
+    while :meth:`track` is active, a forward pre-hook on every FSDP2 module, run after FSDP2's own
+    (which it registers first), adds the storages of the module's unsharded parameters, and a
+    forward hook, run after FSDP2's reshard, drops them again: inside a block's forward the tensors
+    autograd saves from its weights are recognised, and after it an activation allocated at a
+    freed weight's address is an activation. Each hook reads only its own module's parameters.
+
+    Args:
+        module: the model (a LightningModule).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._gathered: dict[int, set[tuple[str, int]]] = {}  # id(FSDP2 module) -> its unsharded storages
+        self._static: set[tuple[str, int]] = set()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the storages of every parameter and buffer registered now (forgetting the unsharded
+        ones the hooks added)."""
+        keys = (local_storage(t) for t in [*self.module.parameters(), *self.module.buffers()])
+        self._static = {found[0] for found in keys if found is not None}
+        self._gathered = {}
+        self._keys = set(self._static)
+
+    def _unsharded(self, module: nn.Module) -> set[tuple[str, int]]:
+        keys = (local_storage(p) for p in module.parameters() if DTensor is None or not isinstance(p, DTensor))
+        return {found[0] for found in keys if found is not None}
+
+    def _update(self, module: nn.Module, gathered: bool) -> None:
+        if gathered:
+            self._gathered[id(module)] = self._unsharded(module)
+        else:
+            self._gathered.pop(id(module), None)
+        self._keys = self._static.union(*self._gathered.values())
+
+    def __call__(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` lives in a parameter or buffer storage (as of the last refresh)."""
+        found = local_storage(tensor)
+        return found is not None and found[0] in self._keys
+
+    def track(self) -> ParameterStorages:
+        """Keep up with FSDP2's all-gathers (a no-op without FSDP2); undone by :meth:`stop`. Call it
+        while the parameters are sharded (between steps)."""
+        self.stop()
+        for module in self.module.modules():
+            if is_fsdp2(module):
+                self._handles.append(module.register_forward_pre_hook(lambda m, *_: self._update(m, True)))
+                self._handles.append(module.register_forward_hook(lambda m, *_: self._update(m, False)))
+        self.refresh()
+        return self
+
+    def stop(self) -> None:
+        """Remove the hooks :meth:`track` added."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def is_fsdp2(module: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` was applied to ``module`` itself."""
+    return FSDPModule is not None and isinstance(module, FSDPModule)
+
+
+def unsharded_class(module: nn.Module) -> type:
+    """The module's own class: the one ``fully_shard`` derived ``FSDP<Name>`` from, else its type."""
+    if not is_fsdp2(module):
+        return type(module)
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Exact bytes of every tensor in ``optimizer.state`` (any optimizer, bitsandbytes' included).
 
-    Tensors shared between parameters (such as bitsandbytes' quantization maps) count once.
+    Tensors shared between parameters (such as bitsandbytes' quantization maps) count once; DTensor
+    states (of FSDP2 parameters) count their local shard.
     """
     return distinct_storage_bytes(_iter_tensors(list(optimizer.state.values())))
 
 
 def parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's distinct parameters (tied weights count once)."""
+    """Bytes of the module's distinct parameters (tied weights count once; sharded ones: this rank's shard)."""
     return distinct_storage_bytes(module.parameters())
 
 
 def gradient_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's gradients that currently exist."""
+    """Bytes of the module's gradients that currently exist (sharded ones: this rank's shard)."""
     return distinct_storage_bytes(p.grad for p in module.parameters() if p.grad is not None)
 
 
@@ -70,19 +179,25 @@ class SavedTensorCounter:
     checkpointing, offload) packs is not seen here, by the way these hooks nest.
 
     Args:
-        exclude: tensors whose storages are not activations.
+        exclude: tensors whose storages are not activations, or a predicate saying so of a tensor
+            (a :class:`ParameterStorages`, which also sees FSDP2's unsharded parameters).
     """
 
-    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self._excluded = {storage_key(t) for t in exclude if t.layout == torch.strided}
+    def __init__(self, exclude: Iterable[Tensor] | Callable[[Tensor], bool] = ()) -> None:
+        if callable(exclude):
+            self._excluded_by: Callable[[Tensor], bool] | None = exclude
+            self._excluded: set[tuple[str, int]] = set()
+        else:
+            self._excluded_by = None
+            self._excluded = {found[0] for found in map(local_storage, exclude) if found is not None}
         self._seen: dict[tuple[str, int], int] = {}
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        if tensor.layout == torch.strided:
-            key = storage_key(tensor)
-            if key not in self._excluded:
-                self._seen.setdefault(key, tensor.untyped_storage().nbytes())
+        found = local_storage(tensor)
+        excluded = found is None or found[0] in self._excluded
+        if not excluded and (self._excluded_by is None or not self._excluded_by(tensor)):
+            self._seen.setdefault(*found)
         return tensor
 
     @staticmethod

@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_efficient._torch import synchronize
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.memory import (
+    ParameterStorages,
     SavedTensorCounter,
     first_tensor,
     gradient_bytes,
@@ -30,6 +31,9 @@ from lightning_efficient.memory import (
 #: memory figures that differ by rank: under several processes each rank's is reported as
 #: ``rank{i}/<name>`` and ``<name>`` is the largest over the ranks
 PER_RANK_FIGURES = ("peak_rss_bytes", "cuda_max_allocated_bytes", "activation_bytes")
+#: training-state figures: this rank's bytes (under FSDP2 its local shards), and under several processes
+#: also each rank's as ``rank{i}/<name>`` and their sum as ``all_ranks/<name>``
+STATE_FIGURES = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
 
 
 def _paged_ids(optimizer: torch.optim.Optimizer) -> set[int]:
@@ -99,8 +103,11 @@ class MemoryReport(Callback):
     batch) over the slowest rank's time, ``step_time_s`` is the slowest rank's, ``world_size`` is
     the number of ranks, and each rank's ``peak_rss_bytes``, ``cuda_max_allocated_bytes`` and
     ``activation_bytes`` appear as ``rank{i}/<name>`` with ``<name>`` the largest over the ranks.
-    The other figures are rank zero's (parameters, gradients and optimizer state are alike on
-    every rank under DDP).
+    ``parameter_bytes``, ``gradient_bytes`` and ``optimizer_state_bytes`` are the bytes this rank
+    holds — under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) its local shards of the
+    DTensor parameters, gradients and optimizer states — and each rank's appears as
+    ``rank{i}/<name>``, their sum over the ranks as ``all_ranks/<name>`` (under DDP, every rank's
+    replica counted). The other figures are rank zero's.
 
     Args:
         every_n_steps: how often (in training batches) the memory figures are sampled (>= 1).
@@ -141,6 +148,7 @@ class MemoryReport(Callback):
         self._samples: list[int] = []
         self._step_start = 0.0
         self._counter: SavedTensorCounter | None = None
+        self._weights: ParameterStorages | None = None
         self._sampling = False
         self._run: dict[str, Any] = {}
         self._first_step_pending = False
@@ -200,7 +208,9 @@ class MemoryReport(Callback):
             self._wrap_training_step(trainer, pl_module)
         self._sampling = batch_idx % self.every_n_steps == 0
         if self._sampling:
-            self._counter = SavedTensorCounter(exclude=[*pl_module.parameters(), *pl_module.buffers()])
+            # weights are not activations (under FSDP2: not the all-gathered parameters either)
+            self._weights = ParameterStorages(pl_module).track()
+            self._counter = SavedTensorCounter(exclude=self._weights)
             self._counter.__enter__()
         self._sync(pl_module)
         self._step_start = time.perf_counter()
@@ -237,6 +247,9 @@ class MemoryReport(Callback):
             pl_module.log_dict(numbers, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def _close_counter(self) -> None:
+        if self._weights is not None:
+            self._weights.stop()
+            self._weights = None
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._raise("activation_bytes", self._counter.bytes)
@@ -277,7 +290,7 @@ class MemoryReport(Callback):
             return
         steps, elapsed, samples, tokens = self._local_totals()
         local = [float(steps), elapsed, float(samples), float(tokens), float(bool(self._tokens))]
-        local += [float(self._figures.get(name, -1)) for name in PER_RANK_FIGURES]
+        local += [float(self._figures.get(name, -1)) for name in (*PER_RANK_FIGURES, *STATE_FIGURES)]
         if not (dist.is_available() and dist.is_initialized()):
             return
         mine = torch.tensor(local, dtype=torch.float64, device=pl_module.device)
@@ -299,6 +312,11 @@ class MemoryReport(Callback):
             if all(v >= 0 for v in values):
                 run[name] = max(values)
                 run.update({f"rank{rank}/{name}": value for rank, value in enumerate(values)})
+        for offset, name in enumerate(STATE_FIGURES, start=5 + len(PER_RANK_FIGURES)):
+            values = [int(row[offset]) for row in rows]
+            if all(v >= 0 for v in values):
+                run.update({f"rank{rank}/{name}": value for rank, value in enumerate(values)})
+                run[f"all_ranks/{name}"] = sum(values)
         self._run = run
 
     def report(self) -> dict[str, Any]:
@@ -331,7 +349,7 @@ class MemoryReport(Callback):
         if figures.get("world_size", 1) > 1:
             title += (
                 f" ({figures['world_size']} ranks: throughput of all ranks together; rank<i>/ memory is each"
-                " rank's, unprefixed the largest; the rest rank 0's)"
+                " rank's, all_ranks/ their sum; unprefixed peaks and activations the largest; the rest rank 0's)"
             )
         lines = [title, "-" * (width + 20)]
         lines += [f"{name:<{width}}  {value:>16}" for name, value in rows]

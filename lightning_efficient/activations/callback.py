@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -13,22 +12,16 @@ from typing_extensions import override
 
 from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._step import restored_run_state, step_loss
-from lightning_efficient._torch import storage_key
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
 from lightning_efficient.activations.planner import BlockProfile, Plan, parse_budget, plan_blocks
 from lightning_efficient.activations.policies import POLICIES, unwrap_block, wrap_block
 from lightning_efficient.activations.profile import profile_blocks
-from lightning_efficient.memory import SavedTensorCounter, first_tensor
+from lightning_efficient.memory import ParameterStorages, SavedTensorCounter, first_tensor
 
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
 _RECOMPUTED = ("checkpoint", "selective")
-
-
-def _storage_exclusion(pl_module: LightningModule) -> Callable[[Tensor], bool]:
-    excluded = {storage_key(t) for t in [*pl_module.parameters(), *pl_module.buffers()]}
-    return lambda t: storage_key(t) in excluded
 
 
 def _counts(plan: list[str]) -> str:
@@ -38,13 +31,19 @@ def _counts(plan: list[str]) -> str:
 class ActivationMemory(Callback):
     """Keeps, recomputes or moves off the device the activations of each repeated block.
 
+    Works under DDP and under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` per block): a
+    policy wraps the block's own forward inside FSDP2's all-gather hooks, so ``checkpoint`` and
+    ``selective`` recompute with the parameters FSDP2 gathers again for backward; parameters, sharded
+    or all-gathered, are never taken for activations (not offloaded, not profiled, not counted).
+
     Args:
         policy: one of ``keep``, ``checkpoint``, ``selective``, ``offload``, ``disk`` for every block, a
             list with one per block, or ``auto`` (with ``budget``): profile one real training step
             and choose per block the policy of least time cost that fits the budget. Under data
             parallelism each rank profiles its own first micro-batch and plans for it.
         blocks: ``"auto"`` (the largest ModuleList/Sequential of same-class modules) or a list of
-            class names / qualified-name patterns.
+            class names / qualified-name patterns (a block FSDP2's ``fully_shard`` made ``FSDP<Name>``
+            matches ``<Name>``).
         budget: for ``auto``: activation bytes held for backward per rank, as bytes, a string like
             ``"6GiB"``, or a float in (0, 1] — that fraction of the measured every-block-kept figure.
         offload_dir: where ``disk`` makes its private directory (None: the system temp directory).
@@ -109,6 +108,7 @@ class ActivationMemory(Callback):
         self._use_cache_off: list[Any] = []
         self._disk_written: int | None = None  # what the last fit's disk offload wrote
         self._warned_cpu_offload = False
+        self._exclude: ParameterStorages | None = None
 
     # -- wiring ------------------------------------------------------------------------------
     @override
@@ -123,7 +123,11 @@ class ActivationMemory(Callback):
         self._plan, self._rank_plans, self._plan_summary, self._profiles = None, None, None, []
         self._disk_written = None
         self._block_list = find_blocks(pl_module, self.blocks)
-        self._exclude = _storage_exclusion(pl_module)
+        if self._exclude is not None:
+            self._exclude.stop()
+        # weights are not activations: offload, disk and the profiler leave them alone (under FSDP2 too,
+        # where the storages of the all-gathered parameters change at every forward)
+        self._exclude = ParameterStorages(pl_module).track()
         if self.policy == ["auto"]:
             if pl_module.automatic_optimization is False:
                 raise ValueError("policy='auto' profiles one training step, which needs automatic optimization")
@@ -244,7 +248,7 @@ class ActivationMemory(Callback):
             return step_loss(strategy, batch, batch_idx)
 
         def run_step() -> None:
-            with SavedTensorCounter(exclude=[*module.parameters(), *module.buffers()]) as counter:
+            with SavedTensorCounter(exclude=self._exclude) as counter:
                 loss = step_output()
             outside["bytes"] = counter.bytes
             loss.backward()
@@ -346,6 +350,8 @@ class ActivationMemory(Callback):
         """Unwrap every block, stop disk offload (threads, files, directory), restore ``use_cache``."""
         for _, block in self._block_list:
             unwrap_block(block)
+        if self._exclude is not None:
+            self._exclude.stop()
         for config in self._use_cache_off:
             config.use_cache = True
         self._use_cache_off = []

@@ -7,17 +7,20 @@ from collections import Counter
 
 from torch import nn
 
+from lightning_efficient.memory import unsharded_class
+
 
 def _uniform_containers(model: nn.Module) -> list[tuple[str, nn.Module, type]]:
     """``(name, container, child class)`` for every ModuleList/Sequential of >= 2 children of one class
     that hold parameters; when there is none, every ModuleList holding a single such block (a
-    one-layer model is still a stack of blocks: a composite module with parameters, not a bare layer)."""
+    one-layer model is still a stack of blocks: a composite module with parameters, not a bare layer).
+    A block that FSDP2's ``fully_shard`` turned into ``FSDP<Name>`` counts as its own class ``<Name>``."""
     found, single = [], []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
-        classes = {type(c) for c in children}
+        classes = {unsharded_class(c) for c in children}
         if len(classes) != 1 or not any(True for _ in children[0].parameters()):
             continue
         if len(children) >= 2:
@@ -42,8 +45,9 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
         model: the model (a LightningModule or any ``nn.Module``).
         blocks: ``"auto"`` — the children of the largest ModuleList/Sequential whose children are all of
             one class (every such container of that largest size, so an encoder-decoder's two stacks
-            are both found); or a list of class names (``"GPT2Block"``) and ``fnmatch`` patterns of
-            qualified names (``"model.layers.*"``).
+            are both found); or a list of class names (``"GPT2Block"``; a block sharded with FSDP2's
+            ``fully_shard``, of class ``FSDPGPT2Block``, matches either name) and ``fnmatch`` patterns
+            of qualified names (``"model.layers.*"``).
 
     Raises:
         ValueError: when nothing matches, listing the candidates that exist.
@@ -65,7 +69,8 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
     matched = [
         (name, module)
         for name, module in model.named_modules()
-        if name and any(type(module).__name__ == b or fnmatch.fnmatchcase(name, b) for b in blocks)
+        if name and any(b in (type(module).__name__, unsharded_class(module).__name__) or fnmatch.fnmatchcase(name, b)
+                        for b in blocks)
     ]
     # keep the outermost matches: wrapping a block and one of its sub-modules would recompute twice
     outermost = [(n, m) for n, m in matched if not any(n != o and n.startswith(o + ".") for o, _ in matched)]
@@ -76,4 +81,4 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
 
 def count_block_classes(blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
     """How many blocks of each class, for the plan printout."""
-    return dict(Counter(type(m).__name__ for _, m in blocks))
+    return dict(Counter(unsharded_class(m).__name__ for _, m in blocks))

@@ -231,6 +231,14 @@ class SelectiveTokenLoss(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        mesh = getattr(trainer.strategy, "device_mesh", None)  # ModelParallelStrategy's (data, tensor) mesh
+        if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                f"SelectiveTokenLoss is refused with tensor_parallel_size={mesh['tensor_parallel'].size()}: it divides by "
+                "the token count summed over every rank, and tensor-parallel ranks share one batch, so the loss and "
+                "the gradient would be that many times too small; use tensor_parallel_size=1 (FSDP2 over "
+                "data_parallel_size ranks)."
+            )
         self._rank = trainer.global_rank
         self.normaliser.reset()
         self.running.reset()

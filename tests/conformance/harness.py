@@ -8,7 +8,7 @@ token-loss sum and count, per fit the final parameters. Tests compare the traces
 Axes (each value meets every plugin at least once, see :func:`cases`): precision, resume (none, at an
 epoch end, mid-epoch), scheduler, loop (plain, accumulation, clipping, validation), a fit that raises
 then a second fit, and strategy (one device, ddp, hetero_ddp, a resume on a different number of
-processes).
+processes, fsdp: FSDP2 through Lightning's ``ModelParallelStrategy`` with ``fully_shard`` per block).
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ RESUMES = ("none", "epoch", "mid")
 SCHEDULERS = ("lambda", "sequential", "chained", "onecycle", "plateau")
 LOOPS = ("plain", "accumulate", "clip", "validate")
 RAISES = (False, True)
-STRATEGIES = ("single", "ddp", "hetero_ddp", "resize")
+# Sharded strategies (FSDP2: ModelParallelStrategy, the module shards itself in configure_model).
+# Adding "hetero_fsdp" is one line: append it here (HeterogeneousFSDPStrategy takes hetero_ddp's arguments).
+SHARDED_STRATEGIES = ("fsdp",)
+STRATEGIES = ("single", "ddp", "hetero_ddp", "resize", *SHARDED_STRATEGIES)
+MULTI_PROCESS = ("ddp", "hetero_ddp", "resize", *SHARDED_STRATEGIES)
+# EightBitOptimizer under FSDP2 is being built on another branch: set True to add its cells (eightbit under
+# the sharded strategies, and the 8-bit optimizer inside "all" there)
+EIGHT_BIT_SHARDED = False
 ACTIVATION_POLICIES = ("checkpoint", "selective", "disk", "offload", "auto")
 
 # plugins whose step loss is the mean over all valid tokens of the step (global, all micro-batches):
@@ -128,6 +135,18 @@ class TinyLM(LightningModule):
         self.scheduler_name, self.total_steps, self.batch_size, self.rank_split = scheduler, total_steps, batch_size, rank_split
         self.optimizer_name = optimizer
         self.last_record: tuple[list[int], float, int] | None = None
+
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy (FSDP2): ``fully_shard`` each block, then the whole model, on the
+        data-parallel mesh (once: a second fit of the same module finds it sharded)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self.device_mesh is None or isinstance(self, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
 
     def forward(self, inputs: Tensor) -> Tensor:
         x = self.embed(inputs)
@@ -218,11 +237,20 @@ class Case:
 
     @property
     def multi_process(self) -> bool:
-        return self.strategy in ("ddp", "hetero_ddp", "resize")
+        return self.strategy in MULTI_PROCESS
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in SHARDED_STRATEGIES
 
     @property
     def hetero(self) -> bool:
-        return self.plugin == "hetero" or self.strategy == "hetero_ddp"
+        return self.plugin == "hetero" or self.strategy.startswith("hetero_")
+
+    @property
+    def eight_bit(self) -> bool:
+        """Whether EightBitOptimizer is among the plugins (in "all" only where it works)."""
+        return self.plugin == "eightbit" or (self.plugin == "all" and (EIGHT_BIT_SHARDED or not self.sharded))
 
     def reference(self) -> Case:
         """The same fit in plain Lightning: same strategy for plugins that keep Lightning's loss, one
@@ -235,7 +263,21 @@ class Case:
 
 
 def _allowed(plugin: str, strategy: str) -> bool:
-    return strategy in ("hetero_ddp", "resize") if plugin == "hetero" else True
+    if plugin == "hetero":  # the strategy itself: its own cells, and a resume on another process count
+        return strategy in ("hetero_ddp", "resize")
+    if plugin == "eightbit" and strategy in SHARDED_STRATEGIES:
+        return EIGHT_BIT_SHARDED
+    return True
+
+
+def _allowed_row(row: dict[str, Any]) -> bool:
+    """A combination meant to run: a change of process count happens at a resume; Lightning's
+    ModelParallelStrategy refuses 16-mixed (it supports 32-true, bf16-mixed, bf16-true, 16-true)."""
+    if row["strategy"] == "resize" and row["resume"] == "none":
+        return False
+    if row["strategy"] in SHARDED_STRATEGIES and row["precision"] == "16-mixed":
+        return False
+    return _allowed(row["plugin"], row["strategy"])
 
 
 def cases() -> list[Case]:
@@ -247,12 +289,13 @@ def cases() -> list[Case]:
     import itertools
     import random
 
+    # the sharded strategies get their cells after the others (below), so that adding one leaves
+    # every other cell as it was
+    unsharded = tuple(s for s in STRATEGIES if s not in SHARDED_STRATEGIES)
     axes = {"plugin": PLUGINS, "precision": PRECISIONS, "resume": RESUMES, "scheduler": SCHEDULERS,
-            "loop": LOOPS, "raises": RAISES, "strategy": STRATEGIES}
+            "loop": LOOPS, "raises": RAISES, "strategy": unsharded}
     names = list(axes)
-
-    def ok(row: dict[str, Any]) -> bool:  # a change of process count happens at a resume
-        return _allowed(row["plugin"], row["strategy"]) and (row["strategy"] != "resize" or row["resume"] != "none")
+    ok = _allowed_row
 
     def pairs(row: dict[str, Any]) -> set:
         return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
@@ -287,7 +330,7 @@ def cases() -> list[Case]:
     # multi-process cells cost several times more: exactly one per plugin and multi-process strategy,
     # then one-device cells (hetero: hetero_ddp) until every required pair is covered
     for plugin in PLUGINS:
-        for strategy in ("ddp", "hetero_ddp", "resize"):
+        for strategy in (s for s in MULTI_PROCESS if s in unsharded):
             if _allowed(plugin, strategy) and (("plugin", plugin), ("strategy", strategy)) in required:
                 add(best_row({"plugin": plugin, "strategy": strategy}))
     while required:
@@ -295,6 +338,11 @@ def cases() -> list[Case]:
         add(best_row({"plugin": plugin, "strategy": "hetero_ddp" if plugin == "hetero" else "single"}))
     # SGD with momentum: OneCycleLR cycles ``momentum``, which bitsandbytes' SGD8bit reads from ``betas``
     out.append(Case("eightbit", scheduler="onecycle", optimizer="sgd"))
+    # one multi-process cell per plugin and sharded strategy
+    for strategy in SHARDED_STRATEGIES:
+        for plugin in PLUGINS:
+            if _allowed(plugin, strategy):
+                add(best_row({"plugin": plugin, "strategy": strategy}))
     return out
 
 
@@ -396,7 +444,8 @@ def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
         "activations": [activations()],
         "eightbit": [EightBitOptimizer(min_8bit_size=512)],
         "report": [MemoryReport(every_n_steps=2, log=False, print_table=False)],
-        "all": [SelectiveTokenLoss(method="none"), activations(), EightBitOptimizer(min_8bit_size=512),
+        "all": [SelectiveTokenLoss(method="none"), activations(),
+                *([EightBitOptimizer(min_8bit_size=512)] if case.eight_bit else []),
                 MemoryReport(every_n_steps=2, log=False, print_table=False)],
     }
     return made[case.plugin]
@@ -405,6 +454,17 @@ def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
 def _strategy(case: Case, world: int) -> Any:
     if not case.hetero and world == 1:
         return "auto"
+    if case.sharded and not case.hetero:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo",
+                                     timeout=timedelta(seconds=90))
+    if case.hetero and case.sharded:
+        from lightning_efficient import HeterogeneousFSDPStrategy
+
+        global_batch = MICRO_BATCH * (ACCUMULATE if case.loop == "accumulate" else 1)
+        return HeterogeneousFSDPStrategy(global_batch_size=global_batch, warmup_steps=2, rebalance_every=2,
+                                         process_group_backend="gloo", timeout=timedelta(seconds=90))
     if case.hetero:
         from lightning_efficient import HeterogeneousDDPStrategy
 
@@ -470,7 +530,11 @@ def _leftovers(module: nn.Module, workdir: Path) -> dict[str, Any]:
 
 
 def _params(module: nn.Module) -> dict[str, Tensor]:
-    return {k: v.detach().double().cpu().clone() for k, v in module.state_dict().items()}
+    """The final parameters, whole (a sharded one is gathered: a collective, every rank in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+    return {k: v.detach().double().cpu().clone() for k, v in state.items()}
 
 
 def _one_fit(case: Case, world: int, module: TinyLM, extra: list[Callback], workdir: Path,

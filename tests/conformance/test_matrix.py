@@ -131,7 +131,7 @@ def _tolerances(case: Case) -> tuple[float, float] | None:
     """(loss rtol, parameter atol), or None where only schedule and samples are compared."""
     if case.plugin == "tokens_select":
         return None
-    if case.plugin in ("eightbit", "all"):
+    if case.eight_bit:
         return EIGHT_BIT_LOSS_RTOL, EIGHT_BIT_PARAM_MEAN_ATOL
     if _exact(case) and case.strategy != "resize":
         return 0.0, 0.0
@@ -168,7 +168,7 @@ def compare_fit(case: Case, fit: dict[str, Any], ref: dict[str, Any], what: str,
         if bad:
             problems.append(f"{what}: step losses differ beyond rtol {rtol} at (step, plugin, plain) {bad[:3]}")
         diffs = torch.cat([(fit["params"][k] - ref["params"][k]).abs().flatten() for k in ref["params"]])
-        mean = case.plugin in ("eightbit", "all") or (atol > 0 and case.precision != "32-true")
+        mean = case.eight_bit or (atol > 0 and case.precision != "32-true")
         worst = float(diffs.mean() if mean else diffs.max())
         if worst > atol:
             problems.append(f"{what}: final parameters differ by {worst:.3g} ({'mean' if mean else 'max'}) > {atol}")
