@@ -241,7 +241,7 @@ class Balancer:
             trainer.accumulate_grad_batches = self.plan.accumulation
         self.speeds = [1.0] * world if not self.speeds else self.speeds
         self.sampler = HeterogeneousBatchSampler(
-            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, self.shuffle, self.drop_last
+            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, self.shuffle, self.drop_last, name
         )
         workers = dataloader.num_workers
         self.lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self.plan.accumulation)
