@@ -1,7 +1,7 @@
 """lightning_efficient: train language models with Lightning in less memory and less time."""
 
 from lightning_efficient.activations import ActivationMemory
-from lightning_efficient.balance import HeterogeneousDDPStrategy
+from lightning_efficient.balance import HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy
 from lightning_efficient.demo import CorpusDataModule, DemoGPT
 from lightning_efficient.optim import EightBitOptimizer
 from lightning_efficient.report import MemoryReport
@@ -16,6 +16,7 @@ __all__ = [
     "EightBitOptimizer",
     "FusedTokenLoss",
     "HeterogeneousDDPStrategy",
+    "HeterogeneousFSDPStrategy",
     "MemoryReport",
     "SelectiveTokenLoss",
     "TokenLosses",

@@ -1,4 +1,4 @@
-"""The batch sampler of ``hetero_ddp``: each global batch sliced among the ranks by their shares.
+"""The batch sampler of ``hetero_ddp`` and ``hetero_fsdp``: each global batch sliced among the ranks by their shares.
 
 Every rank draws the same permutation of the dataset from ``seed + epoch``. Global batch ``k`` is
 ``permutation[k * G : (k + 1) * G]``; rank ``r`` takes the slice after the shares of ranks
@@ -32,18 +32,20 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         shuffle: permute the dataset each epoch (else the identity order).
         drop_last: drop the last incomplete global batch (else complete it with samples from the
             start of the permutation, as ``DistributedSampler`` pads).
+        name: the strategy's name, in messages.
     """
 
     def __init__(
         self, dataset_size: int, global_batch: int, rank: int, plan: SharePlan, seed: int = 0,
-        shuffle: bool = True, drop_last: bool = False,
+        shuffle: bool = True, drop_last: bool = False, name: str = "hetero_ddp",
     ) -> None:
         if dataset_size < 1:
-            raise ValueError(f"the dataset is empty: hetero_ddp needs at least one sample (global batch {global_batch})")
+            raise ValueError(f"the dataset is empty: {name} needs at least one sample (global batch {global_batch})")
         if drop_last and dataset_size < global_batch:
             raise ValueError(
                 f"drop_last=True with {dataset_size} samples and global_batch_size={global_batch}: no full global batch"
             )
+        self.name = name
         self.dataset_size = dataset_size
         self.global_batch = global_batch
         self.rank = rank
@@ -65,7 +67,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         """Select the permutation of ``epoch`` and start it from its first batch (a no-op for the
         epoch already selected, so a position loaded from a checkpoint is kept).
 
-        Lightning does not call this on a batch sampler: ``hetero_ddp``'s loader calls it with the
+        Lightning does not call this on a batch sampler: the strategy's loader calls it with the
         trainer's epoch each time an epoch's iteration starts.
         """
         if epoch != self.epoch:
@@ -167,12 +169,12 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         samples = f"{next_batch * saved_global} of {saved_size} samples of epoch {self.epoch} trained"
         if saved_size != self.dataset_size:
             raise ValueError(
-                f"hetero_ddp: the checkpoint was taken mid-epoch ({samples}) on a dataset of {saved_size} samples; "
+                f"{self.name}: the checkpoint was taken mid-epoch ({samples}) on a dataset of {saved_size} samples; "
                 f"this run's has {self.dataset_size}: resume from an end-of-epoch checkpoint"
             )
         if saved_global != self.global_batch:
             raise ValueError(
-                f"hetero_ddp: the checkpoint was taken mid-epoch ({samples}) with a global batch of {saved_global} "
+                f"{self.name}: the checkpoint was taken mid-epoch ({samples}) with a global batch of {saved_global} "
                 f"on {saved_world} rank(s); this run's global batch is {self.global_batch}: the rest of the epoch "
                 f"cannot be re-planned to another global batch (Lightning restores the epoch's step count). Resume "
                 f"with global_batch_size={saved_global} (global_batch_size=None means the DataLoader's batch size "
@@ -180,7 +182,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             )
         if saved_plan.accumulation != current.accumulation:
             raise ValueError(
-                f"hetero_ddp: the checkpoint was taken mid-epoch ({samples}) with {saved_plan.accumulation} "
+                f"{self.name}: the checkpoint was taken mid-epoch ({samples}) with {saved_plan.accumulation} "
                 f"micro-batch(es) per step; on {len(current.shares)} rank(s) this run's plan needs "
                 f"{current.accumulation} (shares {list(current.shares)}, set by max_micro_batch or "
                 f"accumulate_grad_batches): resume with settings that keep {saved_plan.accumulation}, or from an "

@@ -1,0 +1,562 @@
+"""The balancing that ``hetero_ddp`` and ``hetero_fsdp`` share: one :class:`Balancer` a strategy holds.
+
+A :class:`Balancer` owns everything that gives each data-parallel rank a share of every global
+batch proportional to its measured speed: the share plan (:mod:`~lightning_efficient.balance.planner`),
+the exactly-once batch sampler (:mod:`~lightning_efficient.balance.sampler`), the loss weighting
+(by samples or by tokens), the speed measurement and re-balancing, and the micro-batch probe
+(:mod:`~lightning_efficient.balance.probe`). :class:`BalancedStrategy` is the mixin that routes a
+Lightning strategy's hooks to it; a strategy adds only what differs between DDP and FSDP2 (how
+gradient sync is switched off, how compute time is told apart from waiting for other ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_efficient._distributed import gather_or_raise_together
+from lightning_efficient._torch import DeviceClock
+from lightning_efficient._validation import require, require_bool, require_int
+from lightning_efficient.balance.planner import SharePlan, plan_shares
+from lightning_efficient.balance.probe import probe_micro_batch
+from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
+from lightning_efficient.memory import first_tensor
+from lightning_efficient.tokens.normalize import StepTokenNormaliser, kept_loss_sum
+from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses
+
+_MAX_UNREAD = 8  # micro-steps whose marks may wait to be read before the oldest is read anyway
+
+SETTINGS = ("global_batch_size", "shares", "max_micro_batch", "rebalance_every", "warmup_steps", "hysteresis",
+            "ema_decay", "seed", "shuffle", "drop_last")
+
+
+@dataclass
+class _TimedMicroStep:
+    """Device-timeline marks of one micro-step, read once the device has passed them."""
+
+    start: object
+    forward_end: object
+    backward_start: object | None
+    samples: int
+    waits: list[tuple[object, object]] = field(default_factory=list)
+    last_gradient: object | None = None
+
+    def ready(self) -> bool:
+        """Whether the device has reached the last mark (always, off CUDA): reading it will not wait."""
+        last = self.last_gradient if self.last_gradient is not None else self.forward_end
+        query = getattr(last, "query", None)
+        return query is None or bool(query())
+
+
+class _BalancedLoader(DataLoader):
+    """The training DataLoader a balanced strategy installs: its state is the balancer's data state
+    (sampler position trained, not prefetched, and measured speeds), and each iteration starts the
+    trainer's epoch — Lightning calls ``set_epoch`` on ``loader.sampler`` and
+    ``loader.batch_sampler.sampler`` only, never on a batch sampler."""
+
+    def __init__(self, *args: Any, balancer: Balancer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.balancer = balancer
+
+    def __iter__(self) -> Any:
+        self.batch_sampler.set_epoch(self.balancer.training_epoch)
+        return super().__iter__()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The balancer's data state (:meth:`Balancer.data_state_dict`)."""
+        return self.balancer.data_state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the balancer's data state (:meth:`Balancer.load_data_state_dict`)."""
+        self.balancer.load_data_state_dict(state)
+
+
+class Balancer:
+    """Speed-proportional shares of every global batch over the data-parallel ranks of a strategy.
+
+    The arguments are those of :class:`~lightning_efficient.HeterogeneousDDPStrategy` (validated
+    here, with the same messages for both strategies).
+
+    Args:
+        name: the strategy's registered name, used in messages (``"hetero_ddp"``, ``"hetero_fsdp"``).
+        global_batch_size: samples per optimizer step over all data-parallel ranks (None: the
+            DataLoader's batch size x ranks x ``accumulate_grad_batches``).
+        shares: ``"auto"`` (measured) or fixed positive weights, one per rank.
+        max_micro_batch: the largest micro-batch per rank (int, list, ``"auto"`` or None).
+        rebalance_every: optimizer steps between re-plans (>= 1).
+        warmup_steps: steps measured before the first plan (>= 1).
+        hysteresis: the least predicted gain (fraction of step time) that changes the shares.
+        ema_decay: weight of the previous speed estimate in the moving average, in [0, 1).
+        seed: seed of the per-epoch sample order.
+        shuffle: shuffle the training samples each epoch.
+        drop_last: drop the last incomplete global batch.
+
+    Raises:
+        ValueError: naming the argument for an invalid setting.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        global_batch_size: int | None = None,
+        shares: Literal["auto"] | list[float] = "auto",
+        max_micro_batch: int | list[int] | Literal["auto"] | None = None,
+        rebalance_every: int = 50,
+        warmup_steps: int = 10,
+        hysteresis: float = 0.05,
+        ema_decay: float = 0.7,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> None:
+        if global_batch_size is not None:
+            require_int("global_batch_size", global_batch_size, 1)
+        if shares != "auto":
+            ok = isinstance(shares, (list, tuple)) and all(isinstance(s, (int, float)) and s >= 0 for s in shares)
+            require(ok and sum(shares) > 0, "shares", shares, "'auto' or non-negative weights, one per rank, summing to more than 0")
+            require(all(s > 0 for s in shares), "shares", shares, "positive weights (a rank with share 0 would hang DDP)")
+        if isinstance(max_micro_batch, str):
+            require(max_micro_batch == "auto", "max_micro_batch", max_micro_batch, "an int, a list of ints, 'auto' or None")
+        elif isinstance(max_micro_batch, list):
+            require(all(isinstance(c, int) and c >= 1 for c in max_micro_batch), "max_micro_batch", max_micro_batch, "integers >= 1")
+        elif max_micro_batch is not None:
+            require_int("max_micro_batch", max_micro_batch, 1)
+        require_int("seed", seed, 0)
+        require_bool("shuffle", shuffle)
+        require_bool("drop_last", drop_last)
+        require_int("rebalance_every", rebalance_every, 1)
+        require_int("warmup_steps", warmup_steps, 1)
+        require(0.0 <= hysteresis < 1.0, "hysteresis", hysteresis, "a fraction in [0, 1)")
+        require(0.0 <= ema_decay < 1.0, "ema_decay", ema_decay, "a number in [0, 1)")
+        self.name = name
+        self.global_batch_size = global_batch_size
+        self.shares = shares
+        self.max_micro_batch = max_micro_batch
+        self.rebalance_every = rebalance_every
+        self.warmup_steps = warmup_steps
+        self.hysteresis = hysteresis
+        self.ema_decay = ema_decay
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.strategy: Any = None
+        self.sampler: HeterogeneousBatchSampler | None = None
+        self.plan: SharePlan | None = None
+        self.micro_done = 0
+        self.speeds: list[float] = []
+        self.local_speed: float | None = None
+        self.last_planned_step = -1
+        self.lookahead = 2
+        self.counter_epoch = 0
+        self.probed_caps: list[int | None] | None = None
+        self.token_normaliser = StepTokenNormaliser()  # token-weighted steps (TokenLosses without the callback)
+        self._warned_manual = False
+        # timing: device-timeline marks of the micro-step being timed, read at the next one (no sync a micro-step)
+        self.clock: DeviceClock | None = None
+        self.time_backward = True  # forward + backward to the last gradient hook (DDP); False: forward only (FSDP2)
+        self._timed: _TimedMicroStep | None = None  # the micro-step whose backward is running
+        self._unread: deque[_TimedMicroStep] = deque()  # finished micro-steps, read once the device passed them
+        self._timing_forward = False
+        self._waits: list[tuple[object, object]] = []
+        self._wait_start: object | None = None
+        self._hooks: list = []
+
+    # -- what the strategy provides -------------------------------------------------------------
+    def bind(self, strategy: Any) -> None:
+        """Serve ``strategy`` (a :class:`BalancedStrategy`)."""
+        self.strategy = strategy
+
+    @property
+    def world(self) -> int:
+        """The number of data-parallel ranks the global batch is shared among."""
+        return int(self.strategy.distributed_sampler_kwargs["num_replicas"])
+
+    @property
+    def rank(self) -> int:
+        """This process's data-parallel rank."""
+        return int(self.strategy.distributed_sampler_kwargs["rank"])
+
+    # -- the plan -------------------------------------------------------------------------------
+    def caps(self) -> list[int | None]:
+        """Each rank's largest micro-batch in force (None: no cap)."""
+        world = self.world
+        if self.max_micro_batch == "auto":
+            return list(self.probed_caps) if self.probed_caps else [None] * world
+        if self.max_micro_batch is None:
+            return [None] * world
+        if isinstance(self.max_micro_batch, int):
+            return [self.max_micro_batch] * world
+        if len(self.max_micro_batch) != world:
+            raise ValueError(f"max_micro_batch={self.max_micro_batch} has {len(self.max_micro_batch)} entries for {world} ranks")
+        return list(self.max_micro_batch)
+
+    def initial_weights(self) -> list[float]:
+        """The shares the first plan follows (equal under ``"auto"``)."""
+        if self.shares == "auto":
+            return [1.0] * self.world
+        if len(self.shares) != self.world:
+            raise ValueError(f"shares={list(self.shares)} has {len(self.shares)} weights for {self.world} ranks")
+        return [float(s) for s in self.shares]
+
+    def process_dataloader(self, dataloader: object) -> object | None:
+        """The balanced training DataLoader replacing ``dataloader`` (None: not a training DataLoader,
+        left to the strategy)."""
+        trainer = self.strategy.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+            return None
+        name = self.name
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise ValueError(f"{name} slices a map-style dataset by index; an IterableDataset cannot be split by shares")
+        if dataloader.batch_sampler is None:
+            raise ValueError(
+                f"{name}: the training DataLoader has batch_size=None (no batching: each dataset item is handed "
+                f"over as it is), but {name} builds every rank's batches from single samples by their shares. Give "
+                "the DataLoader a batch_size (the global batch is batch_size x ranks x accumulate_grad_batches "
+                "unless global_batch_size is set) over a dataset of single samples"
+            )
+        world = self.world
+        if self.global_batch_size is None and dataloader.batch_size is None:
+            raise ValueError(
+                f"{name}: the training DataLoader has a batch_sampler and no batch_size, so the global batch is "
+                f"unknown: set {type(self.strategy).__name__}(global_batch_size=...) ({name} replaces the batch sampler)"
+            )
+        requested = trainer.accumulate_grad_batches
+        # by default a step trains what it would under plain data parallelism: a DataLoader batch per rank and micro-batch
+        global_batch = self.global_batch_size or dataloader.batch_size * world * requested
+        if self.max_micro_batch == "auto" and self.probed_caps is None:
+            self.probed_caps = self._probe_caps(dataloader, global_batch)
+        self.plan = plan_shares(global_batch, self.initial_weights(), self.caps(), None if requested == 1 else requested)
+        if self.plan.accumulation != requested:
+            rank_zero_info(f"{name}: {self.plan.accumulation} micro-batches per step to respect max_micro_batch")
+            trainer.accumulate_grad_batches = self.plan.accumulation
+        self.speeds = [1.0] * world if not self.speeds else self.speeds
+        self.sampler = HeterogeneousBatchSampler(
+            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, self.shuffle, self.drop_last, name
+        )
+        workers = dataloader.num_workers
+        self.lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self.plan.accumulation)
+        rank_zero_info(f"{name}: global batch {global_batch}, shares {list(self.plan.shares)}")
+        return _BalancedLoader(
+            dataloader.dataset,
+            batch_sampler=self.sampler,
+            num_workers=workers,
+            collate_fn=dataloader.collate_fn,
+            pin_memory=dataloader.pin_memory,
+            worker_init_fn=dataloader.worker_init_fn,
+            persistent_workers=dataloader.persistent_workers if workers else False,
+            balancer=self,
+        )
+
+    def _probe_caps(self, dataloader: DataLoader, global_batch: int) -> list[int | None]:
+        """Each rank's largest micro-batch up to the global batch that trains without running out of
+        memory, less the probe's safety margin (:func:`~lightning_efficient.balance.probe.probe_micro_batch`),
+        all-gathered."""
+        mine, failure = None, None
+        try:
+            mine = probe_micro_batch(self.strategy, dataloader, global_batch)
+        except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
+            failure = error
+        caps = gather_or_raise_together(mine, failure, f"{self.name}: max_micro_batch='auto' could not probe")
+        rank_zero_info(f"{self.name}: probed max_micro_batch per rank: {caps}")
+        return caps
+
+    # -- one step -------------------------------------------------------------------------------
+    def training_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``step(*args, **kwargs)`` (the strategy's own ``training_step``) timed, and scale its loss."""
+        if self.sampler is None:
+            return step(*args, **kwargs)
+        accumulation = self.plan.accumulation
+        epoch = self.strategy.lightning_module.trainer.current_epoch
+        if epoch != self.counter_epoch:  # a new epoch: positions count from its start
+            self.counter_epoch, self.micro_done = epoch, 0
+        if self.micro_done % accumulation == 0:
+            self._maybe_rebalance()
+        batch = args[0] if args else kwargs.get("batch")
+        first = first_tensor(batch)
+        samples = first.shape[0] if first is not None and first.dim() else 1
+        self._finish_timing()
+        clock = self._clock()
+        self._waits = []
+        self._timing_forward = True
+        start = clock.mark()
+        try:
+            output = step(*args, **kwargs)
+        finally:
+            self._timing_forward = False
+        forward_end = clock.mark()
+        self.micro_done += 1
+        scaled = self._scaled(output, samples)  # may all-reduce: not part of the timing
+        backward_start = clock.mark() if self.time_backward else None
+        self._timed = _TimedMicroStep(start, forward_end, backward_start, samples, self._waits)
+        return scaled
+
+    def _clock(self) -> DeviceClock:
+        device = self.strategy.root_device
+        if self.clock is None or self.clock.device != device:
+            self.clock = DeviceClock(device)
+        return self.clock
+
+    def gradient_accumulated(self, param: Tensor) -> None:
+        """Post-accumulate-grad hook: mark the latest gradient of the micro-step (read at the next)."""
+        if self.time_backward and self._timed is not None:
+            self._timed.last_gradient = self._clock().mark()
+
+    def wait_started(self, *args: Any) -> None:
+        """Forward pre-hook run before a module's own collective wait (FSDP2's all-gather)."""
+        if self._timing_forward:
+            self._wait_start = self._clock().mark()
+
+    def wait_ended(self, *args: Any) -> None:
+        """Forward pre-hook run after that wait: the interval is left out of the compute time."""
+        if self._timing_forward and self._wait_start is not None:
+            self._waits.append((self._wait_start, self._clock().mark()))
+            self._wait_start = None
+
+    def add_hooks(self, handles: list) -> None:
+        """Hooks to remove at teardown (timing hooks a strategy registers)."""
+        self._hooks.extend(handles)
+
+    def setup(self) -> None:
+        """After the strategy's setup: forget a failed fit's counts and hook the gradients for timing."""
+        self.token_normaliser.reset()  # a fit that raised mid-step must not leak its counts into this one
+        self.remove_hooks()
+        self._timed, self._unread = None, deque()
+        if self.time_backward:
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self.gradient_accumulated)
+                for p in self.strategy.lightning_module.parameters()
+                if p.requires_grad
+            ]
+
+    def remove_hooks(self) -> None:
+        """Remove every timing hook."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _finish_timing(self) -> None:
+        """Turn finished micro-steps' compute time into speeds: the forward (less the waits for other
+        ranks a strategy marked) and, when timed, the backward up to its last gradient (leaving out the
+        loss all-reduce and DDP's final wait). A micro-step is read only once the device has passed its
+        last mark (a CUDA event query, which does not wait), so timing never stalls the host on the
+        device; at most :data:`_MAX_UNREAD` wait to be read."""
+        if self._timed is not None:
+            self._unread.append(self._timed)
+            self._timed = None
+        while self._unread and (self._unread[0].ready() or len(self._unread) > _MAX_UNREAD):
+            self._read(self._unread.popleft())
+
+    def _read(self, timed: _TimedMicroStep) -> None:
+        clock = self._clock()
+        forward = clock.seconds(timed.start, timed.forward_end) - sum(clock.seconds(a, b) for a, b in timed.waits)
+        backward = 0.0
+        if timed.backward_start is not None and timed.last_gradient is not None:
+            backward = clock.seconds(timed.backward_start, timed.last_gradient)
+        self._observe(timed.samples / max(max(forward, 0.0) + max(backward, 0.0), 1e-9))
+
+    def _observe(self, speed: float) -> None:
+        previous = self.local_speed
+        self.local_speed = speed if previous is None else self.ema_decay * previous + (1 - self.ema_decay) * speed
+
+    def _scaled(self, output: Any, samples: int) -> Any:
+        """Scale the local loss so that the step's gradient is the mean over the whole global batch,
+        however its samples are split among ranks and micro-batches.
+
+        Lightning divides each micro-batch's loss by the accumulation ``A``, and DDP's all-reduce and
+        FSDP2's reduce-scatter both average over the ``W`` data-parallel ranks. By samples, each
+        micro-batch loss (a mean over its samples) is multiplied by ``samples * W * A / global_batch``
+        — the plan fixes every size, so no communication. By tokens (a :class:`~lightning_efficient.TokenLosses`
+        or :class:`~lightning_efficient.FusedTokenLoss` output; any other dict is weighted by samples),
+        the global token count of the step is only known after its last micro-batch:
+        :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser` weights each micro-batch's
+        token *sum* by ``W * A / K`` and the gradients by ``K / count`` once the step's last backward is
+        done (:meth:`normalise_gradients`), with one all-reduce a step. A
+        :class:`~lightning_efficient.tokens.output.NormalisedTokenLoss` (``SelectiveTokenLoss``'s
+        output) is already weighted so by the callback and is left as it is.
+        """
+        if not self.strategy.lightning_module.automatic_optimization:
+            if not self._warned_manual:
+                rank_zero_warn(f"{self.name}: manual optimization: losses are not re-weighted; scale each rank's loss "
+                               "by its share of the global batch yourself (strategy.current_shares).")
+                self._warned_manual = True
+            return output
+        if isinstance(output, NormalisedTokenLoss):  # SelectiveTokenLoss's normaliser weights it for the step
+            return output
+        if isinstance(output, Mapping):
+            if "loss" not in output:
+                return output
+            loss = output["loss"]
+            if isinstance(output, TokenLosses):  # the exact sum, not one rebuilt from a rounded mean
+                return {**output, "loss": self._token_weighted(kept_loss_sum(output.token_losses, output.mask), output.mask.sum())}
+            if isinstance(output, FusedTokenLoss):  # its fused mean keeps the gradients the forward computed
+                count = output.mask.sum()
+                return {**output, "loss": self._token_weighted(loss * count, count)}
+        elif isinstance(output, Tensor):
+            loss = output
+        else:
+            return output
+        scaled = loss * (samples * self.world * self.plan.accumulation / self.sampler.global_batch)
+        return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
+
+    def _token_weighted(self, local_sum: Tensor, count: Tensor) -> Tensor:
+        """This micro-batch's token-loss sum, scaled by ``W * A / K`` (see :meth:`_scaled`)."""
+        return self.token_normaliser.micro_batch_loss(local_sum, count, self.plan.accumulation)
+
+    def normalise_gradients(self, optimizer: Any) -> None:
+        """Divide token-weighted gradients by the step's global token count (after its last backward)."""
+        self.token_normaliser.normalise_gradients(optimizer)
+
+    def _maybe_rebalance(self) -> None:
+        module = self.strategy.lightning_module
+        step = module.trainer.global_step
+        due = step >= self.warmup_steps and (step - self.warmup_steps) % self.rebalance_every == 0
+        if self.shares != "auto" or not due or step == self.last_planned_step:
+            return
+        self.last_planned_step = step
+        mine = torch.tensor([self.local_speed or 1.0], dtype=torch.float64, device=self.strategy.root_device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine)
+        self.speeds = [float(g) for g in gathered]
+        current = self.sampler.plan_at(self.micro_done // self.plan.accumulation)
+        candidate = plan_shares(self.sampler.global_batch, self.speeds, self.caps(), self.plan.accumulation)
+        gain = 1.0 - candidate.step_time(self.speeds) / current.step_time(self.speeds)
+        times = [s / v for s, v in zip(current.shares, self.speeds)]
+        stats = {f"hetero/share_rank{r}": float(s) for r, s in enumerate(current.shares)}
+        stats.update({f"hetero/step_time_rank{r}": t for r, t in enumerate(times)})
+        stats["hetero/idle_fraction"] = 1.0 - min(times) / max(times)
+        stats["hetero/predicted_gain"] = gain
+        module.log_dict(stats, on_step=True, on_epoch=False, rank_zero_only=True)
+        if gain > self.hysteresis:
+            start = self.micro_done // self.plan.accumulation + self.lookahead
+            self.sampler.schedule_plan(candidate, start)
+            rank_zero_info(f"{self.name}: step {step}: shares {list(current.shares)} -> {list(candidate.shares)} "
+                           f"from global batch {start} (predicted gain {gain:.1%})")
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def training_epoch(self) -> int:
+        """The epoch the training loop runs, or starts next (Lightning's count of processed epochs)."""
+        return self.strategy.lightning_module.trainer.fit_loop.epoch_progress.current.processed
+
+    def data_state_dict(self) -> dict[str, Any]:
+        """The sampler's state at the position trained (not prefetched), with the measured speeds."""
+        state = self.sampler.state_dict()
+        # the count of micro-batches trained refers to counter_epoch; once the sampler has started the
+        # next epoch (the loader is iterated before that epoch's first step) nothing of it is trained yet
+        trained = self.micro_done if self.sampler.epoch == self.counter_epoch else 0
+        state["next_batch"] = trained // self.plan.accumulation
+        state["speeds"] = list(self.speeds)
+        state["step_token_scale"] = self.token_normaliser.scale  # a resumed first step scales as the uninterrupted one
+        return state
+
+    def load_data_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the sampler (also on another number of ranks) and, on the same number of ranks,
+        the measured speeds."""
+        self.sampler.load_state_dict(state)
+        self.micro_done = self.sampler.next_batch * self.plan.accumulation
+        speeds = state.get("speeds") or []
+        if len(speeds) == self.world:
+            self.speeds = [float(s) for s in speeds]
+        self.counter_epoch = self.sampler.epoch
+        self.token_normaliser.scale = state.get("step_token_scale")
+
+    @property
+    def current_shares(self) -> list[int]:
+        """The shares in force for the next global batch to train."""
+        return list(self.sampler.plan_at(self.micro_done // self.plan.accumulation).shares)
+
+
+def _setting(name: str) -> property:
+    return property(lambda self: getattr(self.balancer, name), doc=f"The ``{name}`` the strategy was built with.")
+
+
+class BalancedStrategy:
+    """Mixin routing a Lightning data-parallel strategy's hooks to its :class:`Balancer`.
+
+    Put it before the Lightning strategy class (``class S(BalancedStrategy, DDPStrategy)``) and set
+    ``self.balancer`` in ``__init__``. The constructor settings read through to the balancer
+    (``strategy.shares``, ``strategy.global_batch_size``, ...).
+    """
+
+    balancer: Balancer
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader re-built on the balanced batch sampler (others as the strategy does)."""
+        self.balancer.bind(self)
+        balanced = self.balancer.process_dataloader(dataloader)
+        return super().process_dataloader(dataloader) if balanced is None else balanced
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The strategy's step, timed, with the loss weighted for the global batch."""
+        return self.balancer.training_step(super().training_step, *args, **kwargs)
+
+    def setup(self, trainer: Any) -> None:
+        """The strategy's setup, then the balancer's (timing hooks, a fresh token count)."""
+        super().setup(trainer)
+        self.balancer.bind(self)
+        self.balancer.setup()
+
+    def teardown(self) -> None:
+        """Remove the timing hooks, then the strategy's teardown."""
+        self.balancer.remove_hooks()
+        super().teardown()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step, with token-weighted gradients divided by the step's global token
+        count right after its last backward — before gradient clipping and the optimizer see them."""
+
+        def closure_then_normalise() -> Any:
+            result = closure()
+            self.balancer.normalise_gradients(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_normalise, model, **kwargs)
+
+    @property
+    def sampler(self) -> HeterogeneousBatchSampler | None:
+        """The batch sampler installed in the training DataLoader (None before fit sets it up)."""
+        return self.balancer.sampler
+
+    @property
+    def training_epoch(self) -> int:
+        """The epoch the training loop runs, or starts next (Lightning's count of processed epochs)."""
+        return self.balancer.training_epoch
+
+    def data_state_dict(self) -> dict[str, Any]:
+        """The sampler's state at the position trained (not prefetched), with the measured speeds."""
+        return self.balancer.data_state_dict()
+
+    def load_data_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the sampler (see :meth:`HeterogeneousBatchSampler.load_state_dict`, also for another
+        number of ranks) and, on the same number of ranks, the measured speeds."""
+        self.balancer.load_data_state_dict(state)
+
+    @property
+    def micro_batch_caps(self) -> list[int | None]:
+        """Each rank's largest micro-batch in force (probed with ``max_micro_batch="auto"``; None: no cap)."""
+        return self.balancer.caps()
+
+    @property
+    def current_shares(self) -> list[int]:
+        """The shares in force for the next global batch to train."""
+        return self.balancer.current_shares
+
+    def gradient_sync_off(self) -> Any:
+        """A context in which backward accumulates gradients locally, without the data-parallel
+        reduction (the micro-batch probe runs its steps inside it)."""
+        raise NotImplementedError
+
+
+for _name in SETTINGS:
+    setattr(BalancedStrategy, _name, _setting(_name))
+del _name

@@ -1,0 +1,228 @@
+"""Run by test_fsdp.py: hetero_fsdp on 2 gloo CPU processes, several fits in one launch.
+
+Usage: python fsdp_hetero.py OUT_DIR
+
+The parent starts two processes (rank, world size and a free port in their environment, so every
+Trainer joins the same process group); each runs the fits below in turn and writes OUT_DIR/rankR.pt:
+
+- ``samples`` / ``tokens``: two SGD steps (lr 1, float64) with shares 3:1 of a global batch of 16
+  and micro-batches capped at 5 (the plan is 12:4 in 3 micro-batches: 4+4+4 and 2+1+1); rank 0
+  saves the full parameters at the start and after each step, and each step's global batch;
+- ``straight``: 2 epochs (24 samples, global batch 8, shares 3:1, SGD with momentum), saving a
+  distributed checkpoint after step 2 (mid-epoch 0); each rank records the samples it trained per step;
+- ``resumed``: the same fit resumed from that checkpoint;
+- ``rebalance``: shares "auto" with rank 1 3x slower per sample: the shares in force per step; then
+  ``sync_off``: a backward inside ``gradient_sync_off()`` leaves the sharded gradients unset, one after it sets them;
+- ``unsharded``: a module whose head no ``fully_shard`` manages: the error fit raises.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_efficient import HeterogeneousFSDPStrategy, TokenLosses
+
+SEQ, VOCAB, D = 4, 11, 8
+
+
+class Rows(Dataset):
+    """``n`` sequences of token ids; labels with about 40% ignored (``masked``) or none ignored."""
+
+    def __init__(self, n: int, masked: bool = False):
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.labels = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        if masked:
+            self.labels[torch.rand(n, SEQ, generator=g) < 0.4] = -100
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"ids": self.ids[i], "labels": self.labels[i], "index": i}
+
+
+class Net(torch.nn.Module):
+    """Embedding, two encoder blocks, head (float64)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, D)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(D, 2, dim_feedforward=16, dropout=0.0, batch_first=True) for _ in range(2)
+        )
+        self.head = torch.nn.Linear(D, VOCAB)
+        self.double()  # float64 ("64-true" is not offered by ModelParallelStrategy; "32-true" keeps the dtype)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def per_token(net, batch):
+    logits = net(batch["ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none").view(batch["labels"].shape)
+
+
+class TinyTransformer(lightning.LightningModule):
+    """:class:`Net` with ``fully_shard`` per block and then on the net in ``configure_model`` (``shard_root=False``:
+    the blocks only, leaving the embedding and head to no ``fully_shard``)."""
+
+    def __init__(self, mode: str = "samples", slow_rank: int | None = None, shard_root: bool = True, momentum: float = 0.0):
+        super().__init__()
+        self.mode, self.slow_rank, self.shard_root, self.momentum = mode, slow_rank, shard_root, momentum
+        self.net = Net()
+        self.trained: list[dict] = []
+
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.net.blocks:
+            fully_shard(block, mesh=mesh)
+        if self.shard_root:
+            fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        self.trained.append({"step": self.trainer.global_step, "epoch": self.current_epoch,
+                             "indices": batch["index"].tolist()})
+        losses = per_token(self.net, batch)
+        if self.slow_rank is not None:  # 1 ms a sample, 3 ms on the slow rank
+            time.sleep(0.001 * len(batch["ids"]) * (3 if self.global_rank == self.slow_rank else 1))
+        if self.mode == "tokens":
+            return TokenLosses(losses, batch["labels"] != -100)
+        return losses.mean()  # every sample has SEQ tokens: the mean over the micro-batch's samples
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0 if self.momentum == 0 else 0.1, momentum=self.momentum)
+
+
+def full_parameters(module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (a collective: call on every rank)."""
+    return {name: p.full_tensor().detach().clone() for name, p in module.named_parameters()}
+
+
+class RecordSteps(lightning.Callback):
+    """Full parameters at the start and after each optimizer step, and each step's global batch."""
+
+    def __init__(self):
+        self.params: list[dict] = []
+        self.batches: list[list[int]] = []
+        self.shares: list[list[int]] = []
+        self.plan = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.params.append(full_parameters(pl_module))
+        sampler = trainer.strategy.sampler
+        self.plan = {"shares": list(sampler.plan_at(0).shares), "accumulation": sampler.plan_at(0).accumulation,
+                     "micro": [[len(m) for m in sampler.rank_slice(0, sampler.permutation(), r)] for r in range(2)]}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        sampler = trainer.strategy.sampler
+        self.batches.append(sampler.global_batch_indices(trainer.global_step, sampler.permutation()))
+        self.shares.append(trainer.strategy.current_shares)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.params.append(full_parameters(pl_module))
+
+
+class SaveAt(lightning.Callback):
+    def __init__(self, path: Path, step: int):
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not self.path.exists():
+            trainer.save_checkpoint(self.path)
+
+
+def trainer(callbacks, **kwargs) -> lightning.Trainer:
+    kwargs.setdefault("max_steps", 2)
+    return lightning.Trainer(
+        accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kwargs,
+    )
+
+
+def run(out: Path, rank: int) -> dict:
+    results: dict = {}
+    for mode in ("samples", "tokens"):
+        record = RecordSteps()
+        strategy = HeterogeneousFSDPStrategy(global_batch_size=16, shares=[3.0, 1.0], max_micro_batch=5)
+        trainer([record], max_steps=2, strategy=strategy).fit(TinyTransformer(mode), DataLoader(Rows(48, masked=mode == "tokens"), batch_size=4))
+        results[mode] = {"params": record.params, "batches": record.batches, "plan": record.plan}
+
+    checkpoint = out / "step2.ckpt"
+    for tag in ("straight", "resumed"):
+        module = TinyTransformer(momentum=0.9)
+        record = RecordSteps()
+        callbacks = [SaveAt(checkpoint, 2)] if tag == "straight" else []
+        strategy_kwargs = {"global_batch_size": 8, "shares": [3.0, 1.0], "seed": 7}
+        fit = trainer([*callbacks, record], max_epochs=2, max_steps=-1,
+                      strategy=HeterogeneousFSDPStrategy(**strategy_kwargs))
+        fit.fit(module, DataLoader(Rows(24), batch_size=4), ckpt_path=str(checkpoint) if tag == "resumed" else None)
+        results[tag] = {"trained": module.trained, "final": record.params[-1], "global_step": fit.global_step}
+
+    record = RecordSteps()
+    strategy = HeterogeneousFSDPStrategy(global_batch_size=24, shares="auto", warmup_steps=2, rebalance_every=2,
+                                         hysteresis=0.02)
+    module = TinyTransformer(slow_rank=1)
+    trainer([record], max_steps=14, strategy=strategy).fit(module, DataLoader(Rows(48), batch_size=4))
+    results["rebalance"] = {"shares": record.shares}
+
+    # the probe's sync switch: no reduce-scatter inside (the sharded gradients stay unset), and back on after
+    rows = Rows(4)
+    batch = {"ids": rows.ids[rank::2], "labels": rows.labels[rank::2]}
+    module.zero_grad(set_to_none=True)
+    with strategy.gradient_sync_off():
+        per_token(module.net, batch).mean().backward()
+    unset_inside = all(p.grad is None for p in module.parameters())
+    module.zero_grad(set_to_none=True)
+    per_token(module.net, batch).mean().backward()
+    results["sync_off"] = {"unset_inside": unset_inside, "set_after": all(p.grad is not None for p in module.parameters())}
+
+    try:
+        trainer([], strategy=HeterogeneousFSDPStrategy(global_batch_size=8)).fit(
+            TinyTransformer(shard_root=False), DataLoader(Rows(16), batch_size=4))
+        results["unsharded"] = "no error"
+    except ValueError as error:
+        results["unsharded"] = str(error)
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(out: Path) -> None:
+    rank = os.environ.get("LOCAL_RANK")
+    if rank is None:
+        port = str(_free_port())
+        procs = [subprocess.Popen([sys.executable, __file__, str(out)],
+                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2",
+                                           NODE_RANK="0", RANK=str(r), LOCAL_RANK=str(r)))
+                 for r in range(2)]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"ranks exited with {codes}")
+        return
+    torch.set_num_threads(1)
+    torch.save(run(out, int(rank)), out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
