@@ -47,7 +47,7 @@ LOOPS = ("plain", "accumulate", "clip", "validate")
 RAISES = (False, True)
 # Sharded strategies (FSDP2: ModelParallelStrategy, the module shards itself in configure_model).
 # Adding "hetero_fsdp" is one line: append it here (HeterogeneousFSDPStrategy takes hetero_ddp's arguments).
-SHARDED_STRATEGIES = ("fsdp",)
+SHARDED_STRATEGIES = ("fsdp", "hetero_fsdp")
 STRATEGIES = ("single", "ddp", "hetero_ddp", "resize", *SHARDED_STRATEGIES)
 MULTI_PROCESS = ("ddp", "hetero_ddp", "resize", *SHARDED_STRATEGIES)
 # EightBitOptimizer under FSDP2 is being built on another branch: set True to add its cells (eightbit under
@@ -264,7 +264,7 @@ class Case:
 
 def _allowed(plugin: str, strategy: str) -> bool:
     if plugin == "hetero":  # the strategy itself: its own cells, and a resume on another process count
-        return strategy in ("hetero_ddp", "resize")
+        return strategy in ("hetero_ddp", "resize", "hetero_fsdp")
     if plugin == "eightbit" and strategy in SHARDED_STRATEGIES:
         return EIGHT_BIT_SHARDED
     return True
