@@ -113,6 +113,7 @@ class EightBitOptimizer(Callback):
         self._loaded_checkpoint: dict | None = None
         self._figures: dict[str, int] = {}
         self._device_mesh: list[int] | None = None
+        self._patched_strategy: Any = None
 
     # -- which parameters stay 32-bit -------------------------------------------------------
     def _kept_32bit(self, pl_module: LightningModule) -> dict[int, str]:
@@ -149,7 +150,12 @@ class EightBitOptimizer(Callback):
             rank_zero_warn("EightBitOptimizer: paged/offload need a CUDA device; on CPU the optimizer runs as plain 8-bit.")
         if self.bits == 8:
             self._convert_optimizers(trainer, pl_module, paged=self.paged and on_cuda, offload=bool(self.offload) and on_cuda)
-        self._prepare_sharded_resume(trainer, pl_module)
+        if self._loaded_checkpoint is not None:  # restored before setup (one device, DDP)
+            layouts = [{param_state_layout(s) for s in o["state"].values()} - {None}
+                       for o in self._loaded_checkpoint.get("optimizer_states", [])]
+            self._check_saved_mesh(layouts, self._loaded_checkpoint.get("callbacks"))
+        elif self._device_mesh is not None and not trainer.strategy.lightning_restore_optimizer:
+            self._intercept_sharded_load(trainer, pl_module)
         self._convert_loaded_states(trainer)
 
     def _convert_optimizers(self, trainer: Trainer, pl_module: LightningModule, paged: bool, offload: bool) -> None:
@@ -242,40 +248,56 @@ class EightBitOptimizer(Callback):
             "(EightBitOptimizer(bits=32) resumed from it, one step) and convert from that."
         )
 
-    def _prepare_sharded_resume(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _intercept_sharded_load(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Run :meth:`_prepare_sharded_resume` when the strategy loads a checkpoint (after ``on_fit_start``).
+
+        ``ModelParallelStrategy`` restores after ``on_fit_start`` and the checkpoint's path reaches only
+        its ``load_checkpoint``: that method is wrapped on the instance, for its next call only (and put
+        back in ``teardown``/``on_exception`` if it is never called).
+        """
+        strategy = trainer.strategy
+        original = strategy.load_checkpoint
+
+        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            self._restore_strategy()
+            self._prepare_sharded_resume(trainer, pl_module, checkpoint_path)
+            return original(checkpoint_path, *args, **kwargs)
+
+        strategy.load_checkpoint = load_checkpoint
+        self._patched_strategy = strategy
+
+    def _restore_strategy(self) -> None:
+        strategy, self._patched_strategy = self._patched_strategy, None
+        if strategy is not None and "load_checkpoint" in vars(strategy):
+            del strategy.load_checkpoint
+
+    def _prepare_sharded_resume(self, trainer: Trainer, pl_module: LightningModule, path: Any) -> None:
         """Before a checkpoint is restored: check its layout and make the optimizers' templates match it.
 
-        ``ModelParallelStrategy`` loads optimizer states after ``on_fit_start`` through
-        ``torch.distributed.checkpoint``, into the template each optimizer's ``state_dict`` gives: for a
-        checkpoint in the other layout (32-bit for the 8-bit twin, 8-bit for ``bits=32``) the template
-        is given in that layout and the loaded states are converted per local shard.
+        ``ModelParallelStrategy`` loads optimizer states through ``torch.distributed.checkpoint`` into
+        the template each optimizer's ``state_dict`` gives: for a checkpoint in the other layout (32-bit
+        for the 8-bit twin, 8-bit for ``bits=32``) the template is given in that layout and the loaded
+        states are converted per local shard.
         """
-        if self._loaded_checkpoint is not None:  # restored before setup (single device, DDP)
-            layouts = [{param_state_layout(s) for s in o["state"].values()} - {None}
-                       for o in self._loaded_checkpoint.get("optimizer_states", [])]
-            self._check_saved_mesh(layouts, self._loaded_checkpoint.get("callbacks"))
-            return
-        if self._device_mesh is None or not trainer.ckpt_path or trainer.strategy.lightning_restore_optimizer:
-            return
-        layouts, callbacks = checkpoint_layouts(trainer.ckpt_path)
+        layouts, group_keys, callbacks = checkpoint_layouts(path)
         self._check_saved_mesh(layouts, callbacks)
         kept = self._kept_32bit(pl_module) if self.bits == 32 else {}
 
         def was_8bit(param: torch.Tensor) -> bool:  # the same settings as the run that saved
             return param.numel() >= self.min_8bit_size and id(param) not in kept
 
-        for index, (optimizer, found) in enumerate(zip(trainer.strategy.optimizers, layouts)):
+        for index, (optimizer, found, groups) in enumerate(zip(trainer.strategy.optimizers, layouts, group_keys)):
             if not has_sharded_params(optimizer) or not found:
                 continue
             if isinstance(optimizer, eight_bit_classes()):
                 other = TORCH_32BIT
                 if TORCH_32BIT in found:
-                    optimizer.saved_layout = TORCH_32BIT
+                    optimizer.saved_layout, optimizer.saved_group_keys = TORCH_32BIT, groups
             else:
                 other = BNB_BLOCKWISE
                 expect = install_layout_hooks(optimizer, was_8bit)
                 if BNB_BLOCKWISE in found:
-                    expect(BNB_BLOCKWISE)
+                    expect(BNB_BLOCKWISE, groups)
             if other in found:
                 rank_zero_warn(
                     f"EightBitOptimizer: optimizer {index}'s checkpoint holds {other} states; they are converted to "
@@ -308,11 +330,13 @@ class EightBitOptimizer(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._drop_overrides()
+        self._restore_strategy()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning skips callbacks' teardown when fit raises
         self._drop_overrides()
+        self._restore_strategy()
 
     def _drop_overrides(self) -> None:
         """Remove our 32-bit overrides from bitsandbytes' process-wide manager.

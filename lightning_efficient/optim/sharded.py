@@ -154,9 +154,7 @@ def local_state(state: dict, param: DTensor) -> dict:
     return out
 
 
-def _rewrapped(flat: dict, wrapped: bool) -> dict:
-    if not wrapped:
-        return flat
+def _rewrapped(flat: dict) -> dict:
     inner = {k: v for k, v in flat.items() if k in _BNB_INNER_KEYS}
     outer = {k: v for k, v in flat.items() if k not in _BNB_INNER_KEYS}
     if inner:
@@ -204,31 +202,51 @@ def _map_states(
         if not isinstance(param, DTensor) or not isinstance(state, dict):
             out["state"][index] = state
             continue
-        wrapped = _BNB_WRAPPED_KEY in state
-        out["state"][index] = _rewrapped(fn(unwrapped(state), param, index), wrapped)
+        # bitsandbytes' keys nested as its own state_dict nests them, whichever layout they came from
+        out["state"][index] = _rewrapped(fn(unwrapped(state), param, index))
     return out
 
 
-def save_sharded(state_dict: dict, params: Sequence[Tensor], to: str | None, use_8bit: Callable[[Tensor], bool]) -> dict:
-    """An optimizer ``state_dict`` (local tensors) in the saved layout, converted to layout ``to`` first."""
+def save_sharded(
+    state_dict: dict, params: Sequence[Tensor], to: str | None, use_8bit: Callable[[Tensor], bool],
+    group_keys: Sequence[set[str]] | None = None,
+) -> dict:
+    """An optimizer ``state_dict`` (local tensors) in the saved layout, converted to layout ``to`` first.
+
+    ``group_keys``: the param-group keys a checkpoint being loaded holds (a template asks for no
+    other: a 32-bit AdamW's groups have no ``alpha``, an 8-bit twin's no ``amsgrad``).
+    """
 
     def one(state: dict, param: Tensor, index: int) -> dict:
-        return saved_state(convert_sharded_state(state, param, to, use_8bit(param)), param)
+        local = local_state(state, param)  # a torch optimizer's own states are DTensors already
+        return saved_state(convert_sharded_state(local, param, to, use_8bit(param)), param)
 
-    return _map_states(state_dict, params, one)
+    out = _map_states(state_dict, params, one)
+    if group_keys is not None:
+        out["param_groups"] = [{k: v for k, v in group.items() if k == "params" or k in keys}
+                               for group, keys in zip(out["param_groups"], group_keys)]
+    return out
 
 
-def load_sharded(state_dict: dict, params: Sequence[Tensor], to: str, use_8bit: Callable[[Tensor], bool]) -> dict:
-    """A saved optimizer ``state_dict`` (DTensors, either layout) as local tensors in layout ``to``."""
+def load_sharded(state_dict: dict, optimizer: torch.optim.Optimizer, to: str, use_8bit: Callable[[Tensor], bool]) -> dict:
+    """A saved optimizer ``state_dict`` (DTensors, either layout) as local tensors in layout ``to``.
+
+    Param-group keys the saved groups lack (a checkpoint of the other layout) keep ``optimizer``'s values.
+    torch's own optimizers keep DTensor states: for ``to=TORCH_32BIT`` the moments are DTensors again.
+    """
 
     def one(state: dict, param: Tensor, index: int) -> dict:
         try:
             local = local_state(state, param)
         except ValueError as error:
             raise ValueError(f"optimizer state of parameter {index}: {error}") from None
-        return convert_sharded_state(local, param, to, use_8bit(param))
+        converted = convert_sharded_state(local, param, to, use_8bit(param))
+        return saved_state(converted, param) if to == TORCH_32BIT else converted
 
-    return _map_states(state_dict, params, one)
+    out = _map_states(state_dict, _flat(optimizer), one)
+    out["param_groups"] = [{**{k: v for k, v in current.items() if k != "params"}, **saved}
+                           for current, saved in zip(optimizer.param_groups, state_dict["param_groups"])]
+    return out
 
 
 def _flat(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -244,6 +262,7 @@ class _LocalShardMixin:
     """
 
     saved_layout: str = BNB_BLOCKWISE
+    saved_group_keys: list[set[str]] | None = None
 
     def _eight_bit(self, param: Tensor) -> bool:
         for gindex, group in enumerate(self.param_groups):
@@ -299,13 +318,13 @@ class _LocalShardMixin:
         """bitsandbytes' state dict with sharded states as DTensors (the saved layout of the module doc)."""
         saved = super().state_dict()
         to = None if self.saved_layout == BNB_BLOCKWISE else self.saved_layout
-        return save_sharded(saved, _flat(self), to, self._eight_bit)
+        return save_sharded(saved, _flat(self), to, self._eight_bit, self.saved_group_keys)
 
     def load_state_dict(self, state_dict, move_to_device=True):
         """Load a saved state in either layout (8-bit states or torch Adam moments, as DTensors)."""
-        local = load_sharded(state_dict, _flat(self), BNB_BLOCKWISE, self._eight_bit)
+        local = load_sharded(state_dict, self, BNB_BLOCKWISE, self._eight_bit)
         super().load_state_dict(local, move_to_device=move_to_device)
-        self.saved_layout = BNB_BLOCKWISE
+        self.saved_layout, self.saved_group_keys = BNB_BLOCKWISE, None
 
 
 @cache
@@ -314,7 +333,9 @@ def sharded_class(cls: type) -> type:
     return type(f"LocalShard{cls.__name__}", (_LocalShardMixin, cls), {})
 
 
-def install_layout_hooks(optimizer: torch.optim.Optimizer, use_8bit: Callable[[Tensor], bool]) -> Callable[[str], None]:
+def install_layout_hooks(
+    optimizer: torch.optim.Optimizer, use_8bit: Callable[[Tensor], bool]
+) -> Callable[[str, list[set[str]] | None], None]:
     """Let a torch (32-bit) ``optimizer`` over DTensor parameters save and load bitsandbytes' sharded layout.
 
     For ``EightBitOptimizer(bits=32)``: while a checkpoint of 8-bit states is loaded, the optimizer's
@@ -322,34 +343,35 @@ def install_layout_hooks(optimizer: torch.optim.Optimizer, use_8bit: Callable[[T
     (``use_8bit`` says which parameters were 8-bit); ``load_state_dict`` dequantizes each local shard.
 
     Returns:
-        ``expect(layout)``: set the layout the next ``state_dict`` is given in.
+        ``expect(layout, group_keys)``: set the layout (and the checkpoint's param-group keys) the next
+        ``state_dict`` is given in.
     """
-    mode = {"layout": TORCH_32BIT}
+    mode: dict[str, Any] = {"layout": TORCH_32BIT, "group_keys": None}
 
     def post_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         if mode["layout"] == TORCH_32BIT:
             return state_dict
-        return save_sharded(state_dict, _flat(opt), mode["layout"], use_8bit)
+        return save_sharded(state_dict, _flat(opt), mode["layout"], use_8bit, mode["group_keys"])
 
     def pre_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-        mode["layout"] = TORCH_32BIT
+        mode.update(layout=TORCH_32BIT, group_keys=None)
         layouts = {param_state_layout(s) for s in state_dict["state"].values() if isinstance(s, dict)}
         if BNB_BLOCKWISE not in layouts:
             return state_dict
-        return load_sharded(state_dict, _flat(opt), TORCH_32BIT, use_8bit)
+        return load_sharded(state_dict, opt, TORCH_32BIT, use_8bit)
 
     optimizer.register_state_dict_post_hook(post_state_dict)
     optimizer.register_load_state_dict_pre_hook(pre_load)
 
-    def expect(layout: str) -> None:
-        mode["layout"] = layout
+    def expect(layout: str, group_keys: list[set[str]] | None = None) -> None:
+        mode.update(layout=layout, group_keys=group_keys)
 
     return expect
 
 
-def checkpoint_layouts(path: Any) -> tuple[list[set[str]], dict | None]:
-    """The optimizer-state layouts in a Lightning checkpoint (a file or a distributed-checkpoint
-    directory) per optimizer index, and the checkpoint's callback states (None if unreadable).
+def checkpoint_layouts(path: Any) -> tuple[list[set[str]], list[list[set[str]]], dict | None]:
+    """What a Lightning checkpoint (a file or a distributed-checkpoint directory) holds, per optimizer
+    index: its optimizer-state layouts and its param groups' keys; and the checkpoint's callback states.
 
     Reads only metadata for a directory; a file is memory-mapped.
     """
@@ -357,15 +379,22 @@ def checkpoint_layouts(path: Any) -> tuple[list[set[str]], dict | None]:
 
     path = Path(path)
     layouts: dict[int, set[str]] = {}
+    group_keys: dict[int, dict[int, set[str]]] = {}
     if path.is_dir():
         from torch.distributed.checkpoint import FileSystemReader
 
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         for key in keys:
             head, _, rest = key.partition(".")
-            if not head.startswith("optimizer_") or not rest.startswith("state."):
+            if not head.startswith("optimizer_"):
                 continue
             index = int(head[len("optimizer_"):])
+            if rest.startswith("param_groups."):
+                _, group, name = rest.split(".", 2)
+                group_keys.setdefault(index, {}).setdefault(int(group), set()).add(name)
+                continue
+            if not rest.startswith("state."):
+                continue
             leaf = rest.rsplit(".", 1)[-1]
             if leaf in ("exp_avg", "momentum_buffer"):
                 layouts.setdefault(index, set()).add(TORCH_32BIT)
@@ -377,5 +406,7 @@ def checkpoint_layouts(path: Any) -> tuple[list[set[str]], dict | None]:
         meta = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
         for index, optimizer_state in enumerate(meta.get("optimizer_states", [])):
             layouts[index] = {param_state_layout(s) for s in optimizer_state.get("state", {}).values()} - {None}
-    count = max(layouts, default=-1) + 1
-    return [layouts.get(i, set()) for i in range(count)], meta.get("callbacks")
+            group_keys[index] = {g: set(group) - {"params"} for g, group in enumerate(optimizer_state.get("param_groups", []))}
+    count = max([*layouts, *group_keys], default=-1) + 1
+    groups = [[group_keys.get(i, {}).get(g, set()) for g in range(len(group_keys.get(i, {})))] for i in range(count)]
+    return [layouts.get(i, set()) for i in range(count)], groups, meta.get("callbacks")

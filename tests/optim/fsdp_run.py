@@ -1,13 +1,12 @@
 """Run by test_fsdp.py: EightBitOptimizer under FSDP2 (ModelParallelStrategy, 2 gloo processes on CPU).
 
-``python fsdp_run.py MODE OUT [ARGS]``; every rank writes ``OUT.rank{r}.pt`` with what the test checks.
+``python fsdp_run.py OUT UNSHARDED_CKPT``; every rank writes ``OUT.rank{r}.pt`` with what the test checks:
 
-- ``steps``: 4 steps; each step's local update checked against bitsandbytes run on the same local
-  tensor, gradient and state alone; state bytes per rank.
-- ``resume KIND``: 4 steps straight, and 2 + 2 resumed from a checkpoint (KIND ``distributed`` or ``full``).
-- ``convert KIND``: 2 steps of plain 32-bit AdamW, then 2 more resumed with EightBitOptimizer; and 2 steps
-  8-bit, then 2 more resumed with EightBitOptimizer(bits=32).
-- ``refuse``: offload="cpu" with sharded parameters; a checkpoint from another layout.
+- 4 steps, each step's local update checked against bitsandbytes run on the same local tensor,
+  gradient and state alone; the state bytes per rank;
+- resumed at step 2 from Lightning's distributed checkpoint and from a full-state one, to step 4;
+- 32-bit AdamW checkpoints (both kinds) resumed 8-bit, and the 8-bit ones resumed with ``bits=32``;
+- refusals: ``offload="cpu"``, and ``UNSHARDED_CKPT`` (8-bit states saved on one device).
 """
 
 import copy
@@ -75,10 +74,6 @@ def local_states(optimizer):
                            for k, v in s.items()} for p, s in optimizer.state.items()}
 
 
-def local_params(module):
-    return {n: p.to_local().detach().clone() for n, p in module.named_parameters()}
-
-
 def full_params(module):
     return {n: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
 
@@ -104,7 +99,7 @@ class CheckLocalUpdates(lightning.Callback):
         for p, local, grad, state, hyper in self.before:
             after = optimizer.state[p]
             eight = after["state1"].dtype == torch.uint8
-            self.eight_bit += eight and batch_idx == 0
+            self.eight_bit += eight and trainer.global_step == 1
             ref = local.clone()
             ref.grad = grad
             alone = bnb.optim.AdamW8bit([ref], **hyper, min_8bit_size=0 if eight else 10**12)
@@ -123,97 +118,107 @@ def save(out, payload):
     torch.save(payload, f"{out}.rank{torch.distributed.get_rank()}.pt")
 
 
-def mode_steps(out):
+class Snapshot(lightning.Callback):
+    """Local optimizer states when training starts (after a checkpoint's states are loaded) and after step 2."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.loaded = local_states(trainer.optimizers[0])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            self.step2 = local_states(trainer.optimizers[0])
+            trainer.should_stop = trainer.should_stop or self.stop_at_2
+
+    def __init__(self, stop_at_2=False):
+        self.stop_at_2 = stop_at_2
+
+
+def state_bytes(optimizer, module):
+    """Bytes of the 8-bit and the 32-bit states, and their local parameter counts."""
     from lightning_efficient.memory import optimizer_state_bytes
 
-    check = CheckLocalUpdates()
-    callback = EightBitOptimizer(min_8bit_size=MIN_8BIT)
-    t = trainer(4, [callback, check])
-    module = model()
-    t.fit(module)
-    optimizer = t.optimizers[0]
-    by_kind = {"8bit_numel": 0, "8bit_bytes": 0, "32bit_numel": 0, "32bit_bytes": 0}
+    figures = {"8bit_numel": 0, "8bit_bytes": 0, "32bit_numel": 0, "32bit_bytes": 0}
     qmaps = {}
     for p, s in optimizer.state.items():
-        local = p.to_local()
         kind = "8bit" if s["state1"].dtype == torch.uint8 else "32bit"
-        by_kind[f"{kind}_numel"] += local.numel()
-        by_kind[f"{kind}_bytes"] += sum(s[k].numel() * s[k].element_size() for k in ("state1", "state2", "absmax1", "absmax2") if k in s)
+        figures[f"{kind}_numel"] += p.to_local().numel()
+        figures[f"{kind}_bytes"] += sum(s[k].numel() * s[k].element_size() for k in ("state1", "state2", "absmax1", "absmax2") if k in s)
         qmaps.update({s[k].data_ptr(): s[k].numel() * s[k].element_size() for k in ("qmap1", "qmap2") if k in s})
-    save(out, {
-        "type": type(optimizer).__name__, "checked": check.checked, "mismatches": check.mismatches, "eight_bit": check.eight_bit,
-        "state_bytes": optimizer_state_bytes(optimizer), "qmap_bytes": sum(qmaps.values()), **by_kind,
-        "local_numel": sum(p.to_local().numel() for p in module.parameters()),
-        "global_numel": sum(p.numel() for p in module.parameters()),
-        "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
-        "params": full_params(module), "loss": float(t.callback_metrics.get("train_loss", float("nan"))),
-    })
+    return {**figures, "qmap_bytes": sum(qmaps.values()), "state_bytes": optimizer_state_bytes(optimizer),
+            "local_numel": sum(p.to_local().numel() for p in module.parameters()),
+            "global_numel": sum(p.numel() for p in module.parameters()),
+            "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters())}
 
 
-def mode_resume(out, kind):
-    distributed = kind == "distributed"
-    ckpt = Path(f"{out}.ckpt-{kind}")
-    straight = model()
-    t = trainer(4, [EightBitOptimizer(min_8bit_size=MIN_8BIT)], ckpt_dir=ckpt, distributed=distributed)
-    t.fit(straight)
-    first = local_states(t.optimizers[0])
-    resumed = model()
-    t2 = trainer(4, [EightBitOptimizer(min_8bit_size=MIN_8BIT)], distributed=distributed)
-    t2.fit(resumed, ckpt_path=str(ckpt / "step=2.ckpt"))
-    second = local_states(t2.optimizers[0])
-    save(out, {"straight": full_params(straight), "resumed": full_params(resumed), "states": (first, second),
-               "is_dir": (ckpt / "step=2.ckpt").is_dir()})
-
-
-def mode_convert(out, kind):
-    """32-bit AdamW -> 8-bit and 8-bit -> 32-bit, each resumed from a step-2 checkpoint."""
+def converted_mismatches(saved, loaded, target_bits):
+    """Parameters whose loaded local state is not the saved local state converted on its own."""
     from lightning_efficient.optim.state import dequantize_adam_state, quantize_adam_state
 
-    distributed = kind == "distributed"
+    bad = []
+    for index, state in saved.items():
+        got = loaded[index]
+        if target_bits == 8:
+            want = quantize_adam_state(state, got["state1"].dtype == torch.uint8)
+            keys = [k for k in ("state1", "state2", "absmax1", "absmax2") if k in want]
+        else:
+            want = dequantize_adam_state(state) if "state1" in state else state
+            keys = ["exp_avg", "exp_avg_sq"]
+        if not all(torch.equal(want[k], got[k]) for k in keys) or int(want["step"]) != int(got["step"]):
+            bad.append(index)
+    return bad
+
+
+def main(out, unsharded_ckpt):
+    eight = lambda **kw: EightBitOptimizer(min_8bit_size=MIN_8BIT, **kw)  # noqa: E731
     results = {}
-    for source_bits, target_bits in ((32, 8), (8, 32)):
-        ckpt = Path(f"{out}.ckpt-{kind}-{source_bits}")
-        source_callbacks = [] if source_bits == 32 else [EightBitOptimizer(min_8bit_size=MIN_8BIT)]
-        saving = trainer(2, source_callbacks, ckpt_dir=ckpt, distributed=distributed)
-        saving.fit(model())
-        saved = local_states(saving.optimizers[0])
-
-        class Loaded(lightning.Callback):
-            def on_train_start(self, trainer, pl_module):  # after the checkpoint's optimizer state is loaded
-                self.loaded = local_states(trainer.optimizers[0])
-
-        loaded = Loaded()
+    # A: 4 steps straight, every local update checked, a distributed checkpoint at step 2
+    check, at_a, at_b = CheckLocalUpdates(), Snapshot(), Snapshot(stop_at_2=True)
+    straight = model()
+    t = trainer(4, [eight(), check, at_a], ckpt_dir=f"{out}.A")
+    t.fit(straight)
+    results["steps"] = {"type": type(t.optimizers[0]).__name__, "checked": check.checked, "mismatches": check.mismatches,
+                        "eight_bit": check.eight_bit, **state_bytes(t.optimizers[0], straight)}
+    results["straight"] = full_params(straight)
+    straight_states = local_states(t.optimizers[0])
+    a_ckpt = f"{out}.A/step=2.ckpt"
+    # B: the same first 2 steps (of a 4-step schedule), a full-state checkpoint
+    trainer(4, [eight(), at_b], ckpt_dir=f"{out}.B", distributed=False).fit(model())
+    b_ckpt = f"{out}.B/step=2.ckpt"
+    # resumed from either to step 4
+    for kind, path, distributed in (("distributed", a_ckpt, True), ("full", b_ckpt, False)):
         resumed = model()
-        t = trainer(3, [EightBitOptimizer(min_8bit_size=MIN_8BIT, bits=target_bits), loaded], distributed=distributed)
-        t.fit(resumed, ckpt_path=str(ckpt / "step=2.ckpt"))
-        # what each local shard must hold: the saved local state converted on its own
-        mismatches = []
-        for index, state in saved.items():
-            got = loaded.loaded[index]
-            if target_bits == 8:
-                eight = got["state1"].dtype == torch.uint8
-                want = quantize_adam_state(state, eight)
-                keys = [k for k in ("state1", "state2", "absmax1", "absmax2") if k in want]
-            else:
-                want = dequantize_adam_state({k: v for k, v in state.items()}) if "state1" in state else state
-                keys = ["exp_avg", "exp_avg_sq"]
-            if not all(torch.equal(want[k], got[k]) for k in keys) or int(want["step"]) != int(got["step"]):
-                mismatches.append(index)
-        results[f"{source_bits}->{target_bits}"] = {"mismatches": mismatches, "count": len(saved),
-                                                    "type": type(t.optimizers[0]).__name__,
-                                                    "finite": all(torch.isfinite(p).all() for p in full_params(resumed).values())}
+        t = trainer(4, [eight()], distributed=distributed)
+        t.fit(resumed, ckpt_path=path)
+        results[f"resume_{kind}"] = {"params": full_params(resumed), "states": local_states(t.optimizers[0]),
+                                     "is_dir": Path(path).is_dir()}
+    results["straight_states"] = straight_states
+    # 32-bit AdamW checkpoints (E: distributed, H: full) resumed 8-bit; the 8-bit ones (A, B) resumed with bits=32
+    for kind, distributed in (("distributed", True), ("full", False)):
+        saving = trainer(2, [], ckpt_dir=f"{out}.{kind}-32", distributed=distributed)
+        saving.fit(model())
+        saved32 = local_states(saving.optimizers[0])
+        saved8, path8 = (at_a.step2, a_ckpt) if distributed else (at_b.step2, b_ckpt)
+        for target_bits, path, source in ((8, f"{out}.{kind}-32/step=2.ckpt", saved32), (32, path8, saved8)):
+            snapshot = Snapshot()
+            resumed = model()
+            t = trainer(3, [EightBitOptimizer(min_8bit_size=MIN_8BIT, bits=target_bits), snapshot], distributed=distributed)
+            t.fit(resumed, ckpt_path=path)
+            results[f"convert_{kind}_to_{target_bits}"] = {
+                "mismatches": converted_mismatches(source, snapshot.loaded, target_bits), "count": len(source),
+                "type": type(t.optimizers[0]).__name__,
+                "finite": all(bool(torch.isfinite(p).all()) for p in full_params(resumed).values()),
+            }
+    # refusals before the first step
+    errors = {}
+    for name, callbacks, path in (("offload", [EightBitOptimizer(offload="cpu")], None),
+                                  ("unsharded_checkpoint", [eight()], unsharded_ckpt)):
+        try:
+            trainer(1, callbacks).fit(model(), ckpt_path=path)
+        except ValueError as error:
+            errors[name] = str(error)
+    results["errors"] = errors
     save(out, results)
 
 
-def mode_refuse(out):
-    errors = {}
-    try:
-        trainer(1, [EightBitOptimizer(offload="cpu")]).fit(model())
-    except ValueError as error:
-        errors["offload"] = str(error)
-    save(out, errors)
-
-
 if __name__ == "__main__":
-    mode, out, *rest = sys.argv[1:]
-    {"steps": mode_steps, "resume": mode_resume, "convert": mode_convert, "refuse": mode_refuse}[mode](out, *rest)
+    main(*sys.argv[1:])
