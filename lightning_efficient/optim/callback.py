@@ -240,7 +240,7 @@ class EightBitOptimizer(Callback):
         saved_mesh = saved.get("device_mesh") if isinstance(saved, dict) else None
         if saved_mesh == self._device_mesh:
             return
-        where = lambda mesh: f"sharded over a device mesh of shape {mesh}" if mesh else "without sharding"  # noqa: E731
+        where = lambda mesh: f"sharded over a device mesh of shape {mesh}" if mesh else "without sharding"
         raise ValueError(
             f"EightBitOptimizer: the checkpoint's 8-bit optimizer states were saved {where(saved_mesh)}, this run is "
             f"{where(self._device_mesh)}: bitsandbytes quantizes each rank's shard in its own blocks of 256, which do not "

@@ -50,15 +50,17 @@ from lightning_efficient.optim.state import (
 )
 
 __all__ = [
+    "checkpoint_layouts",
     "convert_sharded_state",
     "has_sharded_params",
     "install_layout_hooks",
     "load_sharded",
     "local_state",
     "max_local_blocks",
+    "save_sharded",
     "saved_state",
-    "sharded_class",
     "shard_mesh",
+    "sharded_class",
 ]
 
 _PARAM_LIKE = ("state1", "state2", "exp_avg", "exp_avg_sq", "momentum_buffer")

@@ -169,7 +169,7 @@ def converted_mismatches(saved, loaded, target_bits):
 
 
 def main(out, unsharded_ckpt):
-    eight = lambda **kw: EightBitOptimizer(min_8bit_size=MIN_8BIT, **kw)  # noqa: E731
+    eight = lambda **kw: EightBitOptimizer(min_8bit_size=MIN_8BIT, **kw)
     results = {}
     # A: 4 steps straight, every local update checked, a distributed checkpoint at step 2
     check, at_a, at_b = CheckLocalUpdates(), Snapshot(), Snapshot(stop_at_2=True)
