@@ -6,7 +6,8 @@
   gradient and state alone; the state bytes per rank;
 - resumed at step 2 from Lightning's distributed checkpoint and from a full-state one, to step 4;
 - 32-bit AdamW checkpoints (both kinds) resumed 8-bit, and the 8-bit ones resumed with ``bits=32``;
-- refusals: ``offload="cpu"``, and ``UNSHARDED_CKPT`` (8-bit states saved on one device).
+- refusals: ``offload="cpu"``, and ``UNSHARDED_CKPT`` (8-bit states saved on one device);
+- tensor parallelism (data_parallel_size=1, tensor_parallel_size=2): local updates and a resume.
 """
 
 import copy
@@ -217,7 +218,58 @@ def main(out, unsharded_ckpt):
         except ValueError as error:
             errors[name] = str(error)
     results["errors"] = errors
+    results["tensor_parallel"] = tensor_parallel(out)
     save(out, results)
+
+
+
+
+class TensorParallel(lightning.LightningModule):
+    """An MLP split by tensor parallelism: ``up`` column-wise (Shard(0)), ``down`` row-wise (Shard(1), bias replicated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 256), torch.nn.Linear(256, 32)
+
+    def configure_model(self):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(self, self.device_mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+    def training_step(self, batch, batch_idx):
+        x = batch["input_ids"].float() / 512
+        return torch.nn.functional.mse_loss(self.down(torch.nn.functional.gelu(self.up(x))), x)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def train_dataloader(self):  # every rank sees every row (dp=1): 4 rows, 2 steps an epoch
+        return DataLoader(torch.utils.data.Subset(Rows(), range(4)), batch_size=2)
+
+
+def tensor_parallel(out):
+    """dp=1, tp=2: every local update checked; a distributed checkpoint at step 2 resumed exactly."""
+    def tp_trainer(callbacks, ckpt_dir=None):
+        extra = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")] if ckpt_dir else []
+        return lightning.Trainer(
+            accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+            max_steps=4, logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, *extra])
+
+    check = CheckLocalUpdates()
+    lightning.seed_everything(0)
+    straight = TensorParallel()
+    t = tp_trainer([EightBitOptimizer(min_8bit_size=1000), check], ckpt_dir=f"{out}.TP")
+    t.fit(straight)
+    lightning.seed_everything(0)
+    resumed = TensorParallel()
+    t2 = tp_trainer([EightBitOptimizer(min_8bit_size=1000)])
+    t2.fit(resumed, ckpt_path=f"{out}.TP/step=2.ckpt")
+    a, b = full_params(straight), full_params(resumed)
+    placements = {n: str(p.placements) for n, p in straight.named_parameters()}
+    return {"checked": check.checked, "mismatches": check.mismatches, "eight_bit": check.eight_bit,
+            "placements": placements, "resume_exact": all(torch.equal(a[k], b[k]) for k in a),
+            "type": type(t.optimizers[0]).__name__}
 
 
 if __name__ == "__main__":

@@ -96,3 +96,13 @@ def test_a_sharded_8bit_checkpoint_is_refused_on_one_device(fsdp):
     t = one_device_trainer(3, [EightBitOptimizer(min_8bit_size=MIN_8BIT)])
     with pytest.raises(ValueError, match=r"saved sharded over a device mesh of shape \[2\], this run is without sharding"):
         t.fit(OneDevice(**KWARGS), ckpt_path=tmp / "out.B" / "step=2.ckpt")
+
+
+def test_tensor_parallel_shards_step_locally_and_resume_exactly(fsdp):
+    _, ranks = fsdp
+    for tp in (r["tensor_parallel"] for r in ranks):
+        assert tp["type"] == "LocalShardAdamW8bit"
+        assert tp["placements"] == {"up.weight": "(Shard(dim=0),)", "up.bias": "(Shard(dim=0),)",
+                                    "down.weight": "(Shard(dim=1),)", "down.bias": "(Replicate(),)"}
+        assert tp["checked"] == 4 * 4 and tp["mismatches"] == [] and tp["eight_bit"] == 2
+        assert tp["resume_exact"]
