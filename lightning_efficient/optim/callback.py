@@ -16,6 +16,7 @@ from lightning_efficient._validation import require, require_bool, require_choic
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.offload import host_offloaded, repaged_on_load
 from lightning_efficient.optim.schedulers import rebind_schedulers
+from lightning_efficient.optim.sharded import checkpoint_layouts, has_sharded_params, install_layout_hooks, shard_mesh
 from lightning_efficient.optim.state import (
     BNB_BLOCKWISE,
     TORCH_32BIT,
@@ -57,6 +58,14 @@ class EightBitOptimizer(Callback):
     optimizer, and with ``bits=32`` (keep the module's own 32-bit optimizer) an 8-bit checkpoint's
     moments are dequantized, so a run can switch mid-way. The bitsandbytes version and the state
     layout are recorded in the checkpoint.
+
+    Under FSDP2 (Lightning's ``ModelParallelStrategy``; parameters are DTensors) bitsandbytes steps
+    each rank's local shard and a rank holds about 2.05 bytes of state per *local* parameter
+    (:mod:`lightning_efficient.optim.sharded`). Lightning's distributed (sharded) checkpoint and its
+    full-state checkpoint both resume exactly on the same device mesh, and convert between 32-bit
+    and 8-bit shard by shard; an 8-bit checkpoint saved on another device mesh (or without sharding)
+    is refused before the first step. ``offload="cpu"`` is refused with sharded parameters: FSDP2's
+    own ``CPUOffloadPolicy`` keeps parameters, gradients and these states on the host.
 
     Args:
         min_8bit_size: tensors with fewer elements keep 32-bit states (>= 1; bitsandbytes' default 4096).
@@ -105,6 +114,8 @@ class EightBitOptimizer(Callback):
         self._overridden: set[int] = set()
         self._loaded_checkpoint: dict | None = None
         self._figures: dict[str, int] = {}
+        self._device_mesh: list[int] | None = None
+        self._patched_strategy: Any = None
 
     # -- which parameters stay 32-bit -------------------------------------------------------
     def _kept_32bit(self, pl_module: LightningModule) -> dict[int, str]:
@@ -130,10 +141,23 @@ class EightBitOptimizer(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         on_cuda = pl_module.device.type == "cuda"
+        self._device_mesh = shard_mesh(list(pl_module.parameters()))
+        if self._device_mesh is not None and self.bits == 8 and self.offload:
+            raise ValueError(
+                f"offload={self.offload!r} is not allowed with sharded (DTensor) parameters: use None, and FSDP2's own "
+                "fully_shard(..., offload_policy=CPUOffloadPolicy()) to keep parameters, gradients and optimizer states "
+                "on the host (the optimizer then steps there)."
+            )
         if self.bits == 8 and not on_cuda and (self.paged or self.offload):
             rank_zero_warn("EightBitOptimizer: paged/offload need a CUDA device; on CPU the optimizer runs as plain 8-bit.")
         if self.bits == 8:
             self._convert_optimizers(trainer, pl_module, paged=self.paged and on_cuda, offload=bool(self.offload) and on_cuda)
+        if self._loaded_checkpoint is not None:  # restored before setup (one device, DDP)
+            layouts = [{param_state_layout(s) for s in o["state"].values()} - {None}
+                       for o in self._loaded_checkpoint.get("optimizer_states", [])]
+            self._check_saved_mesh(layouts, self._loaded_checkpoint.get("callbacks"))
+        elif self._device_mesh is not None and not trainer.strategy.lightning_restore_optimizer:
+            self._intercept_sharded_load(trainer, pl_module)
         self._convert_loaded_states(trainer)
 
     def _convert_optimizers(self, trainer: Trainer, pl_module: LightningModule, paged: bool, offload: bool) -> None:
@@ -151,7 +175,7 @@ class EightBitOptimizer(Callback):
             if self.paged and paged_refusal(optimizer):  # refused on CPU too, where paging is off anyway
                 raise ValueError(f"paged=True is not allowed for optimizer {index}: {paged_refusal(optimizer)}; use paged=False.")
             try:
-                twin = build_twin(optimizer, min_8bit_size=self.min_8bit_size, paged=paged)
+                twin = build_twin(optimizer, min_8bit_size=self.min_8bit_size, paged=paged, sharded=has_sharded_params(optimizer))
             except NoTwinError:
                 if self.strict:
                     raise
@@ -221,7 +245,81 @@ class EightBitOptimizer(Callback):
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # Lightning loads the optimizer states from this same dict after on_fit_start, once the
         # optimizers are replaced: they are converted there, against the new optimizers' parameters.
-        self._loaded_checkpoint = checkpoint
+        # ModelParallelStrategy loads them itself, after on_fit_start (see _prepare_sharded_resume).
+        if trainer.strategy.lightning_restore_optimizer:
+            self._loaded_checkpoint = checkpoint
+
+    def _check_saved_mesh(self, layouts: list[set[str]], callbacks: dict | None) -> None:
+        """Refuse 8-bit states saved sharded over another device mesh (or saved unsharded, resumed sharded)."""
+        if not any(BNB_BLOCKWISE in found for found in layouts):
+            return
+        saved = (callbacks or {}).get(self.state_key, {})
+        saved_mesh = saved.get("device_mesh") if isinstance(saved, dict) else None
+        if saved_mesh == self._device_mesh:
+            return
+        where = lambda mesh: f"sharded over a device mesh of shape {mesh}" if mesh else "without sharding"
+        raise ValueError(
+            f"EightBitOptimizer: the checkpoint's 8-bit optimizer states were saved {where(saved_mesh)}, this run is "
+            f"{where(self._device_mesh)}: bitsandbytes quantizes each rank's shard in its own blocks of 256, which do not "
+            "line up on another layout. Resume on the layout that saved it, or save a 32-bit checkpoint there "
+            "(EightBitOptimizer(bits=32) resumed from it, one step) and convert from that."
+        )
+
+    def _intercept_sharded_load(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Run :meth:`_prepare_sharded_resume` when the strategy loads a checkpoint (after ``on_fit_start``).
+
+        ``ModelParallelStrategy`` restores after ``on_fit_start`` and the checkpoint's path reaches only
+        its ``load_checkpoint``: that method is wrapped on the instance, for its next call only (and put
+        back in ``teardown``/``on_exception`` if it is never called).
+        """
+        strategy = trainer.strategy
+        original = strategy.load_checkpoint
+
+        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            self._restore_strategy()
+            self._prepare_sharded_resume(trainer, pl_module, checkpoint_path)
+            return original(checkpoint_path, *args, **kwargs)
+
+        strategy.load_checkpoint = load_checkpoint
+        self._patched_strategy = strategy
+
+    def _restore_strategy(self) -> None:
+        strategy, self._patched_strategy = self._patched_strategy, None
+        if strategy is not None and "load_checkpoint" in vars(strategy):
+            del strategy.load_checkpoint
+
+    def _prepare_sharded_resume(self, trainer: Trainer, pl_module: LightningModule, path: Any) -> None:
+        """Before a checkpoint is restored: check its layout and make the optimizers' templates match it.
+
+        ``ModelParallelStrategy`` loads optimizer states through ``torch.distributed.checkpoint`` into
+        the template each optimizer's ``state_dict`` gives: for a checkpoint in the other layout (32-bit
+        for the 8-bit twin, 8-bit for ``bits=32``) the template is given in that layout and the loaded
+        states are converted per local shard.
+        """
+        layouts, group_keys, callbacks = checkpoint_layouts(path)
+        self._check_saved_mesh(layouts, callbacks)
+        kept = self._kept_32bit(pl_module) if self.bits == 32 else {}
+
+        def was_8bit(param: torch.Tensor) -> bool:  # the same settings as the run that saved
+            return param.numel() >= self.min_8bit_size and id(param) not in kept
+
+        for index, (optimizer, found, groups) in enumerate(zip(trainer.strategy.optimizers, layouts, group_keys)):
+            if not has_sharded_params(optimizer) or not found:
+                continue
+            if isinstance(optimizer, eight_bit_classes()):
+                other = TORCH_32BIT
+                if TORCH_32BIT in found:
+                    optimizer.saved_layout, optimizer.saved_group_keys = TORCH_32BIT, groups
+            else:
+                other = BNB_BLOCKWISE
+                expect = install_layout_hooks(optimizer, was_8bit)
+                if BNB_BLOCKWISE in found:
+                    expect(BNB_BLOCKWISE, groups)
+            if other in found:
+                rank_zero_warn(
+                    f"EightBitOptimizer: optimizer {index}'s checkpoint holds {other} states; they are converted to "
+                    f"{BNB_BLOCKWISE if other == TORCH_32BIT else TORCH_32BIT} shard by shard as they load, to keep training."
+                )
 
     def _convert_loaded_states(self, trainer: Trainer) -> None:
         if self._loaded_checkpoint is None:
@@ -243,16 +341,19 @@ class EightBitOptimizer(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"bitsandbytes_version": bitsandbytes().__version__, "bits": self.bits, "layout": BNB_BLOCKWISE if self.bits == 8 else TORCH_32BIT}
+        return {"bitsandbytes_version": bitsandbytes().__version__, "bits": self.bits, "layout": BNB_BLOCKWISE if self.bits == 8 else TORCH_32BIT,
+                "device_mesh": self._device_mesh}
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._drop_overrides()
+        self._restore_strategy()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning skips callbacks' teardown when fit raises
         self._drop_overrides()
+        self._restore_strategy()
 
     def _drop_overrides(self) -> None:
         """Remove our 32-bit overrides from bitsandbytes' process-wide manager.

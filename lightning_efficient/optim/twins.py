@@ -198,10 +198,13 @@ def paged_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     )
 
 
-def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: bool) -> torch.optim.Optimizer:
+def build_twin(
+    optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: bool, sharded: bool = False
+) -> torch.optim.Optimizer:
     """The 8-bit twin of ``optimizer``: same parameters, param groups and hyperparameters.
 
-    Every group key is carried over (``initial_lr`` for schedulers and user keys included) except
+    With ``sharded=True`` the twin steps the local shard of each DTensor parameter (FSDP2; see
+    :mod:`lightning_efficient.optim.sharded`). Every group key is carried over (``initial_lr`` for schedulers and user keys included) except
     torch's implementation switches. Scheduled ``momentum``/``alpha`` keep reaching the update
     (:func:`follow_torch_names`). Existing state is not carried: convert it with
     :mod:`lightning_efficient.optim.state`.
@@ -223,6 +226,10 @@ def build_twin(optimizer: torch.optim.Optimizer, *, min_8bit_size: int, paged: b
     groups = [_translate(twin.family, {k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}) for g in optimizer.param_groups]
     defaults = {k: groups[0][k] for k in twin.hyperparameters if k in groups[0]}
     cls = twin.paged if paged else twin.eight_bit
+    if sharded:
+        from lightning_efficient.optim.sharded import sharded_class
+
+        cls = sharded_class(cls)
     built = cls(groups, **defaults, min_8bit_size=min_8bit_size)
     follow_torch_names(built)
     return built
