@@ -1,8 +1,9 @@
-"""8-bit optimizer states: bitsandbytes twins, state conversion, host offload, the callback."""
+"""8-bit optimizer states: bitsandbytes twins, state conversion, host offload, sharded (FSDP2) states, the callback."""
 
 from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.offload import host_offloaded
 from lightning_efficient.optim.schedulers import rebind_schedulers
+from lightning_efficient.optim.sharded import sharded_class
 from lightning_efficient.optim.state import (
     convert_optimizer_state,
     dequantize_adam_state,
@@ -19,4 +20,5 @@ __all__ = [
     "host_offloaded",
     "quantize_adam_state",
     "rebind_schedulers",
+    "sharded_class",
 ]

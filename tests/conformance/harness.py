@@ -50,9 +50,9 @@ RAISES = (False, True)
 SHARDED_STRATEGIES = ("fsdp", "hetero_fsdp")
 STRATEGIES = ("single", "ddp", "hetero_ddp", "resize", *SHARDED_STRATEGIES)
 MULTI_PROCESS = ("ddp", "hetero_ddp", "resize", *SHARDED_STRATEGIES)
-# EightBitOptimizer under FSDP2 is being built on another branch: set True to add its cells (eightbit under
+# EightBitOptimizer under FSDP2 (bitsandbytes on each rank's local shard): False would drop its cells (eightbit under
 # the sharded strategies, and the 8-bit optimizer inside "all" there)
-EIGHT_BIT_SHARDED = False
+EIGHT_BIT_SHARDED = True
 ACTIVATION_POLICIES = ("checkpoint", "selective", "disk", "offload", "auto")
 
 # plugins whose step loss is the mean over all valid tokens of the step (global, all micro-batches):
