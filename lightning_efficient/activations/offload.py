@@ -594,7 +594,9 @@ class HostOffload(_BlockHooks):
         self._backward_block = block_index
         self._drain(above_block=block_index)
         self._fetch_block(block_index)
-        below = [k for k in self._by_block if k < block_index and self._live(k)]
+        # over a copy of the keys: _live() forgets a block whose storages are all gone (a graph dropped
+        # without backward), which changes the dict
+        below = [k for k in list(self._by_block) if k < block_index and self._live(k)]
         if below:
             self._fetch_block(max(below))
 
