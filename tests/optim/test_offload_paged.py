@@ -315,21 +315,47 @@ def test_cuda_offloaded_or_paged_states_train_bitwise_like_plain_8bit_and_resume
         assert getattr(big["state1"], "is_paged", False) and getattr(big["state2"], "is_paged", False)
 
 
+class _DeviceStateBytes(lightning.Callback):
+    """Optimizer-state bytes on the device (quantization maps aside) after every step and at train end,
+    read while training runs: after ``fit`` returns, Lightning's ``Strategy.teardown`` has moved every
+    optimizer state to the CPU, and a reading then could not fail."""
+
+    def __init__(self):
+        self.after_steps: list[int] = []
+        self.at_train_end: int | None = None
+
+    @staticmethod
+    def _bytes(trainer) -> int:
+        return sum(v.numel() * v.element_size() for o in trainer.optimizers for s in o.state.values()
+                   for k, v in s.items() if torch.is_tensor(v) and v.is_cuda and not k.startswith("qmap"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after_steps.append(self._bytes(trainer))
+
+    def on_train_end(self, trainer, pl_module):
+        self.at_train_end = self._bytes(trainer)
+
+
 @needs_cuda
 def test_cuda_offload_keeps_no_optimizer_state_on_the_device_between_steps():
     from lightning_efficient import MemoryReport
 
-    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
-    model = _Wide()
-    trainer = lightning.Trainer(
-        accelerator="cuda", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[EightBitOptimizer(offload="cpu"), report],
-    )
-    trainer.fit(model)
-    optimizer = trainer.optimizers[0]
-    on_device = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
-                    if torch.is_tensor(v) and v.is_cuda and not k.startswith("qmap"))
-    assert on_device == 0
+    def fit(setting):
+        measured = _DeviceStateBytes()
+        report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+        trainer = lightning.Trainer(
+            accelerator="cuda", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False,
+            callbacks=[EightBitOptimizer(**setting), report, measured],
+        )
+        trainer.fit(_Wide())
+        return measured, report
+
+    plain, _ = fit({})
+    assert len(plain.after_steps) == 3 and min(plain.after_steps) > 2 * 512 * 512 * 2  # the measure sees device states
+    measured, report = fit({"offload": "cpu"})
+    assert measured.after_steps == [0, 0, 0]
+    assert measured.at_train_end == 0
     figures = report.report()
     # all but the two quantization maps (float32, 256 codes each), which stay on the device
     assert 0 <= figures["optimizer_state_bytes"] - figures["optimizer_state_host_bytes"] <= 2 * 256 * 4
