@@ -1,8 +1,8 @@
 """Every CUDA path in one run: ``python benchmarks/gpu_check.py`` (sized for under 8 minutes on one H200).
 
-Expected runtime: about 3-4 minutes on one H200 by estimate (about 28 fits of a few steps each, and four
-optimizer twins of a few steps);
-it has not run on a GPU yet, none having been lent to this project. ``--smoke``: 20-40 s on 2 CPU cores.
+Expected runtime: about 3-4 minutes on one H200 by estimate (about 28 fits of a few steps each, and
+four optimizer twins of a few steps); it has not run on a GPU yet, none having been lent to this
+project. ``--smoke``: 20-40 s on 2 CPU cores.
 
 Prints ONE table (check, variant, metric, value, ratio to the check's baseline — for a comparison of
 tensors, the largest per-tensor ``max|diff| / max|reference|`` —, result) and exits non-zero when
