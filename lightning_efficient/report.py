@@ -179,10 +179,13 @@ class MemoryReport(Callback):
         never the strategy's."""
         strategy = trainer.strategy
         original = strategy.training_step
+        pending = [True]  # one shot: another plugin may have wrapped this wrapper, which then stays in the chain
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            self._unwrap_training_step(trainer)
-            self._reset_peaks(pl_module)
+            if pending:
+                pending.clear()
+                self._unwrap_training_step(trainer)  # only while it is still the outermost
+                self._reset_peaks(pl_module)
             return original(*args, **kwargs)
 
         training_step._memory_report_original = original  # type: ignore[attr-defined]

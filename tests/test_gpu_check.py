@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_check import GRAD_TOLERANCE, TABLE_CHECKS, Bench
+from benchmarks.gpu_check import GRAD_TOLERANCE, RESULTS_THAT_FAIL, TABLE_CHECKS, Bench
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -47,6 +47,7 @@ def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path
     # every numerical check runs on the CPU (CUDA-only variants in their fallback) and passes
     expected = {("grads", v) for v in ("keep_rerun", "checkpoint", "selective", "offload", "disk", "memory_report")}
     expected |= {("optim_exact", v) for v in ("8bit_rerun", "8bit_paged", "8bit_offload")}
+    expected |= {("optim_twins", v) for v in ("8bit_rerun", "8bit_paged", "8bit_offload")}
     expected |= {("resume", v) for v in ("8bit", "8bit_paged", "8bit_offload")}
     expected |= {("memory_report", "with_report")}
     assert expected <= set(results), expected - set(results)
@@ -55,6 +56,13 @@ def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path
     # the disk policy really moved bytes at toy sizes (the size threshold is 0 in --smoke)
     written = [row for row in rows if row[:3] == ["activations", "disk", "disk_written_bytes_per_step"]]
     assert written and written[0][3] not in ("-", "0.0 MiB"), written
+    # offload's share is of the bytes it can move: the blocks' saved bytes less autocast's weight copies
+    # (bf16-mixed on CPU casts the weights too)
+    share = {row[2]: row[4] for row in rows if row[:2] == ["activations", "offload"]}  # of blocks_saved_bytes
+    assert 0 < float(share["blocks_weight_copy_bytes"]) < 1, share
+    assert abs(float(share["blocks_weight_copy_bytes"]) + float(share["blocks_movable_bytes"]) - 1) < 0.01, share
+    # hetero's check that can fail (no allocation retried in training after the probe) needs CUDA
+    assert ["hetero", "probe_auto", "alloc_retries_in_training", "-", "-", "skipped: needs CUDA"] in rows
     # CUDA-only figures and goals say they were skipped, they are not made up
     assert any(row[0] == "goals" and row[5] == "skipped: needs CUDA" for row in rows)
     assert "gpu_check: 0 failed check(s)" in done.stdout
@@ -63,8 +71,9 @@ def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path
 def test_a_failed_numerical_check_makes_the_run_fail():
     done = _run("--smoke", "--only", "grads", "--perturb", "grads")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    results = [row[5] for row in _rows(done.stdout) if row[0] == "grads"]
-    assert results and all(result.startswith("FAIL") for result in results), results
+    results = {row[1]: row[5] for row in _rows(done.stdout) if row[0] == "grads"}
+    assert results.pop("keep_rerun") == "pass (bitwise)"  # the control is left alone
+    assert results and all(result.startswith("FAIL") for result in results.values()), results
     assert {row[0] for row in _rows(done.stdout)} == {"grads"}  # --only ran that check alone
 
 
@@ -91,3 +100,24 @@ def test_exact_comparisons_fail_on_one_ulp_and_tolerant_ones_on_more_than_the_to
     assert results[3].startswith("FAIL") and results[4].startswith("FAIL")
     assert results[5].startswith("error")
     assert bench.rows[1].value == 2.0**-24  # one float32 ulp at 0.5
+
+
+def test_an_exact_check_is_inconclusive_not_failed_when_its_rerun_control_is_not_bitwise(tmp_path):
+    reference = {"w": torch.tensor([1.0, -2.0, 0.5])}
+    noisy = {"w": torch.tensor([1.0, -2.0, 0.5 + 2.0**-20])}
+    bench = _bench(tmp_path)
+    bench.compare("optim_exact", "8bit_rerun", reference, dict(reference), exact=True, what="params")
+    bench.compare("optim_exact", "8bit_offload", reference, noisy, exact=True, what="params",
+                  control="optim_exact/8bit_rerun")
+    assert bench.rows[-1].result.startswith("FAIL")  # a bitwise control: a difference is a failure
+    bench = _bench(tmp_path)
+    bench.compare("optim_exact", "8bit_rerun", reference, noisy, exact=True, what="params")
+    bench.compare("optim_exact", "8bit_offload", reference, noisy, exact=True, what="params",
+                  control="optim_exact/8bit_rerun")
+    bench.compare("resume", "8bit", reference, dict(reference), exact=True, what="params",
+                  control="optim_exact/8bit_rerun")
+    results = [row.result for row in bench.rows]
+    assert results[0].startswith("FAIL")  # the control itself
+    assert results[1].startswith("inconclusive (control optim_exact/8bit_rerun not bitwise")
+    assert not results[1].startswith(RESULTS_THAT_FAIL)
+    assert results[2] == "pass (bitwise)"  # equal is equal, whatever the control

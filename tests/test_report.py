@@ -230,3 +230,36 @@ def test_cuda_paged_optimizer_bytes():
         enable_progress_bar=False, enable_model_summary=False, callbacks=[report],
     ).fit(model)
     assert report.report()["paged_optimizer_bytes"] == 2 * model.hidden.weight.numel()
+
+
+class _WrapsTrainingStepAfterTheReport(lightning.Callback):
+    """Another plugin that wraps the strategy's ``training_step`` after MemoryReport has wrapped it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            inner = trainer.strategy.training_step
+
+            def training_step(*args, **kwargs):
+                self.calls += 1
+                return inner(*args, **kwargs)
+
+            trainer.strategy.training_step = training_step
+
+
+def test_a_wrapper_installed_after_the_reports_resets_peaks_and_counters_only_once(small_datamodule_kwargs):
+    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+    resets = []
+    reset_peaks = report._reset_peaks
+    report._reset_peaks = lambda pl_module: (resets.append(pl_module.global_step), reset_peaks(pl_module))
+    outer = _WrapsTrainingStepAfterTheReport()
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[report, outer],
+    )
+    trainer.fit(DemoGPT(**tiny_gpt_kwargs()), datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    assert outer.calls == 3  # the outer wrapper stayed in the chain, and with it the report's
+    assert resets == [0, 0]  # at the first batch's start and at its strategy step; never again
+    assert report.report()["steps"] == 3  # the step counters were not cleared at later steps

@@ -339,9 +339,6 @@ class _SyncStreams:
         """Whether ``event`` has happened."""
         return event.done
 
-    def record_stream(self, tensor: Tensor) -> None:
-        """Mark ``tensor`` (made by a copy back) as used on its device's current stream."""
-
     def complete(self) -> None:
         """Finish every unfinished event."""
         for event in list(self._unfinished):
@@ -354,8 +351,11 @@ class _CudaStreams:
 
     Copies out wait for the work queued so far on the tensor's device's current stream; copies back
     run on their own stream, so the first one in backward does not queue behind the forward's
-    copies out. A tensor made by a copy back is used on the compute stream, so the compute stream
-    is recorded on it (``record_stream``) and the allocator does not reuse its memory early.
+    copies out. A copy back's destination is allocated on the compute stream (the current one),
+    where it is used and freed, so its block stays in that stream's pool; the copy stream first
+    waits for the compute stream's work so far (which may still use a block the allocator hands out
+    again), and the copy stream is recorded on it (``record_stream``) in case it is dropped before
+    the copy is done.
     """
 
     device_type = "cuda"
@@ -382,11 +382,15 @@ class _CudaStreams:
         """A device copy of ``host`` started on the host-to-device stream once ``after`` (its copy
         out) is done, and its event."""
         _, to_device = self._streams(device)
+        compute = torch.cuda.current_stream(device)
+        whole = torch.empty(host.shape, dtype=host.dtype, device=device)  # on the compute stream
+        to_device.wait_stream(compute)
         with torch.cuda.stream(to_device):
             to_device.wait_event(after)
-            whole = torch.empty(host.shape, dtype=host.dtype, device=device)
             whole.copy_(host, non_blocking=True)
-            return whole, to_device.record_event()
+            done = to_device.record_event()
+        whole.record_stream(to_device)
+        return whole, done
 
     def wait(self, event: torch.cuda.Event, device: torch.device) -> None:
         """Make ``device``'s current stream wait for ``event`` (the host does not wait)."""
@@ -396,9 +400,6 @@ class _CudaStreams:
         """Whether ``event`` has happened."""
         return event.query()
 
-    def record_stream(self, tensor: Tensor) -> None:
-        """Mark ``tensor`` (made on the host-to-device stream) as used on its device's current stream."""
-        tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
 
 class _HostStorage:
@@ -578,7 +579,6 @@ class HostOffload(_BlockHooks):
             self._streams.wait(storage.copied, storage.on)  # its memory outlives the copy out
             return packed.restore(storage.device)
         self._streams.wait(storage.ready, storage.on)
-        self._streams.record_stream(storage.fetched)
         return packed.restore(storage.fetched)
 
     def _entering(self, block_index: int) -> None:
@@ -594,7 +594,9 @@ class HostOffload(_BlockHooks):
         self._backward_block = block_index
         self._drain(above_block=block_index)
         self._fetch_block(block_index)
-        below = [k for k in self._by_block if k < block_index and self._live(k)]
+        # over a copy of the keys: _live() forgets a block whose storages are all gone (a graph dropped
+        # without backward), which changes the dict
+        below = [k for k in list(self._by_block) if k < block_index and self._live(k)]
         if below:
             self._fetch_block(max(below))
 

@@ -5,15 +5,20 @@ steps. During ``step`` each parameter's state is brought to the device just befo
 while the *next* parameter's state is copied in on one side stream, and each updated state is
 copied back on a second side stream while the following updates run (the idea of Deep Optimizer
 States). bitsandbytes' own ``step`` synchronises the whole device after every parameter; ours does
-not: the update of a parameter waits only for the copy-in of its own state (an event), the
-copy-back waits only for its own update (an event), and the host waits once, at the end of the
-step, for the last copies back (and, before that, for the oldest copy back whenever more than
-:data:`MAX_WRITES_IN_FLIGHT` are in flight, so that the device holds only a few parameters' states
-at a time). Every device tensor used on a stream other than the one it was made on is marked with
-``record_stream``, so the caching allocator does not hand its memory out again before that use
-is done. The stream operations sit behind a small interface (:class:`CudaCopies`, and
-:class:`SyncCopies`: synchronous copies that log what they did) so that a CPU test drives the
-same schedule as a GPU.
+not: the update of a parameter waits only for the copy-in of its own state (an event) and the
+copy-back waits only for its own update (an event). The host does wait, though not once per step:
+once more than :data:`MAX_WRITES_IN_FLIGHT` copies back are in flight, it waits for the oldest
+before going on, so from the third parameter with states on, once per parameter (for the copy back
+issued two parameters earlier: this bounds the device memory to a few parameters' states); and at
+the end of the step, for both side streams, so that the host buffers hold the states when ``step``
+returns. Updates and copies overlap within that window. bitsandbytes launches its kernels on the
+legacy default stream, so the step runs with the device's default stream current and orders the
+copies against it (:meth:`CudaCopies.updating`). Copies to the device are allocated on that
+compute stream, where they are used and freed; every device tensor used on another stream is
+marked with ``record_stream``, so the caching allocator does not hand its memory out again before
+that use is done. Each device has its own streams. The stream operations sit behind a small
+interface (:class:`CudaCopies`, and :class:`SyncCopies`: synchronous copies that log what they did)
+so that a CPU test drives the same schedule as a GPU.
 
 **Paged states after a resume** (:func:`repaged_on_load`, :func:`repage_states`). bitsandbytes'
 ``load_state_dict`` puts the loaded ``state1``/``state2`` on the device as ordinary tensors: a
@@ -29,7 +34,9 @@ forward) and the next ``step`` calls at the latest.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -48,8 +55,15 @@ class CudaCopies:
     """The CUDA streams and events of host offload on one device.
 
     Copies to the device run on one side stream, copies to the host on another, so the two
-    directions overlap each other and the updates on the compute stream (the stream current when
-    the step runs). One event marks each parameter's copies done.
+    directions overlap each other and the updates on the compute stream. One event marks each
+    parameter's copies done.
+
+    The compute stream is the device's *default* stream, not the current one: bitsandbytes launches
+    its optimizer kernels with no stream argument, so they run on the legacy default stream whatever
+    stream is current. The step runs inside :meth:`updating`, which makes the default stream current
+    (after it waits for the work queued on the stream current before, the gradients) and makes that
+    stream wait for the step's work at the end: torch's ops of the step, bitsandbytes' updates and
+    the copies' ordering then all refer to one stream.
 
     Args:
         device: the CUDA device the parameters are on.
@@ -57,37 +71,54 @@ class CudaCopies:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.compute = torch.cuda.default_stream(device)  # where bitsandbytes' kernels run
         self.to_device_stream = torch.cuda.Stream(device)
         self.to_host_stream = torch.cuda.Stream(device)
 
-    def _compute(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Run the step's updates with the default stream current, ordered after the current stream's
+        work so far and before its work to come (device-side waits; the host does not wait)."""
+        current = torch.cuda.current_stream(self.device)
+        if current == self.compute:
+            yield
+            return
+        self.compute.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.compute):
+                yield
+        finally:
+            current.wait_stream(self.compute)
 
     def to_device(self, hosts: list[Tensor]) -> tuple[list[Tensor], Any]:
-        """Start copying ``hosts`` to the device; the copies (made on the copy stream) and the event
-        that marks them done."""
+        """Start copying ``hosts`` to the device; the copies and the event that marks them done.
+
+        The copies are allocated on the compute stream, where they are used and freed (their blocks
+        stay in its pool, not the copy stream's); the copy stream first waits for the compute
+        stream's work so far, which may still use a block the allocator hands out again."""
         stream = self.to_device_stream
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(self.compute):
             copies = [torch.empty_like(host, device=self.device) for host in hosts]
+        stream.wait_stream(self.compute)
+        with torch.cuda.stream(stream):
             for copy, host in zip(copies, hosts):
                 copy.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
+        for copy in copies:
+            copy.record_stream(stream)  # dropped before its use (an exception), its memory still waits for the copy
         return copies, event
 
     def use(self, tensors: list[Tensor], event: Any) -> None:
-        """Make the compute stream wait for ``event`` (only) before it uses ``tensors``, made on the copy stream."""
-        compute = self._compute()
-        compute.wait_event(event)
-        for tensor in tensors:
-            tensor.record_stream(compute)  # its memory is not reused before the compute stream's use is done
+        """Make the compute stream wait for ``event`` (only) before it uses ``tensors`` (allocated on it)."""
+        self.compute.wait_event(event)
 
     def to_host(self, pairs: list[tuple[Tensor, Tensor]]) -> Any:
         """Copy each ``(device tensor, host tensor)`` pair to the host once the compute stream's work
         so far (the update) is done; the event that marks the copies done."""
         stream = self.to_host_stream
         updated = torch.cuda.Event()
-        updated.record(self._compute())
+        updated.record(self.compute)
         stream.wait_event(updated)
         with torch.cuda.stream(stream):
             for device_tensor, host in pairs:
@@ -104,7 +135,7 @@ class CudaCopies:
 
     def finish(self) -> None:
         """Block the host until every copy is done (the host buffers then hold the states)."""
-        self._compute().wait_stream(self.to_device_stream)
+        self.compute.wait_stream(self.to_device_stream)
         self.to_host_stream.synchronize()
         self.to_device_stream.synchronize()
 
@@ -144,6 +175,10 @@ class SyncCopies:
         self.log.append(("to_host", event, len(pairs)))
         return event
 
+    def updating(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to order: the copies are synchronous."""
+        return contextlib.nullcontext()
+
     def wait_host(self, event: int) -> None:
         """Log the host's wait for ``event``."""
         self.log.append(("wait_host", event, 0))
@@ -159,16 +194,17 @@ class _HostOffloadMixin:
     def _offload_setup(self) -> None:
         self._host_states: dict[int, dict[str, Tensor]] = {}  # id(param) -> key -> host buffer
         self._staged: dict[int, tuple[dict[str, Tensor], Any]] = {}  # prefetched device states and their event
-        self._copies: CudaCopies | SyncCopies | None = None
+        self._copies: dict[torch.device, CudaCopies | SyncCopies] = {}  # one per parameters' device
         self._writes: deque[Any] = deque()  # events of the copies back still in flight, oldest first
         self._order: list[Tensor] = []
         self._next_index: dict[int, int] = {}
         self._loaded = False  # a state was loaded: place it on the host at the next step at the latest
 
     def _copies_for(self, device: torch.device) -> CudaCopies | SyncCopies:
-        if self._copies is None:
-            self._copies = CudaCopies(device) if device.type == "cuda" else SyncCopies()
-        return self._copies
+        copies = self._copies.get(device)
+        if copies is None:
+            copies = self._copies[device] = CudaCopies(device) if device.type == "cuda" else SyncCopies()
+        return copies
 
     def _movable(self, p: Tensor) -> dict[str, Tensor]:
         return {k: v for k, v in self.state[p].items() if isinstance(v, Tensor) and k not in _SHARED_KEYS}
@@ -199,7 +235,8 @@ class _HostOffloadMixin:
 
         bitsandbytes' loop (overrides checked once, a state made on first use, ``prefetch_state``
         then ``update_step`` per parameter) without its device synchronisation after every
-        parameter: the copies are ordered by events, and the host waits once, at the end.
+        parameter: the copies are ordered by events; the host waits for the oldest copy back while
+        more than :data:`MAX_WRITES_IN_FLIGHT` are in flight, and for every copy at the end.
         """
         loss = None
         if closure is not None:  # before listing the parameters: the closure computes the gradients
@@ -213,17 +250,20 @@ class _HostOffloadMixin:
         self._order = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         self._next_index = {id(p): i + 1 for i, p in enumerate(self._order)}
         try:
-            for gindex, group in enumerate(self.param_groups):
-                for pindex, p in enumerate(group["params"]):
-                    if p.grad is None:
-                        continue
-                    if len(self.state[p]) == 0:
-                        self.init_state(group, p, gindex, pindex)
-                    self.prefetch_state(p)
-                    self.update_step(group, p, gindex, pindex)
+            with contextlib.ExitStack() as updating:
+                for device in dict.fromkeys(p.device for p in self._order):
+                    updating.enter_context(self._copies_for(device).updating())
+                for gindex, group in enumerate(self.param_groups):
+                    for pindex, p in enumerate(group["params"]):
+                        if p.grad is None:
+                            continue
+                        if len(self.state[p]) == 0:
+                            self.init_state(group, p, gindex, pindex)
+                        self.prefetch_state(p)
+                        self.update_step(group, p, gindex, pindex)
         finally:
-            if self._copies is not None:
-                self._copies.finish()
+            for copies in self._copies.values():
+                copies.finish()
             self._staged.clear()
             self._writes.clear()
         return loss

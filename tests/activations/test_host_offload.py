@@ -149,6 +149,26 @@ def test_a_retained_graph_comes_back_from_the_host_in_a_second_backward():
         assert torch.equal(2 * expected, param.grad)
 
 
+def test_a_lower_block_whose_storages_all_died_does_not_break_the_next_backward():
+    # a first forward offloads blocks 0 and 1 and its graph is dropped without backward (an
+    # exception, a skipped step): block 0 keeps an entry whose storages are all dead; a second
+    # forward offloads block 1 only, and entering block 1 in backward looks for the next block below
+    blocks = _stack(n_blocks=2)
+    reference = _grads(blocks, None)
+    host = _host(blocks, max_in_flight=1)
+    dropped = _forward(blocks, host, _input())
+    del dropped
+    assert host._by_block[0] and all(ref() is None for ref in host._by_block[0])  # an entry, all dead
+    blocks.zero_grad()
+    x = blocks[0](_input())  # block 0 without hooks this time
+    with host.hooks(1):
+        x = blocks[1](x)
+    x.pow(2).sum().backward()  # raised "dictionary changed size during iteration" before
+    for expected, param in zip(reference, blocks.parameters()):
+        assert torch.equal(expected, param.grad)
+    assert 0 not in host._by_block and host.held_on_device == 0
+
+
 def _transformer():
     return Transformer(vocab_size=50, ninp=16, nhead=2, nhid=32, nlayers=2, dropout=0.1).double().train()
 

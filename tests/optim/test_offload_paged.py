@@ -71,7 +71,7 @@ def test_offloaded_states_step_bitwise_like_plain_8bit_and_stay_in_their_host_bu
     plain_params, params = _params(), _params()
     plain = cls(plain_params, **kwargs)
     offloaded = host_offloaded(cls)(params, **kwargs)
-    offloaded._copies = SyncCopies()
+    offloaded._copies = {torch.device("cpu"): SyncCopies()}
     buffers = None
     for step in range(5):
         _run(plain, plain_params, 1, step)
@@ -95,14 +95,14 @@ class _LoggedUpdates(host_offloaded(bnb.optim.AdamW8bit)):
     """Adds each update to the copies' log, to check the order of copies, waits and updates."""
 
     def update_step(self, group, p, gindex, pindex):
-        self._copies.log.append(("update", pindex, 0))
+        self._copies_for(p.device).log.append(("update", pindex, 0))
         super().update_step(group, p, gindex, pindex)
 
 
 def test_each_update_waits_for_its_own_copy_only_and_the_host_waits_once_per_step():
     params = _params()
     optimizer = _LoggedUpdates(params, lr=1e-2)
-    optimizer._copies = copies = SyncCopies()
+    optimizer._copies = {torch.device("cpu"): (copies := SyncCopies())}
     _run(optimizer, params, 1)  # states are made on the device at the first step, then written back
     assert [op for op, *_ in copies.log].count("to_device") == 0
     copies.log.clear()
@@ -131,6 +131,16 @@ def test_each_update_waits_for_its_own_copy_only_and_the_host_waits_once_per_ste
         assert sum(1 for op, *_ in log[:index] if op == "to_host") == position + MAX_WRITES_IN_FLIGHT + 1
 
 
+def test_each_device_gets_its_own_copies():
+    # one CudaCopies (streams of one device) for every parameter would order copies and updates of a
+    # parameter on another device on the wrong device's streams
+    optimizer = host_offloaded(bnb.optim.AdamW8bit)(_params(), lr=1e-2)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert optimizer._copies_for(cpu) is optimizer._copies_for(cpu)
+    assert optimizer._copies_for(meta) is not optimizer._copies_for(cpu)
+    assert set(optimizer._copies) == {cpu, meta}
+
+
 @pytest.mark.parametrize("first", ["offloaded", "plain"])
 def test_an_offloaded_resume_equals_the_uninterrupted_run(first):
     kwargs = {"lr": 1e-2, "weight_decay": 0.1}
@@ -144,7 +154,7 @@ def test_an_offloaded_resume_equals_the_uninterrupted_run(first):
     checkpoint = _saved(before)
     resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     resumed = host_offloaded(bnb.optim.AdamW8bit)(resumed_params, **kwargs)
-    resumed._copies = SyncCopies()
+    resumed._copies = {torch.device("cpu"): SyncCopies()}
     resumed.load_state_dict(checkpoint)
     # the loaded states are in their host buffers at once (not left where loading put them)
     assert _in_host_buffers(resumed, resumed_params)
@@ -153,7 +163,7 @@ def test_an_offloaded_resume_equals_the_uninterrupted_run(first):
     _moved_to_the_device(resumed)
     assert not _in_host_buffers(resumed, resumed_params)
     _run(resumed, resumed_params, 1, first=3)
-    assert [op for op, *_ in resumed._copies.log].count("to_device") == len(SHAPES)
+    assert [op for op, *_ in resumed._copies[torch.device("cpu")].log].count("to_device") == len(SHAPES)
     assert _in_host_buffers(resumed, resumed_params)
     _run(resumed, resumed_params, 2, first=4)
     for p, q in zip(whole, resumed_params):
@@ -316,20 +326,66 @@ def test_cuda_offloaded_or_paged_states_train_bitwise_like_plain_8bit_and_resume
 
 
 @needs_cuda
+def test_cuda_offloaded_step_under_a_side_stream_equals_plain_8bit():
+    # bitsandbytes' kernels run on the legacy default stream: with another stream current, the copies
+    # must still be ordered against the updates (the step runs with the default stream current)
+    plain_params, params = _params(device="cuda"), _params(device="cuda")
+    plain = bnb.optim.AdamW8bit(plain_params, lr=1e-2)
+    offloaded = host_offloaded(bnb.optim.AdamW8bit)(params, lr=1e-2)
+    side = torch.cuda.Stream()
+    for step in range(4):
+        _run(plain, plain_params, 1, step)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _run(offloaded, params, 1, step)
+        torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for p, q in zip(plain_params, params):
+        assert torch.equal(p, q)
+    assert offloaded.state[params[0]]["state1"].device.type == "cpu"
+
+
+class _DeviceStateBytes(lightning.Callback):
+    """Optimizer-state bytes on the device (quantization maps aside) after every step and at train end,
+    read while training runs: after ``fit`` returns, Lightning's ``Strategy.teardown`` has moved every
+    optimizer state to the CPU, and a reading then could not fail."""
+
+    def __init__(self):
+        self.after_steps: list[int] = []
+        self.at_train_end: int | None = None
+
+    @staticmethod
+    def _bytes(trainer) -> int:
+        return sum(v.numel() * v.element_size() for o in trainer.optimizers for s in o.state.values()
+                   for k, v in s.items() if torch.is_tensor(v) and v.is_cuda and not k.startswith("qmap"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after_steps.append(self._bytes(trainer))
+
+    def on_train_end(self, trainer, pl_module):
+        self.at_train_end = self._bytes(trainer)
+
+
+@needs_cuda
 def test_cuda_offload_keeps_no_optimizer_state_on_the_device_between_steps():
     from lightning_efficient import MemoryReport
 
-    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
-    model = _Wide()
-    trainer = lightning.Trainer(
-        accelerator="cuda", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[EightBitOptimizer(offload="cpu"), report],
-    )
-    trainer.fit(model)
-    optimizer = trainer.optimizers[0]
-    on_device = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
-                    if torch.is_tensor(v) and v.is_cuda and not k.startswith("qmap"))
-    assert on_device == 0
+    def fit(setting):
+        measured = _DeviceStateBytes()
+        report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+        trainer = lightning.Trainer(
+            accelerator="cuda", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False,
+            callbacks=[EightBitOptimizer(**setting), report, measured],
+        )
+        trainer.fit(_Wide())
+        return measured, report
+
+    plain, _ = fit({})
+    assert len(plain.after_steps) == 3 and min(plain.after_steps) > 2 * 512 * 512 * 2  # the measure sees device states
+    measured, report = fit({"offload": "cpu"})
+    assert measured.after_steps == [0, 0, 0]
+    assert measured.at_train_end == 0
     figures = report.report()
     # all but the two quantization maps (float32, 256 codes each), which stay on the device
     assert 0 <= figures["optimizer_state_bytes"] - figures["optimizer_state_host_bytes"] <= 2 * 256 * 4
