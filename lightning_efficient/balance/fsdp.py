@@ -13,6 +13,11 @@ from lightning_efficient._validation import require
 from lightning_efficient.balance.balancer import BalancedStrategy, Balancer
 
 
+_NO_PROBE = ("an int, a list of ints or None under hetero_fsdp ('auto' probes each rank alone until it runs out of "
+             "memory, and FSDP2's all-gathers need every rank in every forward and backward: a rank that ran out of "
+             "memory mid-step would leave the others waiting)")
+
+
 class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
     """FSDP2 (Lightning's ``ModelParallelStrategy``) where each rank's share of every global batch
     follows its measured speed — the balancing of :class:`~lightning_efficient.HeterogeneousDDPStrategy`
@@ -79,12 +84,7 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
-        require(
-            max_micro_batch != "auto", "max_micro_batch", max_micro_batch,
-            "an int, a list of ints or None under hetero_fsdp ('auto' probes each rank alone until it runs out of "
-            "memory, and FSDP2's all-gathers need every rank in every forward and backward: a rank that ran out of "
-            "memory mid-step would leave the others waiting)",
-        )
+        require(max_micro_batch != "auto", "max_micro_batch", max_micro_batch, _NO_PROBE)
         require(
             isinstance(tensor_parallel_size, int) and not isinstance(tensor_parallel_size, bool)
             and tensor_parallel_size == 1, "tensor_parallel_size", tensor_parallel_size,
@@ -102,6 +102,7 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
             hysteresis, ema_decay, seed, shuffle, drop_last,
         )
         self.balancer.time_backward = False  # FSDP2's reduce-scatter ends backward in step on every rank
+        self.balancer.probe_refusal = _NO_PROBE  # also when set later (strategy.max_micro_batch = "auto")
         self.balancer.bind(self)
 
     @override
