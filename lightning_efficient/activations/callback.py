@@ -279,7 +279,7 @@ class ActivationMemory(Callback):
         # profile or plan raises makes every rank fail with its message, rather than leaving the others
         # in the gather below — provided every rank reaches it. Under DDP the profile steps run without
         # collectives (outside DDP's forward), so they do. Under FSDP2 they do not: the profile steps
-        # themselves all-gather parameters and reduce-scatter gradients, so a rank that fails mid-profile
+        # themselves run FSDP2's collectives (the parameter all-gathers of every forward and backward), so a rank that fails mid-profile
         # (e.g. out of memory) leaves the others waiting in one of those collectives until the process
         # group's timeout, and the run ends with a timeout error instead of this rank's message.
         outcome = None if plan is None else {
