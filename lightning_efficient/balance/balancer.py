@@ -341,9 +341,7 @@ class Balancer:
         if not self.time_backward or timed is None:
             return
         clock = self._clock()
-        if not clock.on_cuda:
-            timed.last_gradient = clock.mark()
-        elif timed.last_gradient is None:
+        if not clock.on_cuda or timed.last_gradient is None:
             timed.last_gradient = clock.mark()
         else:
             timed.last_gradient.record(torch.cuda.current_stream(clock.device))

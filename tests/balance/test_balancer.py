@@ -34,14 +34,14 @@ def test_settings_are_settable_through_the_strategy_and_validated(strategy_class
     assert strategy.balancer.shares == [3.0, 1.0] and strategy.balancer.global_batch_size == 16
     with pytest.raises(ValueError, match="shares="):
         strategy.shares = [1.0, -1.0]
-    with pytest.raises(ValueError, match="hysteresis=1.5"):
+    with pytest.raises(ValueError, match=r"hysteresis=1\.5"):
         strategy.hysteresis = 1.5
     assert strategy.shares == [3.0, 1.0] and strategy.hysteresis == 0.05  # a refused value changes nothing
 
 
 def test_hetero_fsdp_refuses_the_probe_set_later_too():
     strategy = HeterogeneousFSDPStrategy()
-    with pytest.raises(ValueError, match="max_micro_batch='auto' is not allowed: .*FSDP2's all-gathers"):
+    with pytest.raises(ValueError, match=r"max_micro_batch='auto' is not allowed: .*FSDP2's all-gathers"):
         strategy.max_micro_batch = "auto"
     strategy.max_micro_batch = [4, 2]
     assert strategy.balancer.max_micro_batch == [4, 2]
