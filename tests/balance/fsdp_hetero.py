@@ -12,6 +12,7 @@ Trainer joins the same process group); each runs the fits below in turn and writ
   distributed checkpoint after step 2 (mid-epoch 0); each rank records the samples it trained per step;
 - ``resumed``: the same fit resumed from that checkpoint; ``resumed_full``: resumed from a full
   (single-file) checkpoint written at the same moment, with ``save_distributed_checkpoint=False``;
+- ``unmeasured``: shares "auto", re-planned every step, with rank 1 never measured: the shares per step;
 - ``rebalance``: shares "auto" with rank 1 3x slower per sample (slept before the forward): the shares in force per step; then
   ``sync_off``: a backward inside ``gradient_sync_off()`` leaves the sharded gradients unset, one after it sets them;
 - ``unsharded``: a module whose head no ``fully_shard`` manages: the error fit raises; ``replicated``: the
@@ -154,6 +155,17 @@ class RecordSteps(lightning.Callback):
             self.params.append(full_parameters(pl_module))
 
 
+class Unmeasured(lightning.Callback):
+    """Rank ``rank`` has no speed reading when each step starts (as before its first micro-step is read)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank:
+            trainer.strategy.balancer.local_speed = None
+
+
 class SaveAt(lightning.Callback):
     """At ``step``, a checkpoint in the strategy's format to ``path`` and, if ``full`` is given, a full
     (single-file) one there too (the same moment, so both resumes must continue the same run)."""
@@ -208,6 +220,13 @@ def run(out: Path, rank: int) -> dict:
     module = TinyTransformer(slow_rank=1)
     trainer([record], max_steps=14, strategy=strategy).fit(module, DataLoader(Rows(48), batch_size=4))
     results["rebalance"] = {"shares": record.shares}
+
+    # rank 1 never has a reading when a re-plan is due: the shares stay (no made-up speed for it)
+    record = RecordSteps()
+    strategy_unmeasured = HeterogeneousFSDPStrategy(global_batch_size=24, shares="auto", warmup_steps=1, rebalance_every=1,
+                                                    hysteresis=0.0)
+    trainer([record, Unmeasured(1)], max_steps=4, strategy=strategy_unmeasured).fit(TinyTransformer(), DataLoader(Rows(48), batch_size=4))
+    results["unmeasured"] = {"shares": record.shares, "speeds": strategy_unmeasured.balancer.speeds}
 
     # the probe's sync switch: no reduce-scatter inside (the sharded gradients stay unset), and back on after
     rows = Rows(4)

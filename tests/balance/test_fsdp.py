@@ -98,6 +98,14 @@ def test_shares_follow_forward_compute_not_the_ranks_waits_for_each_other(ranks)
     assert sum(final) == 24 and 2.0 <= final[0] / final[1] <= 4.5, shares
 
 
+def test_a_rank_without_a_speed_reading_keeps_the_shares(ranks):
+    """A re-plan due while rank 1 has no reading yet is skipped: rank 1 is not given a made-up speed of
+    1 sample/s (which handed nearly the whole batch to rank 0)."""
+    for rank in ranks:
+        assert rank["unmeasured"]["shares"] == [[12, 12]] * 4, rank["unmeasured"]
+        assert rank["unmeasured"]["speeds"] == [1.0, 1.0]  # the gathered NaN never became the speeds
+
+
 def test_gradient_sync_off_skips_the_reduce_scatter_and_switches_it_back_on(ranks):
     for rank in ranks:
         assert rank["sync_off"] == {"unset_inside": True, "set_after": True}
