@@ -65,9 +65,10 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
 
     Raises:
         ValueError: naming the argument for invalid settings (also ``max_micro_batch="auto"`` and a
-            ``tensor_parallel_size`` other than 1); before the first step, for a trainable parameter
-            that ``fully_shard`` does not manage (its gradient would not be averaged over the ranks,
-            so they would silently train apart), and for what ``hetero_ddp`` refuses there (shares of
+            ``tensor_parallel_size`` other than 1); before the first step of ``fit`` (not
+            ``validate``/``test``/``predict``), for a trainable parameter that ``fully_shard`` does not
+            manage — a plain tensor, or a DTensor not sharded over the data-parallel ranks (its
+            gradient would not be averaged over the ranks, so they would silently train apart), and for what ``hetero_ddp`` refuses there (shares of
             the wrong length, a global batch smaller than the ranks, a DataLoader without batching).
     """
 
