@@ -81,9 +81,12 @@ class ParameterStorages:
     storage is freed again after the forward (and re-allocated at another address next time). So
     while :meth:`track` is active, a forward pre-hook on every FSDP2 module, run after FSDP2's own
     (which it registers first), adds the storages of the module's unsharded parameters, and a
-    forward hook, run after FSDP2's reshard, drops them again: inside a block's forward the tensors
-    autograd saves from its weights are recognised, and after it an activation allocated at a
-    freed weight's address is an activation. Each hook reads only its own module's parameters.
+    forward hook, run after FSDP2's reshard, reads them again: a block resharded after its forward
+    has none left (an activation allocated later at a freed weight's address is an activation), while
+    the root module, which FSDP2 leaves unsharded after the forward until backward, keeps its
+    gathered weights recognised — also when the loss uses one after the forward returned
+    (``FusedTokenLoss(hidden, self.head.weight, labels)``). Each hook reads only its own module's
+    parameters that are not DTensors (those of sharded children are DTensors again by then).
 
     Args:
         module: the model (a LightningModule).
@@ -108,11 +111,11 @@ class ParameterStorages:
         keys = (local_storage(p) for p in module.parameters() if DTensor is None or not isinstance(p, DTensor))
         return {found[0] for found in keys if found is not None}
 
-    def _update(self, module: nn.Module, gathered: bool) -> None:
-        if gathered:
-            self._gathered[id(module)] = self._unsharded(module)
-        else:
-            self._gathered.pop(id(module), None)
+    def _update(self, module: nn.Module) -> None:
+        # before and after the module's forward alike, its parameters that are not DTensors now are the
+        # gathered ones: after the forward FSDP2 has resharded a block (none left), but not the root,
+        # whose gathered weights stay in use after it returns (a loss on ``self.head.weight``)
+        self._gathered[id(module)] = self._unsharded(module)
         self._keys = self._static.union(*self._gathered.values())
 
     def __call__(self, tensor: Tensor) -> bool:
@@ -126,8 +129,8 @@ class ParameterStorages:
         self.stop()
         for module in self.module.modules():
             if is_fsdp2(module):
-                self._handles.append(module.register_forward_pre_hook(lambda m, *_: self._update(m, True)))
-                self._handles.append(module.register_forward_hook(lambda m, *_: self._update(m, False)))
+                self._handles.append(module.register_forward_pre_hook(lambda m, *_: self._update(m)))
+                self._handles.append(module.register_forward_hook(lambda m, *_: self._update(m)))
         self.refresh()
         return self
 

@@ -275,8 +275,14 @@ class ActivationMemory(Callback):
             plan = plan_blocks(self._profiles, budget, fixed, policies)
         except Exception as error:  # noqa: BLE001 - every rank learns of it below and raises it together
             failure = error
-        # each rank plans for its own micro-batch (hetero_ddp gives ranks different ones); a rank that
-        # fails makes every rank fail with its message, rather than leaving the others in a collective
+        # each rank plans for its own micro-batch (hetero_ddp gives ranks different ones). A rank whose
+        # profile or plan raises makes every rank fail with its message, rather than leaving the others
+        # in the gather below, provided every rank reaches that gather. Under DDP the profile steps run
+        # without collectives (the class's training_step, outside DDP's forward), so they do. Under
+        # FSDP2 they do not: the profile steps themselves run FSDP2's collectives (the parameter
+        # all-gathers of every forward and backward), so a rank that fails mid-profile (e.g. out of
+        # memory) leaves the others waiting in one of those collectives until the process group's
+        # timeout, and the run ends with a timeout error rather than this rank's message.
         outcome = None if plan is None else {
             "micro_batch": micro_batch, "policies": plan.policies, "held_bytes": plan.held_bytes,
             "cost_s": plan.cost_s, "baseline_bytes": plan.baseline_bytes,

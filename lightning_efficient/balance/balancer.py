@@ -40,6 +40,17 @@ SETTINGS = ("global_batch_size", "shares", "max_micro_batch", "rebalance_every",
             "ema_decay", "seed", "shuffle", "drop_last")
 
 
+def speed_reading(local_speed: float | None) -> float:
+    """What a rank contributes to the speed all-gather: its measured speed, or NaN before its first
+    reading (never a made-up speed: 1 sample/s would hand nearly the whole batch to the other ranks)."""
+    return math.nan if local_speed is None else float(local_speed)
+
+
+def all_measured(speeds: list[float]) -> bool:
+    """Whether every rank's gathered speed is a reading (finite and positive), so that a plan may follow them."""
+    return all(math.isfinite(v) and v > 0 for v in speeds)
+
+
 @dataclass
 class _TimedMicroStep:
     """Device-timeline marks of one micro-step, read once the device has passed them."""
@@ -170,6 +181,20 @@ class Balancer:
         self._waits: list[tuple[object, object]] = []
         self._wait_start: object | None = None
         self._hooks: list = []
+        self.probe_refusal: str | None = None  # what max_micro_batch="auto" is refused with (None: allowed)
+
+    def set_setting(self, name: str, value: Any) -> None:
+        """Change one constructor setting (one of :data:`SETTINGS`), validated as the constructor does;
+        it takes effect at the next plan (``shares``, ``global_batch_size``, ``max_micro_batch``, the
+        sampler settings: the next fit) or step (the re-balancing settings)."""
+        if name not in SETTINGS:
+            raise ValueError(f"{self.name}: {name!r} is not a setting; expected one of {', '.join(SETTINGS)}")
+        settings = {key: getattr(self, key) for key in SETTINGS}
+        settings[name] = value
+        if name == "max_micro_batch" and value == "auto" and self.probe_refusal is not None:
+            require(False, "max_micro_batch", value, self.probe_refusal)
+        checked = Balancer(self.name, **settings)  # raises ValueError naming the argument
+        setattr(self, name, getattr(checked, name))
 
     # -- what the strategy provides -------------------------------------------------------------
     def bind(self, strategy: Any) -> None:
@@ -307,9 +332,19 @@ class Balancer:
         return self.clock
 
     def gradient_accumulated(self, param: Tensor) -> None:
-        """Post-accumulate-grad hook: mark the latest gradient of the micro-step (read at the next)."""
-        if self.time_backward and self._timed is not None:
-            self._timed.last_gradient = self._clock().mark()
+        """Post-accumulate-grad hook: mark the latest gradient of the micro-step (read at the next).
+
+        Every parameter's hook moves the same mark: off CUDA a ``time.perf_counter()`` reading; on
+        CUDA one event per micro-step, created at its first gradient and re-recorded at each later one
+        (no new event object per parameter)."""
+        timed = self._timed
+        if not self.time_backward or timed is None:
+            return
+        clock = self._clock()
+        if not clock.on_cuda or timed.last_gradient is None:
+            timed.last_gradient = clock.mark()
+        else:
+            timed.last_gradient.record(torch.cuda.current_stream(clock.device))
 
     def wait_started(self, *args: Any) -> None:
         """Forward pre-hook run before a module's own collective wait (FSDP2's all-gather)."""
@@ -423,10 +458,15 @@ class Balancer:
         if self.shares != "auto" or not due or step == self.last_planned_step:
             return
         self.last_planned_step = step
-        mine = torch.tensor([self.local_speed or 1.0], dtype=torch.float64, device=self.strategy.root_device)
+        mine = torch.tensor([speed_reading(self.local_speed)], dtype=torch.float64, device=self.strategy.root_device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
-        self.speeds = [float(g) for g in gathered]
+        speeds = [float(g) for g in gathered]
+        if not all_measured(speeds):  # a rank without a reading yet: keep the shares until every rank has one
+            rank_zero_info(f"{self.name}: step {step}: no speed measured yet on rank(s) "
+                           f"{[r for r, v in enumerate(speeds) if not math.isfinite(v)]}; shares unchanged")
+            return
+        self.speeds = speeds
         current = self.sampler.plan_at(self.micro_done // self.plan.accumulation)
         candidate = plan_shares(self.sampler.global_batch, self.speeds, self.caps(), self.plan.accumulation)
         gain = 1.0 - candidate.step_time(self.speeds) / current.step_time(self.speeds)
@@ -477,15 +517,22 @@ class Balancer:
 
 
 def _setting(name: str) -> property:
-    return property(lambda self: getattr(self.balancer, name), doc=f"The ``{name}`` the strategy was built with.")
+    def get(self: BalancedStrategy) -> Any:
+        return getattr(self.balancer, name)
+
+    def set(self: BalancedStrategy, value: Any) -> None:
+        self.balancer.set_setting(name, value)
+
+    return property(get, set, doc=f"The balancer's ``{name}`` (settable: validated as by the constructor).")
 
 
 class BalancedStrategy:
     """Mixin routing a Lightning data-parallel strategy's hooks to its :class:`Balancer`.
 
     Put it before the Lightning strategy class (``class S(BalancedStrategy, DDPStrategy)``) and set
-    ``self.balancer`` in ``__init__``. The constructor settings read through to the balancer
-    (``strategy.shares``, ``strategy.global_batch_size``, ...).
+    ``self.balancer`` in ``__init__``. The constructor settings read and write through to the balancer
+    (``strategy.shares = [3.0, 1.0]``, ``strategy.global_batch_size``, ...; a new value is validated as
+    by the constructor).
     """
 
     balancer: Balancer

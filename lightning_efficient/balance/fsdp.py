@@ -7,10 +7,15 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_efficient._validation import require
 from lightning_efficient.balance.balancer import BalancedStrategy, Balancer
+
+_NO_PROBE = ("an int, a list of ints or None under hetero_fsdp ('auto' probes each rank alone until it runs out of "
+             "memory, and FSDP2's all-gathers need every rank in every forward and backward: a rank that ran out of "
+             "memory mid-step would leave the others waiting)")
 
 
 class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
@@ -29,7 +34,12 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
     time is the same on every rank whatever its speed. A rank's speed is therefore its samples per
     second of forward *compute*: ``training_step`` less the time spent in FSDP2's pre-forward hooks
     (the all-gather waits), read from device-timeline marks one micro-step later (no synchronisation).
-    Backward is assumed to take the same multiple of the forward on every rank.
+    The backward is not timed: it is assumed to take the same multiple of the forward on every rank.
+    That holds when every rank trains the same model the same way; it does not when ranks recompute
+    different parts of the backward, e.g. ``ActivationMemory("auto")`` picking a different plan per
+    rank (a rank that checkpoints more runs a longer backward than its forward speed predicts, so it
+    is given too large a share). Use one fixed ``ActivationMemory`` policy for every rank, or fixed
+    ``shares``, in that case.
 
     Args:
         global_batch_size: samples per optimizer step over all data-parallel ranks (None: the
@@ -55,9 +65,10 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
 
     Raises:
         ValueError: naming the argument for invalid settings (also ``max_micro_batch="auto"`` and a
-            ``tensor_parallel_size`` other than 1); before the first step, for a trainable parameter
-            that ``fully_shard`` does not manage (its gradient would not be averaged over the ranks,
-            so they would silently train apart), and for what ``hetero_ddp`` refuses there (shares of
+            ``tensor_parallel_size`` other than 1); before the first step of ``fit`` (not
+            ``validate``/``test``/``predict``), for a trainable parameter that ``fully_shard`` does not
+            manage — a plain tensor, or a DTensor not sharded over the data-parallel ranks (its
+            gradient would not be averaged over the ranks, so they would silently train apart), and for what ``hetero_ddp`` refuses there (shares of
             the wrong length, a global batch smaller than the ranks, a DataLoader without batching).
     """
 
@@ -79,12 +90,7 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
-        require(
-            max_micro_batch != "auto", "max_micro_batch", max_micro_batch,
-            "an int, a list of ints or None under hetero_fsdp ('auto' probes each rank alone until it runs out of "
-            "memory, and FSDP2's all-gathers need every rank in every forward and backward: a rank that ran out of "
-            "memory mid-step would leave the others waiting)",
-        )
+        require(max_micro_batch != "auto", "max_micro_batch", max_micro_batch, _NO_PROBE)
         require(
             isinstance(tensor_parallel_size, int) and not isinstance(tensor_parallel_size, bool)
             and tensor_parallel_size == 1, "tensor_parallel_size", tensor_parallel_size,
@@ -102,6 +108,7 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
             hysteresis, ema_decay, seed, shuffle, drop_last,
         )
         self.balancer.time_backward = False  # FSDP2's reduce-scatter ends backward in step on every rank
+        self.balancer.probe_refusal = _NO_PROBE  # also when set later (strategy.max_micro_batch = "auto")
         self.balancer.bind(self)
 
     @override
@@ -113,7 +120,8 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        self._refuse_unsharded_parameters()
+        if trainer.state.fn == TrainerFn.FITTING:  # validate/test/predict compute no gradients to average
+            self._refuse_unsharded_parameters()
         from torch.distributed.fsdp import FSDPModule
 
         handles = []
@@ -125,12 +133,14 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
 
     def _refuse_unsharded_parameters(self) -> None:
         """Refuse trainable parameters that no ``fully_shard`` manages: ``ModelParallelStrategy`` trains
-        them, but their gradients are never averaged over the ranks, so each rank trains its own copy."""
-        from torch.distributed.tensor import DTensor
+        them, but their gradients are never averaged over the ranks, so each rank trains its own copy.
 
+        Between steps every parameter ``fully_shard`` manages is a DTensor sharded (``Shard``) over the
+        data-parallel ranks; a plain tensor, or a DTensor that is replicated over them (``Replicate``,
+        e.g. one made with ``distribute_tensor``), is not managed and is refused."""
         world = self.balancer.world
         loose = [name for name, p in self.lightning_module.named_parameters()
-                 if p.requires_grad and not (isinstance(p, DTensor) and p.device_mesh.size() == world)]
+                 if p.requires_grad and not _sharded_over(p, world)]
         if loose and world > 1:
             shown = ", ".join(loose[:5]) + (f" and {len(loose) - 5} more" if len(loose) > 5 else "")
             raise ValueError(
@@ -144,6 +154,15 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
     def gradient_sync_off(self) -> Any:
         """FSDP2's ``set_requires_gradient_sync(False)`` on every FSDP module (no reduce-scatter)."""
         return _fsdp_sync_off(self.lightning_module)
+
+
+def _sharded_over(param: Any, world: int) -> bool:
+    """Whether ``param`` is a DTensor sharded (some ``Shard`` placement) over a mesh of ``world`` ranks,
+    as ``fully_shard`` leaves the parameters it manages between steps."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (isinstance(param, DTensor) and param.device_mesh.size() == world
+            and any(isinstance(placement, Shard) for placement in param.placements))
 
 
 @contextlib.contextmanager

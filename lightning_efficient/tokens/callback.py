@@ -234,10 +234,14 @@ class SelectiveTokenLoss(Callback):
         mesh = getattr(trainer.strategy, "device_mesh", None)  # ModelParallelStrategy's (data, tensor) mesh
         if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
             raise ValueError(
-                f"SelectiveTokenLoss is refused with tensor_parallel_size={mesh['tensor_parallel'].size()}: it divides by "
-                "the token count summed over every rank, and tensor-parallel ranks share one batch, so the loss and "
-                "the gradient would be that many times too small; use tensor_parallel_size=1 (FSDP2 over "
-                "data_parallel_size ranks)."
+                f"SelectiveTokenLoss is refused with tensor_parallel_size={mesh['tensor_parallel'].size()}: the "
+                "ranks of a tensor-parallel group share one batch, but the token selection treats every rank as a "
+                "data-parallel rank with a batch of its own: method='random' draws its mask from a generator seeded "
+                "by the global rank, so tensor-parallel peers would keep different tokens of the same batch (their "
+                "shards of one computation would disagree), and scope='global' gathers each batch's scores once per "
+                "tensor-parallel rank. (The normalisation itself is not the problem: the global count and the "
+                "world size both include the tensor-parallel factor, which cancels.) Use tensor_parallel_size=1 "
+                "(FSDP2 over data_parallel_size ranks)."
             )
         self._rank = trainer.global_rank
         self.normaliser.reset()

@@ -89,12 +89,21 @@ def test_a_mid_epoch_resume_from_a_distributed_checkpoint_continues_the_uninterr
 
 
 def test_shares_follow_forward_compute_not_the_ranks_waits_for_each_other(ranks):
-    """Rank 1 is 3x slower per sample. Under FSDP2 both ranks wait for each other in every all-gather,
-    so their wall-clock steps are equally long; the compute time (all-gather waits left out) gives 3:1."""
+    """Rank 1 is 3x slower per sample, slept before the forward, so rank 0 waits for it inside the
+    root's all-gather: its forward wall-clock time is as long as rank 1's. The compute time (the
+    all-gather waits left out) gives 3:1; counting the wait would keep the shares near 1:1."""
     shares = ranks[0]["rebalance"]["shares"]
     assert shares[0] == [12, 12]
     final = shares[-1]
     assert sum(final) == 24 and 2.0 <= final[0] / final[1] <= 4.5, shares
+
+
+def test_a_rank_without_a_speed_reading_keeps_the_shares(ranks):
+    """A re-plan due while rank 1 has no reading yet is skipped: rank 1 is not given a made-up speed of
+    1 sample/s (which handed nearly the whole batch to rank 0)."""
+    for rank in ranks:
+        assert rank["unmeasured"]["shares"] == [[12, 12]] * 4, rank["unmeasured"]
+        assert rank["unmeasured"]["speeds"] == [1.0, 1.0]  # the gathered NaN never became the speeds
 
 
 def test_gradient_sync_off_skips_the_reduce_scatter_and_switches_it_back_on(ranks):
@@ -103,10 +112,26 @@ def test_gradient_sync_off_skips_the_reduce_scatter_and_switches_it_back_on(rank
 
 
 def test_a_parameter_that_no_fully_shard_manages_is_refused_before_the_first_step(ranks):
+    """Plain tensors, and DTensors replicated over the data-parallel mesh (not fully_shard's), are refused
+    by fit; validate of the same module is not (no gradient to average)."""
     for rank in ranks:
-        message = rank["unsharded"]
-        assert "3 trainable parameter(s) are not sharded by fully_shard over the 2 data-parallel ranks" in message
-        assert "net.emb.weight" in message and "each rank would train its own copy" in message
+        for tag in ("unsharded", "replicated"):
+            message = rank[tag]
+            assert message.startswith("ValueError: hetero_fsdp: 3 trainable parameter(s) are not sharded by "
+                                      "fully_shard over the 2 data-parallel ranks"), (tag, message)
+            assert "net.emb.weight" in message and "each rank would train its own copy" in message
+        assert isinstance(rank["validate_unsharded"], float), rank["validate_unsharded"]
+
+
+def test_a_mid_epoch_resume_from_a_full_checkpoint_continues_the_uninterrupted_run(ranks):
+    """save_distributed_checkpoint=False: the single-file checkpoint of the same moment resumes as exactly."""
+    straight, resumed = _trained_per_step(ranks, "straight"), _trained_per_step(ranks, "resumed_full")
+    assert sorted(resumed) == [2, 3, 4, 5] and ranks[0]["resumed_full"]["global_step"] == 6
+    for step in resumed:
+        assert resumed[step] == straight[step], step
+    final, expected = ranks[0]["resumed_full"]["final"], ranks[0]["straight"]["final"]
+    for name in expected:
+        assert (final[name] - expected[name]).abs().max().item() <= 1e-12, name
 
 
 @pytest.mark.parametrize(("kwargs", "pattern"), [
@@ -126,6 +151,8 @@ def test_registered_as_hetero_fsdp_with_the_settings_readable():
     assert isinstance(trainer.strategy, HeterogeneousFSDPStrategy)
     strategy = HeterogeneousFSDPStrategy(global_batch_size=12, shares=[3.0, 1.0], max_micro_batch=[4, 2])
     assert (strategy.global_batch_size, strategy.shares, strategy.max_micro_batch) == (12, [3.0, 1.0], [4, 2])
+    strategy.shares = [1.0, 2.0]  # settable, as Lightning strategies' settings are
+    assert strategy.shares == [1.0, 2.0] == strategy.balancer.shares
 
 
 def test_lightning_cli_builds_it_by_class_path_and_by_name(tmp_path):

@@ -43,6 +43,24 @@ class Model(TinyLM):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
 
 
+class HeadOutside(Model):
+    """:class:`Model` whose forward stops before the head: the loss multiplies by ``self.head.weight``
+    after ``self(x)`` returned, as ``FusedTokenLoss(hidden, self.head.weight, labels)`` does. Under FSDP2
+    the head is the root's (fully_shard on the model), still gathered then."""
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def _token_losses(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        logits = torch.nn.functional.linear(self(batch["inputs"]), self.head.weight, self.head.bias)
+        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none",
+                                                   ignore_index=-100)
+        return losses.view_as(batch["labels"]), batch["labels"] != -100
+
+
 class Probe(Callback):
     """Records per step the token-loss sum and count, the local gradient shards and the local bytes of
     parameters and gradients computed from shapes (numel x element size), and at the end the optimizer
@@ -114,7 +132,7 @@ def plugins(case: str, workdir: Path) -> list[Callback]:
         if policy == "checkpoint-reentrant":
             return [ActivationMemory("checkpoint", reentrant=True)]
         return [ActivationMemory(policy, min_offload_bytes=0, offload_dir=directory)]
-    if case == "report":
+    if case in ("report", "report-head-outside"):
         return [MemoryReport(every_n_steps=1, log=False, print_table=False)]
     if case.startswith("tokens"):
         return [SelectiveTokenLoss(method="none")]
@@ -126,14 +144,14 @@ def plugins(case: str, workdir: Path) -> list[Callback]:
 #: (tensor_parallel_size=2, refused before the first step) comes last
 CASES = ["plain", "activations-keep", "activations-checkpoint", "activations-selective-by-class",
          "activations-offload", "activations-disk", "activations-auto", "activations-checkpoint-reentrant",
-         "report", "plain64", "tokens64", "tokens-tp2"]
+         "report", "report-head-outside", "plain64", "tokens64", "tokens-tp2"]
 
 
 def fit(case: str, workdir: Path, world: int, batch: int | None = None) -> dict[str, Any]:
     """One fit of ``case`` on ``world`` processes (1: one device) with ``batch`` samples per process
     (default: the global batch split over the processes)."""
     dtype = torch.float64 if case.endswith("64") else torch.float32
-    module = Model(batch or BATCH // world, dtype)
+    module = (HeadOutside if case.endswith("head-outside") else Model)(batch or BATCH // world, dtype)
     probe = Probe()
     callbacks = plugins(case, workdir)
     hooks_before = _hook_count(module)

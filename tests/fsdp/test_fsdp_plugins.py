@@ -92,6 +92,18 @@ def test_activation_bytes_under_fsdp2_count_no_weights(ranks, one_device) -> Non
         assert _ok(rank["report"], "report")["report"]["activation_bytes"] == report["report"]["activation_bytes"] > 0
 
 
+def test_a_root_weight_used_after_the_forward_is_not_counted_as_an_activation(ranks, one_device) -> None:
+    """The root's weights stay gathered after its forward (FSDP2 reshards the root only after backward):
+    a loss on ``self.head.weight`` outside the forward saves that gathered weight for backward, and it
+    is a weight, so MemoryReport's activation bytes per rank equal the one-device figure of the rank's
+    micro-batch (the same model's, which does not count the head either)."""
+    per_rank = plugins_run.BATCH // 2
+    expected = one_device("report-head-outside", per_rank)["report"]["activation_bytes"]
+    assert expected > 0
+    for rank in ranks:
+        assert _ok(rank["report-head-outside"], "report-head-outside")["report"]["activation_bytes"] == expected
+
+
 def test_memory_report_under_fsdp2_gives_local_shard_bytes_and_totals(ranks, one_device) -> None:
     """Parameters, gradients and optimizer states: each rank's local shard bytes (from shapes), each
     rank's as rank<i>/, their sum as all_ranks/ — for parameters and gradients the whole model's bytes."""
@@ -130,11 +142,16 @@ def test_selective_token_loss_under_fsdp2_equals_the_one_device_fit(ranks, one_d
 
 
 def test_selective_token_loss_is_refused_under_tensor_parallelism(ranks) -> None:
-    """tensor_parallel_size > 1: ranks share a batch, so the global token count would be counted once
-    per tensor-parallel rank; refused before the first step, with the reason."""
+    """tensor_parallel_size > 1: ranks of a tensor-parallel group share a batch, but random draws are
+    seeded by the global rank (peers would keep different tokens) and scope="global" gathers each batch
+    once per peer; refused before the first step, with that reason (not the token count, whose
+    tensor-parallel factor cancels against the world size)."""
     for rank in ranks:
         error = rank["tokens-tp2"].get("error", "")
         assert "ValueError: SelectiveTokenLoss is refused with tensor_parallel_size=2" in error, error[:2000]
+        assert "seeded by the global rank, so tensor-parallel peers would keep different tokens" in error, error[:2000]
+        assert "scope='global' gathers each batch's scores once per tensor-parallel rank" in error
+        assert "that many times too small" not in error
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp_cpu_offload"])
