@@ -132,9 +132,10 @@ def _in_place(mm: Tensor, grad: Tensor) -> Tensor:
     return mm.copy_(grad) if mm.dtype == grad.dtype else grad
 
 
-# below this many logits per call (tokens x vocab) the eager step runs under compile=None: the
-# compiler's first call (seconds) would cost more than fusing saves on a small head
-_AUTO_COMPILE_MIN_LOGITS = 2**22
+# below this many logits per call (tokens x vocab) the eager step runs under compile=None: each
+# graph's first call compiles for seconds (tens on a cold cache, two cores), more than fusing saves
+# on a small head in a short run; the demo (2,048 tokens x 8,192) stays below, 8k tokens x 32k above
+_AUTO_COMPILE_MIN_LOGITS = 2**25
 _COMPILE_DEFAULT: bool | None = None
 
 
@@ -144,7 +145,7 @@ def set_compile(compile: bool | None) -> None:
     Args:
         compile: True compiles the chunk step (falling back to the eager step, with one warning,
             where compilation fails), False always runs the eager step, None (the initial
-            setting) compiles when the head has at least ``2**22`` logits per call.
+            setting) compiles when the head has at least ``2**25`` logits (tokens x vocabulary) per call.
 
     Raises:
         ValueError: when ``compile`` is not True, False or None.
@@ -398,7 +399,7 @@ def linear_cross_entropy(
         compile: run the chunk's elementwise work (log-sum-exp, target, entropy, softmax gradient)
             as one ``torch.compile``-d step (True) or op by op (False, the reference). None (the
             default) follows :func:`set_compile`, initially: compiled when ``tokens * vocab`` is at
-            least ``2**22``. The first compiled call compiles (seconds); should compiling fail,
+            least ``2**25``. The first compiled call compiles (seconds); should compiling fail,
             the eager step runs from then on in the process, with one warning. Which step runs is
             logged once.
 

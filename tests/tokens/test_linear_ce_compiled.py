@@ -30,9 +30,7 @@ def _run(compile, reduction, dtype=torch.float32, autocast=False, upstream_seed=
     """Losses, entropies and the gradients of hidden, weight and bias, for one chunk step."""
     hidden, weight, bias, labels = _inputs(dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        losses, entropy = linear_cross_entropy(
-            hidden, weight, labels, bias, chunk_size=CHUNK, reduction=reduction, return_entropy=True, compile=compile
-        )
+        losses, entropy = linear_cross_entropy(hidden, weight, labels, bias, chunk_size=CHUNK, reduction=reduction, return_entropy=True, compile=compile)
     upstream = None
     if reduction == "none":  # a selection-like upstream gradient: some tokens dropped
         g = torch.Generator().manual_seed(upstream_seed)
@@ -128,7 +126,8 @@ def test_compile_none_follows_the_head_size_and_set_compile(monkeypatch):
     monkeypatch.setattr(linear_ce, "_CHUNK_STEP", linear_ce._ChunkStep())
     step = linear_ce._CHUNK_STEP
     assert not step.use_compiled(None, N * V)  # a tiny head: compiling would cost more than it saves
-    assert step.use_compiled(None, 2**22)
+    assert not step.use_compiled(None, 2048 * 8192)  # the demo's head
+    assert step.use_compiled(None, 8192 * 32000)  # the benchmark's
     try:
         set_compile(False)
         assert not step.use_compiled(None, 2**30)
