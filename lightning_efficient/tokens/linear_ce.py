@@ -206,22 +206,37 @@ class _ChunkStep:
 _CHUNK_STEP = _ChunkStep()
 
 
-def _chunk_forward(compiled, h, weight, bias, labels, valid, scale, acc, grad_dtype, with_entropy):
+def _head_matmul(h: Tensor, weight: Tensor, buffer: Tensor | None) -> Tensor:
+    """``h @ weight.T``, written into ``buffer`` (one per call, reused by every chunk: no fresh
+    ``[chunk, vocab]`` allocation per chunk) where the dtypes allow it."""
+    if buffer is not None and _plain_matmuls(buffer, h, weight):
+        return torch.mm(h, weight.t(), out=buffer[: len(h)])
+    return h @ weight.t()
+
+
+def _chunk_buffer(compiled: bool, hidden: Tensor, weight: Tensor, rows: int) -> Tensor | None:
+    """The compiled step's reused ``[rows, vocab]`` matmul output (None where it would go unused)."""
+    if not (compiled and rows and _plain_matmuls(hidden, weight)):
+        return None
+    return torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+
+
+def _chunk_forward(compiled, h, weight, bias, labels, valid, scale, acc, grad_dtype, with_entropy, buffer=None):
     """One forward chunk, compiled or eager: ``(losses, lse, entropy or None, grad or None)``."""
     eager_args = (h, weight, bias, labels, valid, scale, acc, grad_dtype, with_entropy)
     if not compiled:
         return _eager_chunk_forward(*eager_args)
-    args = (h @ weight.t(), bias, labels, valid, scale, acc, grad_dtype, with_entropy)
+    args = (_head_matmul(h, weight, buffer), bias, labels, valid, scale, acc, grad_dtype, with_entropy)
     rows = (0, 2, 3) if scale is None else (0, 2, 3, 4)
     return _CHUNK_STEP.run("forward", _fused_chunk_forward, args, rows, lambda: _eager_chunk_forward(*eager_args))
 
 
-def _chunk_grad(compiled, h, weight, bias, lse, labels, scale, acc, grad_dtype):
+def _chunk_grad(compiled, h, weight, bias, lse, labels, scale, acc, grad_dtype, buffer=None):
     """One backward chunk of ``reduction="none"``, compiled or eager: the logits' gradient."""
     eager_args = (h, weight, bias, lse, labels, scale, acc, grad_dtype)
     if not compiled:
         return _eager_chunk_grad(*eager_args)
-    args = (h @ weight.t(), bias, lse, labels, scale, acc, grad_dtype)
+    args = (_head_matmul(h, weight, buffer), bias, lse, labels, scale, acc, grad_dtype)
     return _CHUNK_STEP.run("grad", _fused_chunk_grad, args, (0, 2, 3, 4), lambda: _eager_chunk_grad(*eager_args))
 
 
@@ -267,12 +282,13 @@ def _forward(hidden, weight, bias, labels, ignore_index, chunk_size, reduction, 
         grad_hidden = torch.zeros_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=acc) if needs_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and needs_grad[2] else None
+    buffer = _chunk_buffer(compile, hidden, weight, min(chunk_size, n_tokens))
     for start in range(0, n_tokens, chunk_size):
         rows = slice(start, start + chunk_size)
         h = hidden[rows]
         chunk_losses, chunk_lse, chunk_entropy, grad = _chunk_forward(
             compile, h, weight, bias, safe_labels[rows], valid[rows], None if scale is None else scale[rows],
-            acc, hidden.dtype if eager else None, with_entropy,
+            acc, hidden.dtype if eager else None, with_entropy, buffer,
         )
         losses[rows] = chunk_losses
         if lse is not None:
@@ -338,11 +354,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias and bias is not None else None
         with _autocast_as(ctx.autocast):  # the forward's logits, bit for bit
+            buffer = _chunk_buffer(ctx.compiled, hidden, weight, min(ctx.chunk_size, len(kept)))
             for start in range(0, len(kept), ctx.chunk_size):
                 index = kept[start : start + ctx.chunk_size]
                 h = hidden.index_select(0, index)
                 grad = _chunk_grad(
-                    ctx.compiled, h, weight, bias, lse[index], labels[index], grad_out[index], acc, hidden.dtype
+                    ctx.compiled, h, weight, bias, lse[index], labels[index], grad_out[index], acc, hidden.dtype, buffer
                 )
                 if grad_hidden is not None:
                     grad_hidden.index_copy_(0, index, (grad @ weight).to(grad_hidden.dtype))
