@@ -28,8 +28,8 @@ from lightning_efficient._validation import require, require_choice
 _CHUNK_LOGITS_BYTES = 32 * 2**20
 # the compiled step streams each row through cache once, whatever the chunk's length, so its chunks
 # are longer: fewer passes of the weight and its gradient through memory. Measured at vocabulary
-# 32k, hidden 512, 8k tokens: 512 rows (64 MiB) at 0.07x of full logits' peak memory; 1,024 rows
-# were not clearly faster and took 0.11x
+# 32k, hidden 512, 8k tokens: 512 rows (64 MiB) at 0.05x of full logits' peak memory; 1,024 rows
+# were not clearly faster and took 0.11x (before the matmul buffer was reused)
 _FUSED_CHUNK_LOGITS_BYTES = 64 * 2**20
 
 
