@@ -2,6 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: setup demo test bench clean
 
@@ -20,7 +21,13 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-bench: setup
+# benchmark-only peer: Cut Cross-Entropy (the `tokens` case). --no-deps because its dependencies
+# add triton, which only its GPU kernels need; the benchmark uses its torch_compile implementation
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps "cut-cross-entropy==25.1.1"
+	touch $(BENCH_STAMP)
+
+bench: setup $(BENCH_STAMP)
 	$(PY) -m benchmarks.run
 
 clean:

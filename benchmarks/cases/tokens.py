@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import sys
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +53,41 @@ def full_logits(quick: bool) -> dict[str, float]:
 
 
 def chunked_mean(quick: bool) -> dict[str, float]:
-    """``linear_cross_entropy(reduction="mean")``: gradients computed chunk by chunk in the forward."""
+    """``linear_cross_entropy(reduction="mean")``: gradients computed chunk by chunk in the forward,
+    the chunk step compiled (the default at the full size; asked for, so that quick runs measure the
+    same; the warm-up call compiles it)."""
     hidden, weight, labels = _head_inputs(quick)
-    return _measure(lambda h, w: linear_cross_entropy(h, w, labels, reduction="mean"), hidden, weight, 2 if quick else 3)
+    return _measure(lambda h, w: linear_cross_entropy(h, w, labels, reduction="mean", compile=True), hidden, weight, 2 if quick else 3)
+
+
+def chunked_mean_eager(quick: bool) -> dict[str, float]:
+    """``linear_cross_entropy(reduction="mean", compile=False)``: the eager chunk step, op by op."""
+    hidden, weight, labels = _head_inputs(quick)
+    return _measure(lambda h, w: linear_cross_entropy(h, w, labels, reduction="mean", compile=False), hidden, weight, 2 if quick else 3)
+
+
+def _cce_torch_compile():
+    """Cut Cross-Entropy's ``torch_compile`` implementation (``pip install --no-deps cut-cross-entropy``).
+
+    The package's ``__init__`` imports its Triton kernels, which need triton (a GPU compiler); its
+    ``torch_compile`` module needs only torch, so it is loaded without running that ``__init__``.
+    """
+    spec = importlib.util.find_spec("cut_cross_entropy")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("cut-cross-entropy is not installed: `make bench` installs it (pip install --no-deps cut-cross-entropy)")
+    if "cut_cross_entropy" not in sys.modules:
+        package = types.ModuleType("cut_cross_entropy")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["cut_cross_entropy"] = package
+    return importlib.import_module("cut_cross_entropy.torch_compile").torch_compile_linear_cross_entropy
+
+
+def cce_torch_compile(quick: bool) -> dict[str, float]:
+    """Peer: Cut Cross-Entropy's ``torch_compile`` implementation (mean), the one that runs without a
+    GPU: full logits and ``F.cross_entropy`` under ``torch.compile`` (the warm-up call compiles it)."""
+    cce = _cce_torch_compile()
+    hidden, weight, labels = _head_inputs(quick)
+    return _measure(lambda h, w: cce(h, w, labels, reduction="mean"), hidden, weight, 2 if quick else 3)
 
 
 def chunked_per_token(quick: bool) -> dict[str, float]:
@@ -65,11 +101,18 @@ register(
         name="tokens",
         description=(
             "The output head's loss path at vocabulary 32,000, hidden 512, 8,192 tokens (quick: 8,000, "
-            "256, 1,024): full logits + F.cross_entropy against the chunked linear cross-entropy; "
+            "256, 1,024): full logits + F.cross_entropy against the chunked linear cross-entropy (chunk "
+            "step compiled, and eager) and Cut Cross-Entropy's torch_compile implementation; "
             "forward+backward time, bytes saved for backward and peak RSS above the inputs (CPU)."
         ),
         baseline="full_logits",
-        variants={"full_logits": full_logits, "chunked_mean": chunked_mean, "chunked_per_token": chunked_per_token},
+        variants={
+            "full_logits": full_logits,
+            "chunked_mean": chunked_mean,
+            "chunked_mean_eager": chunked_mean_eager,
+            "cce_torch_compile": cce_torch_compile,
+            "chunked_per_token": chunked_per_token,
+        },
     )
 )
 
