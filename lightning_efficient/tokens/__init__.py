@@ -1,7 +1,7 @@
 """Selective token loss: per-token loss outputs, selection rules, chunked linear CE, the callback."""
 
 from lightning_efficient.tokens.callback import SelectiveTokenLoss
-from lightning_efficient.tokens.linear_ce import linear_cross_entropy
+from lightning_efficient.tokens.linear_ce import linear_cross_entropy, set_compile
 from lightning_efficient.tokens.normalize import StepTokenNormaliser, globally_normalised_loss
 from lightning_efficient.tokens.output import (
     FusedTokenLoss,
@@ -28,5 +28,6 @@ __all__ = [
     "linear_cross_entropy",
     "masked_mean",
     "select_tokens",
+    "set_compile",
     "streaming_cross_entropy",
 ]
