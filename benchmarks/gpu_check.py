@@ -973,6 +973,7 @@ def fsdp2_gpt() -> type:
 
     class FSDP2GPT(DemoGPT):
         def configure_model(self) -> None:
+            """Shard each block, then the root, over the data-parallel mesh (once)."""
             if is_fsdp2(self):
                 return
             mesh = self.device_mesh["data_parallel"]
