@@ -1,8 +1,8 @@
 """Every CUDA path in one run: ``python benchmarks/gpu_check.py`` (sized for under 8 minutes on one H200).
 
-Expected runtime: about 3-4 minutes on one H200 by estimate (about 28 fits of a few steps each, and
-four optimizer twins of a few steps); it has not run on a GPU yet, none having been lent to this
-project. ``--smoke``: 20-40 s on 2 CPU cores.
+Expected runtime: about 4-5 minutes on one H200 by estimate (about 45 fits of a few steps each, the
+FSDP2 rows' 17 among them, and four optimizer twins of a few steps); it has not run on a GPU yet,
+none having been lent to this project. ``--smoke``: 35-60 s on 2 CPU cores.
 
 Prints ONE table (check, variant, metric, value, ratio to the check's baseline — for a comparison of
 tensors, the largest per-tensor ``max|diff| / max|reference|`` —, result) and exits non-zero when
@@ -72,7 +72,22 @@ Checks (table ``check`` column):
     and a check that can fail: the allocator retried no allocation (``num_alloc_retries``: freeing
     its cache and trying again, the sign of running at the edge) during training after the probe,
     as the probe's 10% margin should ensure.
-  * ``fsdp2``: a placeholder for the FSDP2 rows (another issue).
+  * ``fsdp2``: FSDP2 on one device: Lightning's ``ModelParallelStrategy(data_parallel_size=1,
+    tensor_parallel_size=1)``, ``DemoGPT`` with ``fully_shard`` per block and on the root in
+    ``configure_model`` (its training step goes through ``forward``, so the root's hook gathers the
+    embeddings and the tied head), each variant beside plain FSDP2 in the same run: plain FSDP2
+    (against the one-device baseline), ``ActivationMemory`` checkpoint and offload,
+    ``EightBitOptimizer``, ``hetero_fsdp`` with fixed shares, ``MemoryReport``: step time, tokens/s,
+    device peak and steady bytes, pinned host peak, saved bytes, optimizer-state bytes. Numerical:
+    gradients against plain FSDP2 (``plain_rerun`` the control) — checkpoint at the first step within
+    ``GRAD_TOLERANCE``, offload and ``hetero_fsdp`` bitwise at both steps and in the parameters after
+    them (one rank trains like plain FSDP2); plain FSDP2 against the one-device fit
+    (``plain_vs_one_device``, within the tolerance; one rank's shard is the whole tensor); the 8-bit
+    parameters after N steps under FSDP2 equal plain 8-bit's on one device exactly (bitsandbytes
+    updates the local shard; ``inconclusive`` when ``plain_vs_one_device`` is not bitwise);
+    ``MemoryReport``'s activation bytes equal this script's count of plain FSDP2 and its parameter
+    bytes the model's. FSDP2 fits run with ``use_distributed_sampler=False`` (one rank: Lightning's
+    sampler would only shuffle), so every fit sees the same batches.
   * ``cleanup``: the most device memory a case left allocated once freed.
   * ``goals``: the issue's goals, met or not: host offload takes >= 80% of the bytes it can move (the
     blocks' saved bytes less their autocast weight copies) off the device at <= 1.10x the plain step time; the 8-bit fit reaches >= 0.90x fused AdamW's
@@ -189,6 +204,7 @@ def state_bytes_by_place(optimizers: list[torch.optim.Optimizer]) -> dict[str, i
 
     def visit(value: Any) -> None:
         if isinstance(value, Tensor):
+            value = local(value)
             place = "paged" if getattr(value, "is_paged", False) else "device" if value.is_cuda else "host"
             seen.setdefault(storage_key(value), (place, value.untyped_storage().nbytes()))
         elif isinstance(value, dict):
@@ -206,6 +222,12 @@ def state_bytes_by_place(optimizers: list[torch.optim.Optimizer]) -> dict[str, i
     return totals
 
 
+def local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard (FSDP2's parameters, gradients and optimizer states), else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def make_probe(device: torch.device, warm: int, count_saved: bool, keep_params: bool, grab_grads: bool):
     """A callback that measures a fit (built here so Lightning is imported only when needed).
 
@@ -219,17 +241,18 @@ def make_probe(device: torch.device, warm: int, count_saved: bool, keep_params: 
 
     from lightning_efficient._torch import storage_key
     from lightning_efficient.activations.offload import is_copy_of
-    from lightning_efficient.memory import SavedTensorCounter
+    from lightning_efficient.memory import ParameterStorages, SavedTensorCounter
 
     on_cuda = device.type == "cuda"
 
     class Counter(SavedTensorCounter):
-        """The saved bytes, and apart the autocast weight copies among them (HostOffload leaves those)."""
+        """The saved bytes, and apart the autocast weight copies among them (HostOffload leaves those).
+        Parameters are told by :class:`ParameterStorages`, which also sees FSDP2's all-gathered ones."""
 
-        def __init__(self, params: list[Tensor]) -> None:
-            super().__init__(exclude=params)
-            keys = {storage_key(t) for t in params}
-            self._is_param = lambda t: storage_key(t) in keys
+        def __init__(self, module: torch.nn.Module) -> None:
+            self.storages = ParameterStorages(module).track()
+            super().__init__(exclude=self.storages)
+            self._is_param = self.storages
             self.weight_copies: dict[tuple[str, int], int] = {}
 
         def _pack(self, tensor: Tensor) -> Tensor:
@@ -256,7 +279,7 @@ def make_probe(device: torch.device, warm: int, count_saved: bool, keep_params: 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             step = trainer.global_step
             if count_saved and self.saved_bytes is None and self._counter is None and step == max(warm - 1, 0):
-                self._counter = Counter([*pl_module.parameters(), *pl_module.buffers()])
+                self._counter = Counter(pl_module)
                 self._counter.__enter__()
             if step < warm:
                 return
@@ -273,6 +296,7 @@ def make_probe(device: torch.device, warm: int, count_saved: bool, keep_params: 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if self._counter is not None:
                 self._counter.__exit__(None, None, None)
+                self._counter.storages.stop()
                 self.saved_bytes, self.weight_copy_bytes = self._counter.bytes, sum(self._counter.weight_copies.values())
                 self._counter = None
             if self._timing:
@@ -288,7 +312,7 @@ def make_probe(device: torch.device, warm: int, count_saved: bool, keep_params: 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             if grab_grads:  # every step's, named "step<i>/<parameter>"
                 self.grads = self.grads or {}
-                self.grads.update({f"step{trainer.global_step}/{n}": p.grad.detach().float().cpu()
+                self.grads.update({f"step{trainer.global_step}/{n}": local(p.grad).detach().float().cpu()
                                    for n, p in pl_module.named_parameters() if p.grad is not None})
 
         def on_train_end(self, trainer, pl_module) -> None:
@@ -320,11 +344,12 @@ def make_probe(device: torch.device, warm: int, count_saved: bool, keep_params: 
                 self.figures["micro_batch_cap"] = caps[0]
                 self.figures["accumulation"] = trainer.accumulate_grad_batches
             if keep_params:
-                self.params = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters()}
+                self.params = {n: local(p).detach().cpu().clone() for n, p in pl_module.named_parameters()}
 
         def on_exception(self, trainer, pl_module, exception) -> None:
             if self._counter is not None:
                 self._counter.__exit__(None, None, None)
+                self._counter.storages.stop()
                 self._counter = None
 
         @property
@@ -384,7 +409,7 @@ class Bench:
             callbacks: list | None = None, steps: int | None = None, steps_per_epoch: int | None = None,
             warm: int | None = None, batch: int | None = None, strategy: Any = "auto", count_saved: bool = True,
             keep_params: bool = False, grab_grads: bool = False, save_at_epoch_end: bool = False,
-            resume_from: Path | None = None) -> Fit:
+            resume_from: Path | None = None, trainer_kwargs: dict | None = None) -> Fit:
         """One ``Trainer.fit`` of a fresh model; everything it made is freed before this returns."""
         import lightning
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -409,7 +434,7 @@ class Bench:
             accelerator=self.device.type, devices=1, strategy=strategy, precision=PRECISION, max_steps=steps,
             max_epochs=-1, logger=False, enable_checkpointing=save_at_epoch_end, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=self.workdir,
-            callbacks=[*extra, probe],
+            callbacks=[*extra, probe], **(trainer_kwargs or {}),
         )
         loader = torch.utils.data.DataLoader(TokenRows(rows, model_sizes["seq_len"], model_sizes["vocab_size"]),
                                              batch_size=batch)
@@ -935,9 +960,168 @@ def check_hetero(b: Bench) -> None:
             b.add("hetero", "probe_auto", metric, None, None, NEEDS_CUDA)
 
 
+def fsdp2_gpt() -> type:
+    """``DemoGPT`` sharded by FSDP2 in ``configure_model``: ``fully_shard`` per block, then on the root.
+
+    Its (unfused) ``training_step`` calls ``self(...)``, so FSDP2's root pre-forward hook gathers the
+    root's parameters (embeddings, final norm, the tied head) before they are used.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_efficient import DemoGPT
+    from lightning_efficient.memory import is_fsdp2
+
+    class FSDP2GPT(DemoGPT):
+        def configure_model(self) -> None:
+            """Shard each block, then the root, over the data-parallel mesh (once)."""
+            if is_fsdp2(self):
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    return FSDP2GPT
+
+
 def check_fsdp2(b: Bench) -> None:
-    """The place for the FSDP2 rows (``hetero_fsdp``, FSDP2 with each plugin): another issue fills it."""
-    b.add("fsdp2", "-", "not measured yet (FSDP2 issue)", None, None, "later")
+    """FSDP2 on one device (see :func:`fsdp2_rows`); the process group Lightning set up for it is
+    destroyed afterwards, so later fits start without one."""
+    try:
+        fsdp2_rows(b)
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def fsdp2_rows(b: Bench) -> None:
+    """FSDP2 on one device (``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)``, the
+    model ``fully_shard`` per block and on the root) with each plugin, beside plain FSDP2 in the same run.
+
+    Timing fits: plain FSDP2 (against the one-device baseline), ActivationMemory checkpoint and offload,
+    EightBitOptimizer, ``hetero_fsdp`` with fixed shares, MemoryReport (against plain FSDP2): step time,
+    tokens/s, device peak, saved bytes, optimizer-state bytes. Numerical fits (deterministic): gradients
+    of checkpoint (first step, within ``GRAD_TOLERANCE``), offload and ``hetero_fsdp`` (both steps, and
+    the parameters, exactly) against plain FSDP2 (``plain_rerun`` the control); plain FSDP2 against the
+    plain one-device fit (one rank: the local shard is the whole tensor); and EightBitOptimizer's
+    parameters after N steps under FSDP2 against plain 8-bit on one device, exactly (bitsandbytes runs
+    on the local shard, here the whole tensor; inconclusive when FSDP2 itself is not bitwise one
+    device). MemoryReport's activation bytes equal this script's count of plain FSDP2, and its
+    parameter bytes the model's. The FSDP2 fits pass ``use_distributed_sampler=False`` (one rank:
+    Lightning's DistributedSampler would only shuffle), so every fit here sees the same batches.
+    """
+    from lightning.pytorch import Callback
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_efficient import ActivationMemory, DemoGPT, EightBitOptimizer, HeterogeneousFSDPStrategy, MemoryReport
+    from lightning_efficient.memory import parameter_bytes
+
+    check_baseline(b)
+    base = b.get("baseline/plain")
+    sharded = {"module_class": fsdp2_gpt(), "trainer_kwargs": {"use_distributed_sampler": False}}
+
+    def fsdp2() -> ModelParallelStrategy:
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+
+    def hetero() -> HeterogeneousFSDPStrategy:
+        return HeterogeneousFSDPStrategy(global_batch_size=b.sizes["batch"], shares=[1.0], shuffle=False)
+
+    variants: dict[str, tuple[Callable[[], Any], Callable[[], list]]] = {
+        "plain": (fsdp2, lambda: []),
+        "checkpoint": (fsdp2, lambda: [ActivationMemory(policy="checkpoint")]),
+        "offload": (fsdp2, lambda: [ActivationMemory(**moving(b, "offload"))]),
+        "8bit": (fsdp2, lambda: [EightBitOptimizer()]),
+        "hetero_fsdp": (hetero, lambda: []),
+    }
+    for variant, (strategy, callbacks) in variants.items():
+        b.run_case("fsdp2", variant, lambda variant=variant, strategy=strategy, callbacks=callbacks: b.fit(
+            f"fsdp2_{variant}", strategy=strategy(), callbacks=callbacks(), **sharded))
+    report = MemoryReport(print_table=False, log=False)
+    figures: dict[str, Any] = {}
+
+    class KeepReport(Callback):
+        def on_fit_end(self, trainer, pl_module) -> None:
+            figures.update(report.report())
+
+    b.run_case("fsdp2", "memory_report", lambda: b.fit("fsdp2_memory_report", strategy=fsdp2(),
+                                                       callbacks=[report, KeepReport()], count_saved=False, **sharded))
+    plain = b.get("fsdp2/plain")
+    for variant in [*variants, "memory_report"]:
+        fit = b.get(f"fsdp2/{variant}")
+        if fit is None:
+            continue
+        reference = base if variant == "plain" else plain
+        note = "vs one-device baseline" if variant == "plain" else "vs plain fsdp2"
+        if variant == "offload" and not b.on_cuda:
+            note += "; cpu fallback: keep"
+        b.timing_rows("fsdp2", variant, fit, reference, note)
+        b.cuda_only("fsdp2", variant, "steady_device_bytes", fit.figures.get("steady_device_bytes"),
+                    reference and reference.figures.get("steady_device_bytes"))
+        b.cuda_only("fsdp2", variant, "pinned_host_peak_bytes", fit.figures.get("pinned_host_peak_bytes"))
+        if variant == "offload":
+            b.cuda_only("fsdp2", variant, "host_offload_bytes_per_step", fit.figures.get("host_offload_bytes_per_step"))
+        if variant != "memory_report":
+            b.add("fsdp2", variant, "saved_outside_inner_hooks_bytes", fit.saved_bytes,
+                  ratio(fit.saved_bytes, reference and reference.saved_bytes))
+        if variant in ("plain", "8bit"):
+            states = sum(fit.figures.get(f"optimizer_{place}_bytes") or 0 for place in ("device", "host", "paged"))
+            reference_states = plain and sum(plain.figures.get(f"optimizer_{place}_bytes") or 0
+                                             for place in ("device", "host", "paged"))
+            b.add("fsdp2", variant, "optimizer_state_bytes", states, ratio(states, reference_states))
+    if b.get("fsdp2/memory_report") is not None:
+        counted, reference = figures.get("activation_bytes"), plain and plain.saved_bytes
+        same = counted is not None and counted == reference and "fsdp2" not in b.perturb
+        b.add("fsdp2", "memory_report", "report_activation_bytes", counted, ratio(counted, reference),
+              "pass (equals plain fsdp2's count)" if same else "FAIL (differs from plain fsdp2's count)")
+        params = figures.get("parameter_bytes")
+        expected = parameter_bytes(DemoGPT(**b.sizes["model"]))  # one rank: the local shards are the whole model
+        b.add("fsdp2", "memory_report", "report_parameter_bytes", params, ratio(params, expected),
+              "pass (the model's bytes)" if params == expected and "fsdp2" not in b.perturb else f"FAIL (the model has {expected} bytes)")
+        b.cuda_only("fsdp2", "memory_report", "report_cuda_max_allocated_bytes",
+                    figures.get("cuda_max_allocated_bytes"), b.get("fsdp2/memory_report").figures.get("peak_device_bytes"))
+
+    # numerical: two steps' gradients (and the parameters after them) against plain FSDP2
+    two_steps = {"steps": 2, "warm": 1, "count_saved": False, "grab_grads": True, "keep_params": True}
+    numerical = {"plain": (fsdp2, lambda: []), "plain_rerun": (fsdp2, lambda: []),
+                 "checkpoint": variants["checkpoint"], "offload": variants["offload"],
+                 "hetero_fsdp": variants["hetero_fsdp"]}
+    steps = b.sizes["exact_steps"]
+    n_steps = {"steps": steps, "warm": steps, "count_saved": False, "keep_params": True}
+    with b.deterministic():
+        b.run_case("fsdp2_grads", "one_device", lambda: b.fit("fsdp2_grads_one_device", **two_steps))
+        b.run_case("fsdp2_8bit", "one_device", lambda: b.fit(
+            "fsdp2_8bit_one_device", callbacks=[EightBitOptimizer()], **n_steps))
+        for variant, (strategy, callbacks) in numerical.items():
+            b.run_case("fsdp2_grads", variant, lambda variant=variant, strategy=strategy, callbacks=callbacks: b.fit(
+                f"fsdp2_grads_{variant}", strategy=strategy(), callbacks=callbacks(), **sharded, **two_steps))
+        b.run_case("fsdp2_8bit", "fsdp2", lambda: b.fit(
+            "fsdp2_8bit_fsdp2", strategy=fsdp2(), callbacks=[EightBitOptimizer()], **sharded, **n_steps))
+
+    def grads(key: str, first: bool = False) -> dict[str, Tensor] | None:
+        fit = b.get(key)
+        if fit is None or fit.grads is None:
+            return None
+        return {k: v for k, v in fit.grads.items() if not first or k.startswith("step0/")}
+
+    reference = "fsdp2_grads/plain"
+    b.compare("fsdp2", "plain_rerun", grads(reference), grads("fsdp2_grads/plain_rerun"), exact=True, what="grad")
+    b.compare("fsdp2", "plain_vs_one_device", grads("fsdp2_grads/one_device"), grads(reference), exact=False, what="grad")
+    b.compare("fsdp2", "checkpoint", grads(reference, first=True), grads("fsdp2_grads/checkpoint", first=True),
+              exact=False, what="grad")
+    for variant in ("offload", "hetero_fsdp"):
+        b.compare("fsdp2", variant, grads(reference), grads(f"fsdp2_grads/{variant}"), exact=True, what="grad",
+                  control="fsdp2/plain_rerun")
+        if variant == "offload" and not b.on_cuda:
+            b.rows[-1].result += "; cpu fallback: keep"
+        plain_fit, fit = b.get(reference), b.get(f"fsdp2_grads/{variant}")
+        b.compare("fsdp2", variant, plain_fit and plain_fit.params, fit and fit.params, exact=True, what="params",
+                  control="fsdp2/plain_rerun")
+    one_device, sharded_8bit = b.get("fsdp2_8bit/one_device"), b.get("fsdp2_8bit/fsdp2")
+    b.compare("fsdp2", "8bit", one_device and one_device.params, sharded_8bit and sharded_8bit.params, exact=True,
+              what="params_vs_one_device_8bit", control="fsdp2/plain_vs_one_device")
+    for key, fit in b.fits.items():
+        if fit is not None and key.split("/")[0] in ("fsdp2_grads", "fsdp2_8bit"):
+            fit.grads = fit.params = None
 
 
 def check_cleanup(b: Bench) -> None:

@@ -53,6 +53,23 @@ def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path
     assert expected <= set(results), expected - set(results)
     assert all(result.startswith("pass") for result in results.values()), results
     assert not [row for row in rows if row[5].startswith(("error", "FAIL"))]
+    # FSDP2 on one device (ModelParallelStrategy, fully_shard per block and the root): every variant
+    # measured beside plain FSDP2, and every numerical check of it passes (the exact ones bitwise)
+    fsdp2 = {(row[1], row[2]): row for row in rows if row[0] == "fsdp2"}
+    for variant in ("plain", "checkpoint", "offload", "8bit", "hetero_fsdp", "memory_report"):
+        time_row = fsdp2.get((variant, "step_time_s"))
+        assert time_row and time_row[3] != "-" and time_row[4] != "-", (variant, time_row)
+    assert fsdp2[("8bit", "optimizer_state_bytes")][3] != "-"
+    exact = {("plain_rerun", "grad_max_abs_diff"), ("offload", "grad_max_abs_diff"), ("offload", "params_max_abs_diff"),
+             ("hetero_fsdp", "grad_max_abs_diff"), ("hetero_fsdp", "params_max_abs_diff"),
+             ("8bit", "params_vs_one_device_8bit_max_abs_diff")}
+    tolerant = {("plain_vs_one_device", "grad_max_abs_diff"), ("checkpoint", "grad_max_abs_diff")}
+    for key in exact:
+        assert key in fsdp2 and fsdp2[key][5].startswith("pass (bitwise)"), (key, fsdp2.get(key))
+    for key in tolerant:
+        assert key in fsdp2 and fsdp2[key][5].startswith("pass"), (key, fsdp2.get(key))
+    assert fsdp2[("memory_report", "report_activation_bytes")][5] == "pass (equals plain fsdp2's count)"
+    assert fsdp2[("memory_report", "report_parameter_bytes")][5] == "pass (the model's bytes)"
     # the disk policy really moved bytes at toy sizes (the size threshold is 0 in --smoke)
     written = [row for row in rows if row[:3] == ["activations", "disk", "disk_written_bytes_per_step"]]
     assert written and written[0][3] not in ("-", "0.0 MiB"), written
@@ -69,12 +86,21 @@ def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path
 
 
 def test_a_failed_numerical_check_makes_the_run_fail():
-    done = _run("--smoke", "--only", "grads", "--perturb", "grads")
+    done = _run("--smoke", "--only", "grads", "--only", "fsdp2", "--perturb", "grads", "--perturb", "fsdp2")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     results = {row[1]: row[5] for row in _rows(done.stdout) if row[0] == "grads"}
     assert results.pop("keep_rerun") == "pass (bitwise)"  # the control is left alone
     assert results and all(result.startswith("FAIL") for result in results.values()), results
-    assert {row[0] for row in _rows(done.stdout)} == {"grads"}  # --only ran that check alone
+    # FSDP2's comparisons and MemoryReport's figures fail too when perturbed (its control stays)
+    fsdp2 = {(row[1], row[2]): row[5] for row in _rows(done.stdout)
+             if row[0] == "fsdp2" and row[5].startswith(("pass", "FAIL", "error", "inconclusive"))}
+    assert fsdp2.pop(("plain_rerun", "grad_max_abs_diff")) == "pass (bitwise)"
+    # the 8-bit check's control (FSDP2 bitwise one device) failed too: it cannot tell, and says so
+    assert fsdp2.pop(("8bit", "params_vs_one_device_8bit_max_abs_diff")).startswith(
+        "inconclusive (control fsdp2/plain_vs_one_device not bitwise")
+    assert len(fsdp2) == 8 and all(result.startswith("FAIL") for result in fsdp2.values()), fsdp2
+    # --only ran those checks alone (and the baseline fsdp2 compares with)
+    assert {row[0] for row in _rows(done.stdout)} == {"grads", "fsdp2", "baseline"}
 
 
 def _bench(tmp_path, perturb=()) -> Bench:
