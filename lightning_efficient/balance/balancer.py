@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -499,6 +500,17 @@ class BalancedStrategy:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's step, timed, with the loss weighted for the global batch."""
         return self.balancer.training_step(super().training_step, *args, **kwargs)
+
+    def setup_environment(self) -> None:
+        """The strategy's environment, then the same intra-op thread count on every rank.
+
+        Lightning's launcher sets ``torch.set_num_threads(cpus // processes)`` in the process that
+        launches the others only; the ranks it starts keep torch's default (every core), so on CPU
+        they oversubscribe the cores and run several times slower than rank 0 — measured speeds
+        would then follow the thread counts, not the hardware. Without ``OMP_NUM_THREADS`` set, every
+        rank here gets the launching process's count (a no-op where it already has it)."""
+        super().setup_environment()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
 
     def setup(self, trainer: Any) -> None:
         """The strategy's setup, then the balancer's (timing hooks, a fresh token count)."""
