@@ -31,6 +31,7 @@ from lightning_efficient._validation import require, require_bool, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
+from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
 from lightning_efficient.memory import first_tensor
 from lightning_efficient.tokens.normalize import StepTokenNormaliser, kept_loss_sum
 from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses
@@ -156,6 +157,7 @@ class Balancer:
         self.micro_done = 0
         self.speeds: list[float] = []
         self.local_speed: float | None = None
+        self.micro_step_times = MicroStepTimes()  # fixed + per-sample cost, fitted per micro-batch size
         self.last_planned_step = -1
         self.lookahead = 2
         self.counter_epoch = 0
@@ -332,6 +334,7 @@ class Balancer:
         self.token_normaliser.reset()  # a fit that raised mid-step must not leak its counts into this one
         self.remove_hooks()
         self._timed, self._unread = None, deque()
+        self.micro_step_times.reset()
         if self.time_backward:
             self._hooks = [
                 p.register_post_accumulate_grad_hook(self.gradient_accumulated)
@@ -364,6 +367,7 @@ class Balancer:
         if timed.backward_start is not None and timed.last_gradient is not None:
             backward = clock.seconds(timed.backward_start, timed.last_gradient)
         self._observe(timed.samples / max(max(forward, 0.0) + max(backward, 0.0), 1e-9))
+        self.micro_step_times.observe(timed.samples, max(forward, 0.0) + max(backward, 0.0))
 
     def _observe(self, speed: float) -> None:
         previous = self.local_speed
@@ -429,8 +433,7 @@ class Balancer:
         dist.all_gather(gathered, mine)
         self.speeds = [float(g) for g in gathered]
         current = self.sampler.plan_at(self.micro_done // self.plan.accumulation)
-        candidate = plan_shares(self.sampler.global_batch, self.speeds, self.caps(), self.plan.accumulation)
-        gain = 1.0 - candidate.step_time(self.speeds) / current.step_time(self.speeds)
+        candidate, gain = self._candidate(current)
         times = [s / v for s, v in zip(current.shares, self.speeds)]
         stats = {f"hetero/share_rank{r}": float(s) for r, s in enumerate(current.shares)}
         stats.update({f"hetero/step_time_rank{r}": t for r, t in enumerate(times)})
@@ -442,6 +445,25 @@ class Balancer:
             self.sampler.schedule_plan(candidate, start)
             rank_zero_info(f"{self.name}: step {step}: shares {list(current.shares)} -> {list(candidate.shares)} "
                            f"from global batch {start} (predicted gain {gain:.1%})")
+
+    def _candidate(self, current: SharePlan) -> tuple[SharePlan, float]:
+        """The plan to adopt and its predicted gain over ``current``: every rank's micro-step time modelled as
+        fixed + per-sample cost (:mod:`~lightning_efficient.balance.speed`; all-gathered), so that a rank given
+        fewer samples does not look slower per sample and lose more (the shares of identical ranks ran away to
+        [7, 1] on small models); proportional to ``self.speeds`` while some rank has measured nothing."""
+        global_batch, accumulation = self.sampler.global_batch, self.plan.accumulation
+        mine = torch.tensor(self.micro_step_times.fit(), dtype=torch.float64, device=self.strategy.root_device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine)
+        fixed, per_sample = [float(g[0]) for g in gathered], [float(g[1]) for g in gathered]
+        if not all(math.isfinite(a) and math.isfinite(b) and b > 0 for a, b in zip(fixed, per_sample)):
+            candidate = plan_shares(global_batch, self.speeds, self.caps(), accumulation)
+            return candidate, 1.0 - candidate.step_time(self.speeds) / current.step_time(self.speeds)
+        weights = equal_time_weights(global_batch, accumulation, fixed, per_sample)
+        candidate = plan_shares(global_batch, weights, self.caps(), accumulation)
+        before = predicted_step_time(current.shares, current.accumulation, fixed, per_sample)
+        after = predicted_step_time(candidate.shares, candidate.accumulation, fixed, per_sample)
+        return candidate, 1.0 - after / before
 
     # -- state ----------------------------------------------------------------------------------
     @property
