@@ -447,23 +447,24 @@ class Balancer:
                            f"from global batch {start} (predicted gain {gain:.1%})")
 
     def _candidate(self, current: SharePlan) -> tuple[SharePlan, float]:
-        """The plan to adopt and its predicted gain over ``current``: every rank's micro-step time modelled as
-        fixed + per-sample cost (:mod:`~lightning_efficient.balance.speed`; all-gathered), so that a rank given
-        fewer samples does not look slower per sample and lose more (the shares of identical ranks ran away to
-        [7, 1] on small models); proportional to ``self.speeds`` while some rank has measured nothing."""
-        global_batch, accumulation = self.sampler.global_batch, self.plan.accumulation
+        """The plan to adopt and its predicted gain over ``current``, from every rank's micro-step time
+        modelled as fixed + per-sample cost (:class:`~lightning_efficient.balance.speed.MicroStepTimes`,
+        all-gathered): a rank given fewer samples then does not look slower per sample and lose more
+        (the shares of identical ranks ran away to [7, 1] on small models). ``current`` (gain 0) while a
+        rank has not measured a size 3 times, or when the gain is within the measurements' spread."""
+        global_batch = self.sampler.global_batch
         mine = torch.tensor(self.micro_step_times.fit(), dtype=torch.float64, device=self.strategy.root_device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
-        fixed, per_sample = [float(g[0]) for g in gathered], [float(g[1]) for g in gathered]
+        fixed, per_sample, noise = ([float(g[i]) for g in gathered] for i in range(3))
         if not all(math.isfinite(a) and math.isfinite(b) and b > 0 for a, b in zip(fixed, per_sample)):
-            candidate = plan_shares(global_batch, self.speeds, self.caps(), accumulation)
-            return candidate, 1.0 - candidate.step_time(self.speeds) / current.step_time(self.speeds)
-        weights = equal_time_weights(global_batch, accumulation, fixed, per_sample)
-        candidate = plan_shares(global_batch, weights, self.caps(), accumulation)
+            return current, 0.0
+        weights = equal_time_weights(global_batch, current.accumulation, fixed, per_sample)
+        candidate = plan_shares(global_batch, weights, self.caps(), self.plan.accumulation)
         before = predicted_step_time(current.shares, current.accumulation, fixed, per_sample)
         after = predicted_step_time(candidate.shares, candidate.accumulation, fixed, per_sample)
-        return candidate, 1.0 - after / before
+        gain = 1.0 - after / before
+        return (candidate, gain) if gain > max(noise) else (current, 0.0)
 
     # -- state ----------------------------------------------------------------------------------
     @property

@@ -51,29 +51,35 @@ class MicroStepTimes:
         """The median seconds of each micro-batch size kept."""
         return {n: statistics.median(times) for n, times in self.recent.items()}
 
-    def fit(self) -> tuple[float, float]:
-        """``(fixed, per_sample)`` seconds of a micro-step; ``(nan, nan)`` before any was measured.
+    def fit(self, min_count: int = 3) -> tuple[float, float, float]:
+        """``(fixed, per_sample, noise)``: seconds of a micro-step and the measurements' relative spread
+        (median absolute deviation over median, the largest over the sizes used), from the sizes
+        measured at least ``min_count`` times; ``(nan, nan, nan)`` before any was.
 
-        From one size only the split cannot be told: all of it is counted per sample (proportional
-        shares, as before any other size was trained). From several, a least-squares line, kept to
-        ``fixed >= 0`` and ``per_sample > 0``."""
-        points = sorted(self.seconds.items())
-        if not points:
-            return math.nan, math.nan
+        From one size the split cannot be told: all of it is counted per sample (proportional
+        shares). From several, a least-squares line, kept to ``fixed >= 0`` and ``per_sample > 0``."""
+        used = {n: times for n, times in self.recent.items() if len(times) >= min_count}
+        if not used:
+            return math.nan, math.nan, math.nan
+        noise = 0.0
+        for times in used.values():
+            middle = statistics.median(times)
+            noise = max(noise, statistics.median(abs(t - middle) for t in times) / middle)
+        points = sorted((n, statistics.median(times)) for n, times in used.items())
         if len(points) == 1:
             n, t = points[0]
-            return 0.0, t / n
+            return 0.0, t / n, noise
         mean_n = sum(n for n, _ in points) / len(points)
         mean_t = sum(t for _, t in points) / len(points)
         spread = sum((n - mean_n) ** 2 for n, _ in points)
         slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
         floor = 1e-3 * min(t / n for n, t in points)  # a size that took no longer is noise, not a free sample
         if slope <= floor:
-            return max(mean_t - floor * mean_n, 0.0), floor
+            return max(mean_t - floor * mean_n, 0.0), floor, noise
         fixed = mean_t - slope * mean_n
         if fixed < 0:  # through the origin instead
-            return 0.0, sum(n * t for n, t in points) / sum(n * n for n, _ in points)
-        return fixed, slope
+            return 0.0, sum(n * t for n, t in points) / sum(n * n for n, _ in points), noise
+        return fixed, slope, noise
 
     def reset(self) -> None:
         """Forget every measurement (a new fit: its first micro-step is left out again)."""

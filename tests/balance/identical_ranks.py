@@ -2,7 +2,7 @@
 launched the way a user launches them — Lightning's own launcher re-runs this script for rank 1
 (``Trainer(devices=2)``, no environment prepared, no thread count set).
 
-Usage: python identical_ranks.py OUT_DIR
+Usage: python identical_ranks.py OUT_DIR [hetero_fsdp|hetero_ddp]
 
 Each rank writes OUT_DIR/rankR.pt: its torch intra-op thread count during fit and the shares in
 force at each of 12 optimizer steps (re-planned every 2 steps after 2 warm-up steps).
@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_efficient import HeterogeneousFSDPStrategy
+from lightning_efficient import HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy
 
 SEQ, VOCAB, D = 8, 32, 16
 
@@ -48,6 +48,8 @@ class Model(lightning.LightningModule):
         self.shares: list[list[int]] = []
 
     def configure_model(self):
+        if not isinstance(self.trainer.strategy, HeterogeneousFSDPStrategy):
+            return
         mesh = self.device_mesh["data_parallel"]
         for block in self.blocks:
             fully_shard(block, mesh=mesh)
@@ -70,8 +72,9 @@ class Model(lightning.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def main(out: Path) -> None:
-    strategy = HeterogeneousFSDPStrategy(rebalance_every=2, warmup_steps=2)
+def main(out: Path, name: str) -> None:
+    kind = HeterogeneousFSDPStrategy if name == "hetero_fsdp" else HeterogeneousDDPStrategy
+    strategy = kind(rebalance_every=2, warmup_steps=2)
     trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=12, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = Model()
@@ -80,4 +83,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "hetero_fsdp")

@@ -20,20 +20,29 @@ def _measured(times: list[tuple[int, float]]) -> MicroStepTimes:
 
 def test_fit_recovers_fixed_and_per_sample_cost_and_ignores_outliers_and_the_first_step():
     model = _measured([(4, 0.010 + 4 * 0.002)] * 3 + [(2, 0.010 + 2 * 0.002)] * 3 + [(2, 5.0)])  # one stalled step
-    fixed, per_sample = model.fit()
-    assert fixed == pytest.approx(0.010) and per_sample == pytest.approx(0.002)
+    fixed, per_sample, noise = model.fit()
+    assert fixed == pytest.approx(0.010) and per_sample == pytest.approx(0.002) and noise == 0.0
     assert 1 not in model.seconds
 
 
-def test_fit_with_one_size_is_proportional_and_without_any_is_unknown():
-    assert _measured([(4, 0.02)]).fit() == (0.0, pytest.approx(0.005))
+def test_fit_with_one_size_is_proportional_and_before_three_measurements_is_unknown():
+    assert _measured([(4, 0.02)] * 3).fit() == (0.0, pytest.approx(0.005), 0.0)
+    assert all(math.isnan(x) for x in _measured([(4, 0.02)] * 2).fit())
     assert all(math.isnan(x) for x in MicroStepTimes().fit())
+    # a size measured fewer times is left out; the spread is the median absolute deviation over the median
+    fixed, per_sample, noise = _measured([(4, 0.018), (4, 0.020), (4, 0.024), (2, 0.001)]).fit()
+    assert (fixed, per_sample) == (0.0, pytest.approx(0.005)) and noise == pytest.approx(0.1)
+
+
+def test_fit_spread_is_the_largest_relative_spread():
+    _, _, noise = _measured([(4, 0.02), (4, 0.02), (4, 0.02), (2, 0.01), (2, 0.012), (2, 0.008)]).fit()
+    assert noise == pytest.approx(0.2)
 
 
 def test_fit_keeps_the_costs_non_negative():
-    fixed, per_sample = _measured([(2, 0.030), (6, 0.020)]).fit()  # more samples took less: noise
+    fixed, per_sample, _ = _measured([(2, 0.030), (6, 0.020)] * 3).fit()  # more samples took less: noise
     assert fixed >= 0 and per_sample > 0
-    fixed, per_sample = _measured([(2, 0.001), (6, 0.012)]).fit()  # a negative intercept
+    fixed, per_sample, _ = _measured([(2, 0.001), (6, 0.012)] * 3).fit()  # a negative intercept
     assert fixed == 0.0 and per_sample > 0
 
 
@@ -47,7 +56,7 @@ def _replan_until_settled(global_batch, shares, seconds_of, replan, measured_fir
             model.observe(measured_first[rank], seconds_of(rank, measured_first[rank]))
     for _ in range(6):
         for rank, model in enumerate(models):
-            for _ in range(3):
+            for _ in range(4):
                 model.observe(shares[rank], seconds_of(rank, shares[rank]))
         shares = replan(global_batch, shares, models)
         history.append(list(shares))
@@ -55,7 +64,7 @@ def _replan_until_settled(global_batch, shares, seconds_of, replan, measured_fir
 
 
 def _affine_replan(global_batch, shares, models):
-    fixed, per_sample = zip(*(m.fit() for m in models))
+    fixed, per_sample, _ = zip(*(m.fit() for m in models))
     candidate = plan_shares(global_batch, equal_time_weights(global_batch, 1, fixed, per_sample), None, 1)
     gain = 1 - predicted_step_time(candidate.shares, 1, fixed, per_sample) / predicted_step_time(shares, 1, fixed, per_sample)
     return list(candidate.shares) if gain > 0.05 else shares
