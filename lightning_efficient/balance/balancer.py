@@ -451,7 +451,7 @@ class Balancer:
         modelled as fixed + per-sample cost (:class:`~lightning_efficient.balance.speed.MicroStepTimes`,
         all-gathered): a rank given fewer samples then does not look slower per sample and lose more
         (the shares of identical ranks ran away to [7, 1] on small models). ``current`` (gain 0) while a
-        rank has not measured a size 3 times, or when the gain is within the measurements' spread."""
+        rank has not measured a size 4 times, or when the gain is within twice the measurements' spread."""
         global_batch = self.sampler.global_batch
         mine = torch.tensor(self.micro_step_times.fit(), dtype=torch.float64, device=self.strategy.root_device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
@@ -464,7 +464,7 @@ class Balancer:
         before = predicted_step_time(current.shares, current.accumulation, fixed, per_sample)
         after = predicted_step_time(candidate.shares, candidate.accumulation, fixed, per_sample)
         gain = 1.0 - after / before
-        return (candidate, gain) if gain > max(noise) else (current, 0.0)
+        return (candidate, gain) if gain > 2 * max(noise) else (current, 0.0)  # twice: both ends are measured
 
     # -- state ----------------------------------------------------------------------------------
     @property

@@ -51,7 +51,7 @@ class MicroStepTimes:
         """The median seconds of each micro-batch size kept."""
         return {n: statistics.median(times) for n, times in self.recent.items()}
 
-    def fit(self, min_count: int = 3) -> tuple[float, float, float]:
+    def fit(self, min_count: int = 4) -> tuple[float, float, float]:
         """``(fixed, per_sample, noise)``: seconds of a micro-step and the measurements' relative spread
         (median absolute deviation over median, the largest over the sizes used), from the sizes
         measured at least ``min_count`` times; ``(nan, nan, nan)`` before any was.

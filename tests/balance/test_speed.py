@@ -19,30 +19,30 @@ def _measured(times: list[tuple[int, float]]) -> MicroStepTimes:
 
 
 def test_fit_recovers_fixed_and_per_sample_cost_and_ignores_outliers_and_the_first_step():
-    model = _measured([(4, 0.010 + 4 * 0.002)] * 3 + [(2, 0.010 + 2 * 0.002)] * 3 + [(2, 5.0)])  # one stalled step
+    model = _measured([(4, 0.010 + 4 * 0.002)] * 4 + [(2, 0.010 + 2 * 0.002)] * 4 + [(2, 5.0)])  # one stalled step
     fixed, per_sample, noise = model.fit()
     assert fixed == pytest.approx(0.010) and per_sample == pytest.approx(0.002) and noise == 0.0
     assert 1 not in model.seconds
 
 
-def test_fit_with_one_size_is_proportional_and_before_three_measurements_is_unknown():
-    assert _measured([(4, 0.02)] * 3).fit() == (0.0, pytest.approx(0.005), 0.0)
-    assert all(math.isnan(x) for x in _measured([(4, 0.02)] * 2).fit())
+def test_fit_with_one_size_is_proportional_and_before_four_measurements_is_unknown():
+    assert _measured([(4, 0.02)] * 4).fit() == (0.0, pytest.approx(0.005), 0.0)
+    assert all(math.isnan(x) for x in _measured([(4, 0.02)] * 3).fit())
     assert all(math.isnan(x) for x in MicroStepTimes().fit())
     # a size measured fewer times is left out; the spread is the median absolute deviation over the median
-    fixed, per_sample, noise = _measured([(4, 0.018), (4, 0.020), (4, 0.024), (2, 0.001)]).fit()
+    fixed, per_sample, noise = _measured([(4, 0.016), (4, 0.020), (4, 0.020), (4, 0.024), (2, 0.001)]).fit()
     assert (fixed, per_sample) == (0.0, pytest.approx(0.005)) and noise == pytest.approx(0.1)
 
 
 def test_fit_spread_is_the_largest_relative_spread():
-    _, _, noise = _measured([(4, 0.02), (4, 0.02), (4, 0.02), (2, 0.01), (2, 0.012), (2, 0.008)]).fit()
+    _, _, noise = _measured([(4, 0.02)] * 4 + [(2, 0.008), (2, 0.012), (2, 0.008), (2, 0.012)]).fit()
     assert noise == pytest.approx(0.2)
 
 
 def test_fit_keeps_the_costs_non_negative():
-    fixed, per_sample, _ = _measured([(2, 0.030), (6, 0.020)] * 3).fit()  # more samples took less: noise
+    fixed, per_sample, _ = _measured([(2, 0.030), (6, 0.020)] * 4).fit()  # more samples took less: noise
     assert fixed >= 0 and per_sample > 0
-    fixed, per_sample, _ = _measured([(2, 0.001), (6, 0.012)] * 3).fit()  # a negative intercept
+    fixed, per_sample, _ = _measured([(2, 0.001), (6, 0.012)] * 4).fit()  # a negative intercept
     assert fixed == 0.0 and per_sample > 0
 
 
@@ -52,11 +52,11 @@ def _replan_until_settled(global_batch, shares, seconds_of, replan, measured_fir
     history = [list(shares)]
     models = [MicroStepTimes() for _ in shares]
     for rank, model in enumerate(models):
-        for _ in range(4 if measured_first else 0):
+        for _ in range(5 if measured_first else 0):
             model.observe(measured_first[rank], seconds_of(rank, measured_first[rank]))
     for _ in range(6):
         for rank, model in enumerate(models):
-            for _ in range(4):
+            for _ in range(5):
                 model.observe(shares[rank], seconds_of(rank, shares[rank]))
         shares = replan(global_batch, shares, models)
         history.append(list(shares))
