@@ -81,7 +81,7 @@ def test_identical_ranks_with_a_fixed_cost_per_micro_step_come_back_to_equal_sha
     """10 ms fixed + 1 ms a sample on both ranks, measured at [4, 4], then at [5, 3] after one noisy
     re-plan: samples per second at the current share make the rank with fewer samples look slower in
     proportion, so that rule never brings the shares back; the fixed + per-sample model returns them to [4, 4]."""
-    identical = lambda rank, n: 0.010 + 0.001 * n  # noqa: E731
+    identical = lambda rank, n: 0.010 + 0.001 * n
     assert _replan_until_settled(8, [5, 3], identical, _proportional_replan, [4, 4])[-1] == [5, 3]
     history = _replan_until_settled(8, [5, 3], identical, _affine_replan, [4, 4])
     assert history[-1] == [4, 4] and all(3 <= s[0] <= 5 for s in history), history
@@ -89,7 +89,7 @@ def test_identical_ranks_with_a_fixed_cost_per_micro_step_come_back_to_equal_sha
 
 def test_a_slower_rank_still_gets_fewer_samples():
     """Rank 1 costs 3 ms a sample, rank 0 1 ms, both 2 ms fixed: equal step times at about 18:6 of 24."""
-    slowed = lambda rank, n: 0.002 + (0.003 if rank else 0.001) * n  # noqa: E731
+    slowed = lambda rank, n: 0.002 + (0.003 if rank else 0.001) * n
     final = _replan_until_settled(24, [12, 12], slowed, _affine_replan)[-1]
     assert sum(final) == 24 and 2.5 <= final[0] / final[1] <= 3.5, final
 
