@@ -119,7 +119,6 @@ class ActivationMemory(Callback):
                 "runs the block's backward outside the autograd graph DDP inspects, so DDP marks its "
                 "parameters ready twice or never; use reentrant=False."
             )
-        restored, self._restored = self._restored, None  # a later fit without a checkpoint starts afresh
         self._plan, self._rank_plans, self._plan_summary, self._profiles = None, None, None, []
         self._disk_written = None
         self._block_list = find_blocks(pl_module, self.blocks)
@@ -131,17 +130,25 @@ class ActivationMemory(Callback):
         if self.policy == ["auto"]:
             if pl_module.automatic_optimization is False:
                 raise ValueError("policy='auto' profiles one training step, which needs automatic optimization")
-            plan = self._restorable(restored, trainer)
-            if plan is not None:
-                self._apply(plan, pl_module)
-            return
+            return  # restored or planned at on_train_start / the first batch, once the checkpoint is loaded
         plan = self.policy * len(self._block_list) if len(self.policy) == 1 else self.policy
         require(len(plan) == len(self._block_list), "policy", self.policy,
                 f"one policy or a list of {len(self._block_list)} (one per block found)")
-        if restored is not None and restored.get("plan") is not None and restored["plan"] != plan:
+        self._apply(plan, pl_module)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # the checkpoint's state is loaded by now whatever the strategy: before on_fit_start usually, but
+        # after it where strategy.restore_checkpoint_after_setup is True (ModelParallelStrategy, hetero_fsdp)
+        restored, self._restored = self._restored, None  # used once: a later fit without a checkpoint starts afresh
+        if self.policy == ["auto"]:
+            if self._plan is None:
+                plan = self._restorable(restored, trainer)
+                if plan is not None:
+                    self._apply(plan, pl_module)
+        elif restored is not None and restored.get("plan") is not None and restored["plan"] != self._plan:
             rank_zero_info(f"ActivationMemory: the checkpoint's plan ({_counts(restored['plan'])}) is not restored: "
                            f"policy={self._policy_text()} set now wins.")
-        self._apply(plan, pl_module)
 
     def _policy_text(self) -> str:
         return repr(self.policy[0] if len(self.policy) == 1 else self.policy)
@@ -368,8 +375,10 @@ class ActivationMemory(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restored = None  # a fit that raised before on_train_start must not hand its checkpoint to the next
         self._undo()  # Lightning skips teardown when fit raises
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._restored = None  # a fit that never reached on_train_start (resumed at its end) leaves none behind
         self._undo()

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -30,6 +31,7 @@ from lightning_efficient._validation import require, require_bool, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
+from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
 from lightning_efficient.memory import first_tensor
 from lightning_efficient.tokens.normalize import StepTokenNormaliser, kept_loss_sum
 from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses
@@ -166,6 +168,7 @@ class Balancer:
         self.micro_done = 0
         self.speeds: list[float] = []
         self.local_speed: float | None = None
+        self.micro_step_times = MicroStepTimes()  # fixed + per-sample cost, fitted per micro-batch size
         self.last_planned_step = -1
         self.lookahead = 2
         self.counter_epoch = 0
@@ -366,6 +369,7 @@ class Balancer:
         self.token_normaliser.reset()  # a fit that raised mid-step must not leak its counts into this one
         self.remove_hooks()
         self._timed, self._unread = None, deque()
+        self.micro_step_times.reset()
         if self.time_backward:
             self._hooks = [
                 p.register_post_accumulate_grad_hook(self.gradient_accumulated)
@@ -398,6 +402,7 @@ class Balancer:
         if timed.backward_start is not None and timed.last_gradient is not None:
             backward = clock.seconds(timed.backward_start, timed.last_gradient)
         self._observe(timed.samples / max(max(forward, 0.0) + max(backward, 0.0), 1e-9))
+        self.micro_step_times.observe(timed.samples, max(forward, 0.0) + max(backward, 0.0))
 
     def _observe(self, speed: float) -> None:
         previous = self.local_speed
@@ -468,8 +473,7 @@ class Balancer:
             return
         self.speeds = speeds
         current = self.sampler.plan_at(self.micro_done // self.plan.accumulation)
-        candidate = plan_shares(self.sampler.global_batch, self.speeds, self.caps(), self.plan.accumulation)
-        gain = 1.0 - candidate.step_time(self.speeds) / current.step_time(self.speeds)
+        candidate, gain = self._candidate(current)
         times = [s / v for s, v in zip(current.shares, self.speeds)]
         stats = {f"hetero/share_rank{r}": float(s) for r, s in enumerate(current.shares)}
         stats.update({f"hetero/step_time_rank{r}": t for r, t in enumerate(times)})
@@ -481,6 +485,26 @@ class Balancer:
             self.sampler.schedule_plan(candidate, start)
             rank_zero_info(f"{self.name}: step {step}: shares {list(current.shares)} -> {list(candidate.shares)} "
                            f"from global batch {start} (predicted gain {gain:.1%})")
+
+    def _candidate(self, current: SharePlan) -> tuple[SharePlan, float]:
+        """The plan to adopt and its predicted gain over ``current``, from every rank's micro-step time
+        modelled as fixed + per-sample cost (:class:`~lightning_efficient.balance.speed.MicroStepTimes`,
+        all-gathered): a rank given fewer samples then does not look slower per sample and lose more
+        (the shares of identical ranks ran away to [7, 1] on small models). ``current`` (gain 0) while a
+        rank has not measured a size 4 times, or when the gain is within twice the measurements' spread."""
+        global_batch = self.sampler.global_batch
+        mine = torch.tensor(self.micro_step_times.fit(), dtype=torch.float64, device=self.strategy.root_device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine)
+        fixed, per_sample, noise = ([float(g[i]) for g in gathered] for i in range(3))
+        if not all(math.isfinite(a) and math.isfinite(b) and b > 0 for a, b in zip(fixed, per_sample)):
+            return current, 0.0
+        weights = equal_time_weights(global_batch, current.accumulation, fixed, per_sample)
+        candidate = plan_shares(global_batch, weights, self.caps(), self.plan.accumulation)
+        before = predicted_step_time(current.shares, current.accumulation, fixed, per_sample)
+        after = predicted_step_time(candidate.shares, candidate.accumulation, fixed, per_sample)
+        gain = 1.0 - after / before
+        return (candidate, gain) if gain > 2 * max(noise) else (current, 0.0)  # twice: both ends are measured
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -546,6 +570,17 @@ class BalancedStrategy:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's step, timed, with the loss weighted for the global batch."""
         return self.balancer.training_step(super().training_step, *args, **kwargs)
+
+    def setup_environment(self) -> None:
+        """The strategy's environment, then the same intra-op thread count on every rank.
+
+        Lightning's launcher sets ``torch.set_num_threads(cpus // processes)`` in the process that
+        launches the others only; the ranks it starts keep torch's default (every core), so on CPU
+        they oversubscribe the cores and run several times slower than rank 0 — measured speeds
+        would then follow the thread counts, not the hardware. Without ``OMP_NUM_THREADS`` set, every
+        rank here gets the launching process's count (a no-op where it already has it)."""
+        super().setup_environment()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
 
     def setup(self, trainer: Any) -> None:
         """The strategy's setup, then the balancer's (timing hooks, a fresh token count)."""
