@@ -124,6 +124,29 @@ def _row_args(args: tuple, positions: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(i for i in positions if args[i] is not None)
 
 
+def _apply_grad(grad: Tensor, kept_h: Tensor, rows: slice | Tensor, weight: Tensor, grads: tuple) -> None:
+    """Add the logits' gradient ``grad`` of the token ``rows`` (hidden ``kept_h``) to ``grads``
+    (``grad_hidden``, ``grad_weight``, ``grad_bias``; None entries are skipped)."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_hidden is not None:
+        if isinstance(rows, slice):
+            _matmul_into(grad_hidden[rows], grad, weight)
+        else:
+            grad_hidden.index_copy_(0, rows, (grad @ weight).to(grad_hidden.dtype))
+    if grad_weight is not None:
+        _accumulate_matmul(grad_weight, grad.t(), kept_h)
+    if grad_bias is not None:
+        grad_bias += grad.sum(0).to(grad_bias.dtype)
+
+
+def _flush(buffer: Tensor, filled: int, pending: list[Tensor], hidden: Tensor, weight: Tensor, grads: tuple) -> int:
+    """Apply the ``filled`` gradient rows waiting in ``buffer`` (token rows ``pending``, emptied); returns 0."""
+    rows = torch.cat(pending)
+    pending.clear()
+    _apply_grad(buffer[:filled], hidden.index_select(0, rows), rows, weight, grads)
+    return 0
+
+
 def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, reference, ignore_index, chunk_size, score,
                       want_scores, needs_grad, compiled=False):
     """The one chunked pass. Returns ``(kept_sum, losses, keep, scores, grads)``; ``grads`` is
@@ -143,11 +166,14 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
     grad_hidden = torch.zeros_like(hidden) if need_hidden else None
     grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
     grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias and bias is not None else None
-    any_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+    grads = (grad_hidden, grad_weight, grad_bias)
+    any_grad = any(g is not None for g in grads)
     threshold_value = None if threshold is None else torch.as_tensor(threshold, dtype=torch.float32, device=device)
     rows_max = min(chunk_size, n_tokens)
     buffer = _chunk_buffer(compiled, hidden, weight, rows_max)  # the chunk's matmul, reused
-    grad_buffer = _chunk_buffer(compiled and any_grad, hidden, weight, rows_max)  # the kept rows' gradient
+    grad_buffer = _chunk_buffer(compiled and any_grad, hidden, weight, rows_max)  # the kept rows' gradients
+    pending: list[Tensor] = []  # the token rows of the gradients waiting in grad_buffer[:filled]
+    filled = 0
     for start in range(0, n_tokens, chunk_size):
         rows = slice(start, start + chunk_size)
         h = hidden[rows]
@@ -188,29 +214,32 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
             continue
         if everything:
             index = None
-        kept_h = h if everything else h.index_select(0, index)
         # the kept rows' softmax - onehot (unscaled: the backward pass scales by the incoming gradient)
-        if compiled:
-            # every row kept: the gradient overwrites the chunk's matmul; else the reused gradient buffer
-            out = (mm if mm.dtype == hidden.dtype else None) if everything else (
-                None if grad_buffer is None else grad_buffer[:n_kept])
-            args = (mm, bias, index, chunk_lse, chunk_labels, acc, hidden.dtype, out)
+        if compiled and index is not None and grad_buffer is not None:
+            # gathered into the gradient buffer across chunks: the gradient matmuls run on full
+            # buffers (fewer, longer passes over weight and grad_weight)
+            if filled + n_kept > len(grad_buffer):
+                filled = _flush(grad_buffer, filled, pending, hidden, weight, grads)
+            args = (mm, bias, index, chunk_lse, chunk_labels, acc, hidden.dtype, grad_buffer[filled : filled + n_kept])
+            linear_ce._CHUNK_STEP.run("stream_grad", _fused_stream_grad, args, _row_args(args, (0, 2, 3, 4, 7)),
+                                      functools.partial(_fused_stream_grad, *args))
+            pending.append(index + start)
+            filled += n_kept
+            continue
+        kept_h = h if everything else h.index_select(0, index)
+        if compiled:  # every row kept: the gradient overwrites the chunk's matmul
+            args = (mm, bias, index, chunk_lse, chunk_labels, acc, hidden.dtype,
+                    mm if everything and mm.dtype == hidden.dtype else None)
             grad = linear_ce._CHUNK_STEP.run("stream_grad", _fused_stream_grad, args, _row_args(args, (0, 2, 3, 4, 7)),
-                                   functools.partial(_fused_stream_grad, *args))
+                                             functools.partial(_fused_stream_grad, *args))
         else:
             grad = _eager_grad(logits if everything else logits.index_select(0, index),
                                chunk_lse if everything else chunk_lse.index_select(0, index),
                                chunk_labels if everything else chunk_labels.index_select(0, index)).to(hidden.dtype)
-        if grad_hidden is not None:
-            if everything:
-                _matmul_into(grad_hidden[rows], grad, weight)
-            else:
-                grad_hidden.index_copy_(0, index + start, (grad @ weight).to(grad_hidden.dtype))
-        if grad_weight is not None:
-            _accumulate_matmul(grad_weight, grad.t(), kept_h)
-        if grad_bias is not None:
-            grad_bias += grad.sum(0).to(acc)
-    return kept_sum, losses, keep, scores, (grad_hidden, grad_weight, grad_bias)
+        _apply_grad(grad, kept_h, rows if everything else index + start, weight, grads)
+    if filled:
+        _flush(grad_buffer, filled, pending, hidden, weight, grads)
+    return kept_sum, losses, keep, scores, grads
 
 
 class _StreamingCrossEntropy(torch.autograd.Function):
