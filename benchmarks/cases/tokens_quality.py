@@ -9,6 +9,7 @@ variant's final loss can be read against the batch-exact one (the issue's goal: 
 from __future__ import annotations
 
 import functools
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,10 +42,11 @@ def _sizes(quick: bool) -> dict[str, int]:
 
 
 class Curve(lightning.Callback):
-    """Records (step, training seconds so far, validation loss) at each validation."""
+    """Records (step, training seconds so far, validation loss) at each validation, and each step's seconds."""
 
     def __init__(self) -> None:
         self.train_seconds = 0.0
+        self.step_seconds: list[float] = []
         self.points: list[list[float]] = []
         self._start = 0.0
 
@@ -52,7 +54,8 @@ class Curve(lightning.Callback):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.train_seconds += time.perf_counter() - self._start
+        self.step_seconds.append(time.perf_counter() - self._start)
+        self.train_seconds += self.step_seconds[-1]
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
@@ -104,7 +107,10 @@ def quality(corpus: str, method: str, quick: bool) -> dict[str, Any]:
     return {
         "final_val_loss": curve.points[-1][2],
         "train_time_s": curve.train_seconds,
-        "step_time_s": curve.train_seconds / sizes["steps"],
+        # the median step: robust to the first steps' one-time costs and to a busy machine's spikes, which
+        # decide a short run's mean (the --quick run's 6 steps gave 2.4x-5.5x for eslm on a shared CPU, where
+        # the median steps of the same fits are equal within noise)
+        "step_time_s": statistics.median(curve.step_seconds),
         "curve": curve.points,
     }
 

@@ -23,13 +23,24 @@ from a batch's exact selection keeps exactly that selection's tokens.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_efficient._validation import require, require_choice
-from lightning_efficient.tokens.linear_ce import _chunk_logits, _softmax_grad, auto_chunk_size, check_head_inputs
+from lightning_efficient.tokens import linear_ce
+from lightning_efficient.tokens.linear_ce import (
+    _accumulate_matmul,
+    _chunk_buffer,
+    _chunk_logits,
+    _fused_logits,
+    _head_matmul,
+    _matmul_into,
+    auto_chunk_size,
+    check_head_inputs,
+)
 
 StreamScore = Literal["loss", "entropy", "excess"]
 STREAM_SCORES = ("loss", "entropy", "excess")
@@ -57,10 +68,90 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _eager_grad(logits: Tensor, lse: Tensor, labels: Tensor) -> Tensor:
+    """``softmax(logits) - onehot(labels)`` in place of ``logits`` (no scale: the backward pass scales)."""
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+    grad[torch.arange(len(labels), device=labels.device), labels] -= 1.0
+    return grad
+
+
+def _chunk_scores(logits, lse, chunk_losses, valid, reference, score, fused):
+    """The chunk's scores, as :func:`linear_cross_entropy`'s eager (``fused`` False) or compiled
+    step computes its entropies."""
+    if score == "entropy":
+        probs = torch.exp(logits - lse.unsqueeze(1)) if fused else torch.softmax(logits, dim=1)
+        return torch.where(valid, lse - (probs * logits).sum(1), torch.zeros_like(lse))
+    if score == "excess":
+        return torch.where(valid, chunk_losses - reference.to(lse.dtype), torch.zeros_like(lse))
+    return chunk_losses
+
+
+# --- the compiled step: the same arithmetic, out of place, for torch.compile (see linear_ce) ---
+
+
+def _fused_stream_scores(mm, bias, labels, valid, keep_given, threshold, reference, acc, score, want_scores):
+    """One chunk's elementwise forward on its matmul ``mm``: ``(losses, lse, scores or None, keep)``.
+    ``keep`` is ``keep_given & valid`` or, with ``threshold`` (a float32 0-dim tensor), the valid
+    tokens whose float32 score is at or above it."""
+    logits = _fused_logits(mm, bias, acc)
+    lse = torch.logsumexp(logits, dim=1)
+    target = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
+    losses = torch.where(valid, lse - target, torch.zeros_like(lse))
+    scores = None
+    if want_scores or keep_given is None:
+        scores = _chunk_scores(logits, lse, losses, valid, reference, score, fused=True)
+    keep = valid & keep_given if keep_given is not None else valid & (scores.float() >= threshold)
+    return losses, lse, scores, keep
+
+
+def _fused_stream_grad(mm, bias, index, lse, labels, acc, grad_dtype, out):
+    """``softmax - onehot`` of the rows ``index`` of the chunk's matmul ``mm`` (all rows, written over
+    ``mm``, when ``index`` is None), written into ``out`` (``[len(index), vocab]``, reused) where the
+    dtypes agree: the row gather, softmax and one-hot fused in one pass over the kept rows."""
+    if index is not None:
+        mm = mm.index_select(0, index)
+        lse = lse.index_select(0, index)
+        labels = labels.index_select(0, index)
+    logits = _fused_logits(mm, bias, acc)
+    probs = torch.exp(logits - lse.unsqueeze(1))
+    onehot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == labels.unsqueeze(1)
+    grad = torch.where(onehot, probs - 1.0, probs).to(grad_dtype)
+    return out.copy_(grad) if out is not None and out.dtype == grad.dtype else grad
+
+
+def _row_args(args: tuple, positions: tuple[int, ...]) -> tuple[int, ...]:
+    """The positions among ``positions`` that hold a tensor (whose first dimension is the chunk's rows)."""
+    return tuple(i for i in positions if args[i] is not None)
+
+
+def _apply_grad(grad: Tensor, kept_h: Tensor, rows: slice | Tensor, weight: Tensor, grads: tuple) -> None:
+    """Add the logits' gradient ``grad`` of the token ``rows`` (hidden ``kept_h``) to ``grads``
+    (``grad_hidden``, ``grad_weight``, ``grad_bias``; None entries are skipped)."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_hidden is not None:
+        if isinstance(rows, slice):
+            _matmul_into(grad_hidden[rows], grad, weight)
+        else:
+            grad_hidden.index_copy_(0, rows, (grad @ weight).to(grad_hidden.dtype))
+    if grad_weight is not None:
+        _accumulate_matmul(grad_weight, grad.t(), kept_h)
+    if grad_bias is not None:
+        grad_bias += grad.sum(0).to(grad_bias.dtype)
+
+
+def _flush(buffer: Tensor, filled: int, pending: list[Tensor], hidden: Tensor, weight: Tensor, grads: tuple) -> int:
+    """Apply the ``filled`` gradient rows waiting in ``buffer`` (token rows ``pending``, emptied); returns 0."""
+    rows = torch.cat(pending)
+    pending.clear()
+    _apply_grad(buffer[:filled], hidden.index_select(0, rows), rows, weight, grads)
+    return 0
+
+
 def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, reference, ignore_index, chunk_size, score,
-                      want_scores, needs_grad):
+                      want_scores, needs_grad, compiled=False):
     """The one chunked pass. Returns ``(kept_sum, losses, keep, scores, grads)``; ``grads`` is
-    ``(grad_hidden, grad_weight, grad_bias)`` of the kept sum (None entries where not needed)."""
+    ``(grad_hidden, grad_weight, grad_bias)`` of the kept sum (None entries where not needed).
+    ``compiled`` runs each chunk's elementwise work as the compiled step (see linear_ce)."""
     acc = _accumulation_dtype(hidden.dtype)
     n_tokens = hidden.shape[0]
     device = hidden.device
@@ -75,32 +166,43 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
     grad_hidden = torch.zeros_like(hidden) if need_hidden else None
     grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
     grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias and bias is not None else None
-    any_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+    grads = (grad_hidden, grad_weight, grad_bias)
+    any_grad = any(g is not None for g in grads)
     threshold_value = None if threshold is None else torch.as_tensor(threshold, dtype=torch.float32, device=device)
-    zero = torch.zeros((), dtype=acc, device=device)
+    rows_max = min(chunk_size, n_tokens)
+    buffer = _chunk_buffer(compiled, hidden, weight, rows_max)  # the chunk's matmul, reused
+    grad_buffer = _chunk_buffer(compiled and any_grad, hidden, weight, rows_max)  # the kept rows' gradients
+    pending: list[Tensor] = []  # the token rows of the gradients waiting in grad_buffer[:filled]
+    filled = 0
     for start in range(0, n_tokens, chunk_size):
         rows = slice(start, start + chunk_size)
         h = hidden[rows]
         chunk_valid, chunk_labels = valid[rows], safe_labels[rows]
-        logits = _chunk_logits(h, weight, bias, acc)
-        lse = torch.logsumexp(logits, dim=1)
-        target = logits.gather(1, chunk_labels.unsqueeze(1)).squeeze(1)
-        chunk_losses = torch.where(chunk_valid, lse - target, zero)
+        chunk_given = None if keep_given is None else keep_given[rows]
+        chunk_reference = None if reference is None else reference[rows]
+        if compiled:
+            mm = _head_matmul(h, weight, buffer)
+            args = (mm, bias, chunk_labels, chunk_valid, chunk_given, threshold_value, chunk_reference, acc, score,
+                    need_scores)
+            chunk_losses, chunk_lse, chunk_scores, chunk_keep = linear_ce._CHUNK_STEP.run(
+                "stream_scores", _fused_stream_scores, args, _row_args(args, (0, 2, 3, 4, 6)),
+                functools.partial(_fused_stream_scores, *args))
+        else:
+            logits = _chunk_logits(h, weight, bias, acc)
+            chunk_lse = torch.logsumexp(logits, dim=1)
+            target = logits.gather(1, chunk_labels.unsqueeze(1)).squeeze(1)
+            chunk_losses = torch.where(chunk_valid, chunk_lse - target, torch.zeros_like(chunk_lse))
+            chunk_scores = None
+            if need_scores:  # entropy as linear_cross_entropy computes it, bit for bit
+                chunk_scores = _chunk_scores(logits, chunk_lse, chunk_losses, chunk_valid, chunk_reference, score,
+                                             fused=False)
+            if chunk_given is not None:
+                chunk_keep = chunk_given & chunk_valid
+            else:
+                chunk_keep = chunk_valid & (chunk_scores.float() >= threshold_value)
         losses[rows] = chunk_losses
         if need_scores:
-            if score == "entropy":  # as linear_cross_entropy computes it, bit for bit
-                probs = torch.softmax(logits, dim=1)
-                chunk_scores = torch.where(chunk_valid, lse - (probs * logits).sum(1), zero)
-                del probs
-            elif score == "excess":
-                chunk_scores = torch.where(chunk_valid, chunk_losses - reference[rows].to(acc), zero)
-            else:
-                chunk_scores = chunk_losses
             scores[rows] = chunk_scores
-        if keep_given is not None:
-            chunk_keep = keep_given[rows] & chunk_valid
-        else:
-            chunk_keep = chunk_valid & (chunk_scores.float() >= threshold_value)
         keep[rows] = chunk_keep
         index = torch.nonzero(chunk_keep).squeeze(1)
         n_kept = index.numel()
@@ -110,32 +212,43 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
         kept_sum = kept_sum + (chunk_losses.sum() if everything else chunk_losses.index_select(0, index).sum())
         if not any_grad:
             continue
-        # the kept rows' softmax - onehot (scale 1: the backward pass scales by the incoming gradient)
-        kept_logits = logits if everything else logits.index_select(0, index)
+        if everything:
+            index = None
+        # the kept rows' softmax - onehot (unscaled: the backward pass scales by the incoming gradient)
+        if compiled and index is not None and grad_buffer is not None:
+            # gathered into the gradient buffer across chunks: the gradient matmuls run on full
+            # buffers (fewer, longer passes over weight and grad_weight)
+            if filled + n_kept > len(grad_buffer):
+                filled = _flush(grad_buffer, filled, pending, hidden, weight, grads)
+            args = (mm, bias, index, chunk_lse, chunk_labels, acc, hidden.dtype, grad_buffer[filled : filled + n_kept])
+            linear_ce._CHUNK_STEP.run("stream_grad", _fused_stream_grad, args, _row_args(args, (0, 2, 3, 4, 7)),
+                                      functools.partial(_fused_stream_grad, *args))
+            pending.append(index + start)
+            filled += n_kept
+            continue
         kept_h = h if everything else h.index_select(0, index)
-        grad = _softmax_grad(kept_logits, lse if everything else lse.index_select(0, index),
-                             chunk_labels if everything else chunk_labels.index_select(0, index),
-                             torch.ones(n_kept, dtype=acc, device=device)).to(hidden.dtype)
-        if grad_hidden is not None:
-            rows_grad = (grad @ weight).to(grad_hidden.dtype)
-            if everything:
-                grad_hidden[rows] = rows_grad
-            else:
-                grad_hidden.index_copy_(0, index + start, rows_grad)
-        if grad_weight is not None:
-            grad_weight += (grad.t() @ kept_h).to(acc)
-        if grad_bias is not None:
-            grad_bias += grad.sum(0).to(acc)
-    return kept_sum, losses, keep, scores, (grad_hidden, grad_weight, grad_bias)
+        if compiled:  # every row kept: the gradient overwrites the chunk's matmul
+            args = (mm, bias, index, chunk_lse, chunk_labels, acc, hidden.dtype,
+                    mm if everything and mm.dtype == hidden.dtype else None)
+            grad = linear_ce._CHUNK_STEP.run("stream_grad", _fused_stream_grad, args, _row_args(args, (0, 2, 3, 4, 7)),
+                                             functools.partial(_fused_stream_grad, *args))
+        else:
+            grad = _eager_grad(logits if everything else logits.index_select(0, index),
+                               chunk_lse if everything else chunk_lse.index_select(0, index),
+                               chunk_labels if everything else chunk_labels.index_select(0, index)).to(hidden.dtype)
+        _apply_grad(grad, kept_h, rows if everything else index + start, weight, grads)
+    if filled:
+        _flush(grad_buffer, filled, pending, hidden, weight, grads)
+    return kept_sum, losses, keep, scores, grads
 
 
 class _StreamingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, keep_given, threshold, reference, ignore_index, chunk_size, score,
-                want_scores):
+                want_scores, compiled):
         kept_sum, losses, keep, scores, grads = _streamed_forward(
             hidden, weight, bias, labels, keep_given, threshold, reference, ignore_index, chunk_size, score, want_scores,
-            ctx.needs_input_grad[:3],
+            ctx.needs_input_grad[:3], compiled,
         )
         ctx.has = tuple(g is not None for g in grads)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -152,7 +265,7 @@ class _StreamingCrossEntropy(torch.autograd.Function):
         out = []
         for grad, dtype in zip(grads, ctx.dtypes):
             out.append(None if grad is None else (grad * grad_sum.to(grad.dtype)).to(dtype))
-        return (*out, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None)
 
 
 def streaming_cross_entropy(
@@ -168,6 +281,7 @@ def streaming_cross_entropy(
     score: StreamScore = "loss",
     reference_losses: Tensor | None = None,
     return_scores: bool = False,
+    compile: bool | None = None,
 ) -> StreamedLoss:
     """The kept tokens' cross-entropy sum of ``hidden @ weight.T + bias``, selected while streaming.
 
@@ -189,6 +303,12 @@ def streaming_cross_entropy(
             predictive entropy) or ``"excess"`` (its loss minus ``reference_losses``).
         reference_losses: a reference model's per-token losses shaped like ``labels`` (``"excess"``).
         return_scores: also return the scores when ``keep`` is given (the threshold's next estimate).
+        compile: run each chunk's elementwise work (log-sum-exp, target, scores, keep test, the kept
+            rows' gather and ``softmax - onehot``) as ``torch.compile``-d steps (True) or op by op
+            (False, the reference), exactly as :func:`~lightning_efficient.tokens.linear_cross_entropy`'s
+            ``compile``: None follows :func:`~lightning_efficient.tokens.linear_ce.set_compile`
+            (initially: compiled when ``tokens * vocab`` is at least ``2**25``); the choice, and a
+            failure to compile (the eager step from then on), are said once per process.
 
     Returns:
         A :class:`StreamedLoss`: the differentiable kept sum, and the detached losses, keep mask
@@ -196,8 +316,8 @@ def streaming_cross_entropy(
 
     Raises:
         ValueError: for both or neither of ``threshold`` and ``keep``, an unknown score, ``"excess"``
-            without reference losses, a ``keep`` or reference of the wrong shape, a chunk_size < 1, or
-            mismatched head shapes.
+            without reference losses, a ``keep`` or reference of the wrong shape, a chunk_size < 1, a
+            compile other than True, False or None, or mismatched head shapes.
     """
     require((threshold is None) != (keep is None), "threshold", threshold, "exactly one of threshold and keep")
     require_choice("score", score, STREAM_SCORES)
@@ -205,6 +325,7 @@ def streaming_cross_entropy(
             "a tensor shaped like labels for score='excess'")
     if chunk_size is not None:
         require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", chunk_size, "an integer >= 1 or None")
+    require(compile is None or isinstance(compile, bool), "compile", compile, "True, False or None")
     check_head_inputs(hidden, weight, labels, bias)
     if keep is not None:
         require(keep.shape == labels.shape, "keep", tuple(keep.shape), f"a bool mask of the labels' shape {tuple(labels.shape)}")
@@ -214,18 +335,20 @@ def streaming_cross_entropy(
         require(reference_losses.shape == labels.shape, "reference_losses", tuple(reference_losses.shape),
                 f"a tensor of the labels' shape {tuple(labels.shape)}")
         reference = reference_losses.detach().reshape(-1).to(labels.device)
-    chunk = chunk_size or auto_chunk_size(weight.shape[0])
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    compiled = linear_ce._CHUNK_STEP.use_compiled(compile, flat_hidden.shape[0] * weight.shape[0])
+    chunk = chunk_size or auto_chunk_size(weight.shape[0], fused=compiled)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         kept_sum, losses, kept, scores = _StreamingCrossEntropy.apply(
-            flat_hidden, weight, bias, flat_labels, keep, threshold, reference, ignore_index, chunk, score, return_scores
+            flat_hidden, weight, bias, flat_labels, keep, threshold, reference, ignore_index, chunk, score, return_scores,
+            compiled,
         )
         if scores.numel() == 0:
             scores = None
     else:  # no gradient wanted: the losses, scores and keep mask only
         kept_sum, losses, kept, scores, _ = _streamed_forward(
             flat_hidden, weight, bias, flat_labels, keep, threshold, reference, ignore_index, chunk, score, return_scores,
-            (False, False, False),
+            (False, False, False), compiled,
         )
     shape = labels.shape
     return StreamedLoss(kept_sum, losses.view(shape), kept.view(shape), None if scores is None else scores.view(shape))

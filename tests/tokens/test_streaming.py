@@ -3,6 +3,8 @@
 References are plain torch (full logits, per-token cross-entropy, masked sum) in float64; the
 batch-exact selection (``select_tokens``) is what a given threshold must reproduce."""
 
+import logging
+import math
 from pathlib import Path
 
 import lightning
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_efficient import CorpusDataModule, DemoGPT, SelectiveTokenLoss
-from lightning_efficient.tokens.linear_ce import linear_cross_entropy
+from lightning_efficient.tokens import linear_ce
+from lightning_efficient.tokens.linear_ce import linear_cross_entropy, set_compile
 from lightning_efficient.tokens.selection import RunningThreshold, select_tokens
 from lightning_efficient.tokens.streaming import streaming_cross_entropy
 from tests.conftest import tiny_gpt_kwargs
@@ -107,6 +110,82 @@ def test_bad_arguments_are_refused():
         SelectiveTokenLoss(threshold="batch")
     with pytest.raises(ValueError, match="gain=0"):
         RunningThreshold(gain=0)
+
+
+# -- the compiled step ------------------------------------------------------------------------------
+def _compiled_case(compile, threshold=None, keep=None, score="loss"):
+    """A float32 head whose first 16-row chunk is all valid (45 = 16 + 16 + 13 rows): the streamed
+    loss and the gradients of hidden, weight and bias."""
+    hidden, weight, b, labels, reference = _head(n=45, d=8, v=67, dtype=torch.float32, seed=3)
+    labels[:16] = labels[:16].clamp_min(0)
+    out = streaming_cross_entropy(hidden, weight, labels, b, chunk_size=16, threshold=threshold, keep=keep, score=score,
+                                  reference_losses=reference if score == "excess" else None, compile=compile)
+    return out, torch.autograd.grad(out.kept_sum, _params(hidden, weight, b))
+
+
+def _assert_same_stream(got, want):
+    (out, grads), (ref, ref_grads) = got, want
+    assert torch.equal(out.keep, ref.keep)
+    for name, a, w in (("losses", out.losses, ref.losses), ("scores", out.scores, ref.scores),
+                       ("kept sum", out.kept_sum.detach(), ref.kept_sum.detach()), *zip(("grad hidden", "grad weight",
+                       "grad bias"), grads, ref_grads)):
+        assert (a is None) == (w is None), name
+        if a is not None:
+            assert a.dtype == w.dtype, name
+            torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_compiled_step_equals_the_eager_step():
+    """compile=True against the eager step (its reference) on one tiny float32 head: a threshold
+    halfway between two adjacent scores keeps the same tokens; a given mask that keeps every row of
+    the first chunk takes the path whose gradient overwrites the chunk's matmul; the others' kept
+    rows gather in the gradient buffer across chunks. Four small graphs."""
+    scores = _compiled_case(False, threshold=-math.inf)[0].scores
+    ordered = scores[scores != 0].sort().values
+    middle = len(ordered) // 2
+    threshold = float((ordered[middle] + ordered[middle + 1]) / 2)
+    eager = _compiled_case(False, threshold=threshold)
+    assert 16 < int(eager[0].keep.sum()) < 40  # more kept rows than one chunk: the gradient buffer is flushed mid-pass
+    _assert_same_stream(_compiled_case(True, threshold=threshold), eager)
+    keep = torch.rand(45, generator=torch.Generator().manual_seed(4)) < 0.5
+    keep[:16] = True
+    eager = _compiled_case(False, keep=keep)
+    assert bool(eager[0].keep[:16].all())
+    _assert_same_stream(_compiled_case(True, keep=keep), eager)
+
+
+def test_a_failing_compiler_streams_on_the_eager_step_and_says_so_once(monkeypatch, caplog):
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(linear_ce, "_CHUNK_STEP", linear_ce._ChunkStep())  # a fresh process's choice
+    monkeypatch.setattr(torch, "compile", unavailable)
+    eager = _compiled_case(False, threshold=0.5)
+    caplog.clear()
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="compiling the chunk step failed") as record:
+        first = _compiled_case(True, threshold=0.5)
+        second = _compiled_case(True, threshold=0.5)
+    assert len([w for w in record if "compiling the chunk step failed" in str(w.message)]) == 1
+    for got in (first, second):  # the eager step's arithmetic: equal to float32 rounding, the same kept set
+        _assert_same_stream(got, eager)
+    said = [r.getMessage() for r in caplog.records if "the chunk step runs" in r.getMessage()]
+    assert said == ["linear_cross_entropy: the chunk step runs eager (compiling failed)"]
+
+
+def test_streaming_follows_the_process_compile_default(monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("torch.compile called with compile=False")
+
+    monkeypatch.setattr(linear_ce, "_CHUNK_STEP", linear_ce._ChunkStep())
+    monkeypatch.setattr(torch, "compile", must_not_run)
+    try:
+        set_compile(False)
+        _compiled_case(None, threshold=0.5)
+    finally:
+        set_compile(None)
+    assert linear_ce._CHUNK_STEP.failed is None
+    with pytest.raises(ValueError, match=r"compile='yes' is not allowed: expected True, False or None"):
+        _compiled_case("yes", threshold=0.5)
 
 
 # -- the running estimate --------------------------------------------------------------------------
