@@ -596,7 +596,7 @@ def check_activations(b: Bench) -> None:
         b.add("activations", variant, "saved_outside_inner_hooks_bytes", fit.saved_bytes,
               ratio(fit.saved_bytes, base and base.saved_bytes))
         if variant.startswith("auto"):
-            planned, kept = fit.figures.get("activation_planned_bytes"), fit.figures.get("activation_unplanned_bytes")
+            planned, kept = fit.figures.get("activation_planned_bytes"), fit.figures.get("activation_all_kept_bytes")
             b.add("activations", variant, "auto_planned_bytes", planned, ratio(planned, kept))
             b.add("activations", variant, "auto_every_block_kept_bytes", kept, 1.0 if kept else None)
         if variant == "offload":

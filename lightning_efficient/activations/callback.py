@@ -303,10 +303,10 @@ class ActivationMemory(Callback):
         self._apply(plan.policies, pl_module)
 
     def _print_plan(self, plan: Plan, budget: int, outcomes: list[dict[str, Any]]) -> None:
-        lines = [f"ActivationMemory auto plan: budget {budget / 2**20:,.1f} MiB, every block kept "
-                 f"{plan.baseline_bytes / 2**20:,.1f} MiB, planned {plan.held_bytes / 2**20:,.1f} MiB, "
+        lines = [f"ActivationMemory auto plan: budget {budget / 2**20:,.2f} MiB, every block kept "
+                 f"{plan.baseline_bytes / 2**20:,.2f} MiB, planned {plan.held_bytes / 2**20:,.2f} MiB, "
                  f"estimated cost {plan.cost_s * 1e3:,.1f} ms/step",
-                 f"  {'block':<28} {'policy':<11} {'saved MiB':>10} {'cost ms':>9}"]
+                 f"  {'block':<28} {'policy':<11} {'freed MiB':>10} {'cost ms':>9}"]
         for name, policy, saved, cost in plan.rows(self._profiles):
             lines.append(f"  {name:<28} {policy:<11} {saved / 2**20:>10.2f} {cost * 1e3:>9.2f}")
         if len(outcomes) > 1:
@@ -321,7 +321,7 @@ class ActivationMemory(Callback):
         figures: dict[str, int] = {}
         if self._plan_summary is not None:
             figures["activation_planned_bytes"] = self._plan_summary.held_bytes
-            figures["activation_unplanned_bytes"] = self._plan_summary.baseline_bytes
+            figures["activation_all_kept_bytes"] = self._plan_summary.baseline_bytes
         if self._disk is not None:
             figures["activation_disk_written_bytes"] = self._disk.bytes_written
         elif self._disk_written is not None:
