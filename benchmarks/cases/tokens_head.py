@@ -15,21 +15,11 @@ import time
 
 import torch
 
-from benchmarks.cases import tokens  # noqa: F401  (registers the case these variants join)
+from benchmarks.cases.tokens import _head_inputs  # importing tokens also registers the case these variants join
 from benchmarks.harness import CASES
 from lightning_efficient.tokens import linear_cross_entropy
 from lightning_efficient.tokens.selection import select_tokens
 from lightning_efficient.tokens.streaming import streaming_cross_entropy
-
-
-def _inputs(quick: bool):
-    """The ``tokens`` case's sizes: vocabulary 32,000, hidden 512, 8,192 tokens (quick: 8,000, 256, 1,024)."""
-    n, d, v = (1024, 256, 8000) if quick else (8192, 512, 32000)
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, d, generator=g).requires_grad_()
-    weight = (torch.randn(v, d, generator=g) * 0.02).requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g)
-    return hidden, weight, labels
 
 
 def _timed(step, hidden, weight, repeats: int) -> dict[str, float]:
@@ -51,13 +41,13 @@ def _timed(step, hidden, weight, repeats: int) -> dict[str, float]:
 
 def chunked_mean(quick: bool) -> dict[str, float]:
     """``linear_cross_entropy(reduction="mean")``: every token, gradients computed in the forward pass."""
-    hidden, weight, labels = _inputs(quick)
+    hidden, weight, labels = _head_inputs(quick)
     return _timed(lambda h, w: linear_cross_entropy(h, w, labels, reduction="mean"), hidden, weight, 2 if quick else 3)
 
 
 def streaming(keep_ratio: float, quick: bool) -> dict[str, float]:
     """The streaming path keeping ``keep_ratio`` of the tokens (the kept mean, as selection trains on)."""
-    hidden, weight, labels = _inputs(quick)
+    hidden, weight, labels = _head_inputs(quick)
     valid = torch.ones_like(labels, dtype=torch.bool)
     if keep_ratio < 1.0:
         with torch.no_grad():
