@@ -1,6 +1,7 @@
 """lightning_efficient: train language models with Lightning in less memory and less time."""
 
 from lightning_efficient.activations import ActivationMemory
+from lightning_efficient.autofit import AutoFit
 from lightning_efficient.balance import HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy
 from lightning_efficient.demo import CorpusDataModule, DemoGPT
 from lightning_efficient.optim import EightBitOptimizer
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationMemory",
+    "AutoFit",
     "CorpusDataModule",
     "DemoGPT",
     "EightBitOptimizer",

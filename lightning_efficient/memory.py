@@ -8,6 +8,7 @@ counts as nothing.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import sys
@@ -254,3 +255,46 @@ def current_rss_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
+
+
+def release_free_memory(device: torch.device | None = None) -> None:
+    """Hand memory the process has freed back to the system, so a peak measured next starts from
+    what is really held: glibc's ``malloc_trim(0)`` on Linux (freed heap pages otherwise stay resident
+    and count in RSS), and the CUDA caching allocator's free blocks on CUDA."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
+
+class PeakMemory:
+    """The peak memory a fit counts, measured between :meth:`reset` and :meth:`read`: on CUDA
+    ``torch.cuda.max_memory_allocated``; elsewhere the process's peak RSS above ``start_rss_bytes``
+    (the RSS when the fit started), with freed heap handed back first (:func:`release_free_memory`).
+
+    Args:
+        device: the device the fit runs on.
+        start_rss_bytes: the RSS the CPU figure is counted above.
+    """
+
+    def __init__(self, device: torch.device, start_rss_bytes: int = 0) -> None:
+        self.device = device
+        self.start_rss_bytes = start_rss_bytes
+
+    def reset(self) -> None:
+        """Start a new peak from what is held now."""
+        release_free_memory(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_peak_rss()
+
+    def read(self) -> int:
+        """The peak since the last :meth:`reset`, in bytes."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, peak_rss_bytes() - self.start_rss_bytes)

@@ -162,9 +162,29 @@ class EightBitOptimizer(Callback):
 
     def _convert_optimizers(self, trainer: Trainer, pl_module: LightningModule, paged: bool, offload: bool) -> None:
         reasons = self._kept_32bit(pl_module)
+        replaced = self.build_twins(trainer.strategy.optimizers, pl_module, paged=paged, offload=offload, reasons=reasons)
+        for optimizer, twin in zip(trainer.strategy.optimizers, replaced):
+            if twin is not optimizer:
+                rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
+        trainer.strategy.optimizers = replaced
+        self._report(trainer, reasons)
+
+    def build_twins(
+        self, optimizers: list[torch.optim.Optimizer], pl_module: LightningModule, *, paged: bool, offload: bool,
+        reasons: dict[int, str] | None = None,
+    ) -> list[torch.optim.Optimizer]:
+        """Each optimizer's 8-bit twin under this callback's settings (the optimizer itself where it stays
+        as it is), with the 32-bit overrides registered in bitsandbytes (dropped at teardown, or by
+        :meth:`drop_overrides`); schedulers are not touched.
+
+        Raises:
+            ValueError: for ``paged=True`` on an optimizer without a paged twin.
+            NoTwinError: for an optimizer without a twin under ``strict=True``.
+        """
+        reasons = self._kept_32bit(pl_module) if reasons is None else reasons
         manager = bitsandbytes().optim.GlobalOptimManager.get_instance()
         replaced: list[torch.optim.Optimizer] = []
-        for index, optimizer in enumerate(trainer.strategy.optimizers):
+        for index, optimizer in enumerate(optimizers):
             if isinstance(optimizer, eight_bit_classes()) or is_stateless(optimizer):
                 replaced.append(optimizer)
                 continue
@@ -191,10 +211,8 @@ class EightBitOptimizer(Callback):
                 twin = self._offloaded(twin)
             elif paged:
                 twin = self._rebuilt(twin, repaged_on_load(type(twin)))  # still paged after a resume
-            rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
             replaced.append(twin)
-        trainer.strategy.optimizers = replaced
-        self._report(trainer, reasons)
+        return replaced
 
     def _offloaded(self, twin: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``twin`` rebuilt as its host-offloaded class, same param groups.
@@ -346,16 +364,16 @@ class EightBitOptimizer(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._drop_overrides()
+        self.drop_overrides()
         self._restore_strategy()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning skips callbacks' teardown when fit raises
-        self._drop_overrides()
+        self.drop_overrides()
         self._restore_strategy()
 
-    def _drop_overrides(self) -> None:
+    def drop_overrides(self) -> None:
         """Remove our 32-bit overrides from bitsandbytes' process-wide manager.
 
         bitsandbytes keys them by ``id(param)``; one left behind would silently make a later

@@ -1,0 +1,65 @@
+"""AutoFit's memory budget: bytes or a size string per device, a list per rank, or ``"auto"``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_efficient.activations.planner import parse_budget
+
+AUTO_RESERVE = 0.05
+"""Under ``budget="auto"``, the fraction of the device's memory left to everything outside the fit."""
+
+
+def validate_budget(budget: Any) -> None:
+    """Raise a ValueError naming ``budget`` unless it is bytes, a size string, ``"auto"`` or a list of bytes/size strings."""
+    message = "bytes (an int > 0), a size string like '6GiB', 'auto', or a list of those (one per rank)"
+    if isinstance(budget, (list, tuple)):
+        if not budget or any(b == "auto" or isinstance(b, (list, tuple)) for b in budget):
+            raise ValueError(f"budget={budget!r} is not allowed: expected {message}")
+        for item in budget:
+            validate_budget(item)
+        return
+    if budget == "auto":
+        return
+    if isinstance(budget, (float, bool)) or not isinstance(budget, (int, str)):
+        raise ValueError(f"budget={budget!r} is not allowed: expected {message}")
+    try:
+        parse_budget(budget)
+    except ValueError:
+        raise ValueError(f"budget={budget!r} is not allowed: expected {message}") from None
+
+
+def auto_budget(device: torch.device, local_ranks: int = 1) -> int:
+    """``"auto"``: on CUDA the device's total memory less :data:`AUTO_RESERVE`; on CPU the memory the
+    system has available now (``MemAvailable``) shared by the ``local_ranks`` on this host, less the same reserve."""
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return int(total * (1.0 - AUTO_RESERVE))
+    available = 0
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not available:
+        raise ValueError("budget='auto' needs the available memory, which this system does not report: give bytes or a size string")
+    return int(available / max(local_ranks, 1) * (1.0 - AUTO_RESERVE))
+
+
+def rank_budget(budget: Any, rank: int, world: int, device: torch.device, local_ranks: int = 1) -> int:
+    """This rank's budget in bytes.
+
+    Raises:
+        ValueError: for a list whose length is not the number of ranks.
+    """
+    if isinstance(budget, (list, tuple)):
+        if len(budget) != world:
+            raise ValueError(f"budget={list(budget)!r} has {len(budget)} entries for {world} ranks: give one per rank")
+        budget = budget[rank]
+    if budget == "auto":
+        return auto_budget(device, local_ranks)
+    return parse_budget(budget)

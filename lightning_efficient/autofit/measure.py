@@ -1,0 +1,198 @@
+"""What AutoFit plans from, measured on real training steps of the run: a forward and backward at two
+micro-batch sizes (peak memory and time), the blocks' profile, and each optimizer option's state bytes,
+step time and step peak. Parameters, buffers, optimizer states and random streams are put back
+afterwards, so measuring changes nothing in the run.
+
+The steps run the class's ``training_step`` in the precision plugin's context, outside the loop (as the
+micro-batch probe and ``ActivationMemory(policy="auto")`` do): under DDP no collective runs; under
+FSDP2 every rank runs the same sizes in the same order, so its collectives stay in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_efficient._step import restored_run_state, step_loss
+from lightning_efficient._torch import synchronize
+from lightning_efficient.activations.planner import BlockProfile
+from lightning_efficient.activations.profile import profile_blocks
+from lightning_efficient.autofit.model import OptimizerOption, RankProfile
+from lightning_efficient.balance.probe import release_optimizer_state
+from lightning_efficient.memory import PeakMemory, first_tensor, optimizer_state_bytes, release_free_memory
+from lightning_efficient.report import host_state_bytes, paged_state_bytes
+
+
+@dataclass
+class OptimizerSpec:
+    """An optimizer option to measure: ``build`` gives the optimizers to step (the run's own, or twins)."""
+
+    name: str
+    build: Callable[[], list[torch.optim.Optimizer]]
+    cleanup: Callable[[], None] = lambda: None
+    own: bool = False  # the run's own optimizers (else their states, held while measuring, are not the option's)
+
+
+def device_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Bytes of ``optimizer``'s states on ``device`` (paged and host-offloaded states excluded on CUDA)."""
+    total = optimizer_state_bytes(optimizer)
+    if device.type != "cuda":
+        return total
+    return total - paged_state_bytes(optimizer) - host_state_bytes(optimizer)
+
+
+def can_resize(dataloader: DataLoader) -> bool:
+    """True when samples can be drawn by index and collated into a batch of any size."""
+    return not isinstance(dataloader.dataset, IterableDataset) and hasattr(dataloader.dataset, "__getitem__") \
+        and hasattr(dataloader.dataset, "__len__") and dataloader.batch_size is not None
+
+
+def sample_batch(strategy: Any, dataloader: DataLoader, size: int) -> Any:
+    """A batch of ``size`` samples from the start of ``dataloader``'s dataset, collated and on the device."""
+    dataset = dataloader.dataset
+    return strategy.batch_to_device(dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)]))
+
+
+def tokens_per_sample(batch: Any) -> float:
+    """Tokens in one sample of ``batch`` (the first tensor's elements per row; 1 for a 1-D batch)."""
+    tensor = first_tensor(batch)
+    if tensor is None or tensor.dim() == 0 or tensor.shape[0] == 0:
+        return 1.0
+    return tensor.numel() / tensor.shape[0]
+
+
+def measure_rank(
+    strategy: Any,
+    batches: Callable[[int], Any],
+    sizes: tuple[int, int],
+    *,
+    meter: PeakMemory,
+    options: list[OptimizerSpec],
+    blocks: list[tuple[str, nn.Module]],
+    exclude: Callable[[torch.Tensor], bool],
+    policies: tuple[str, ...],
+    budget_bytes: int,
+    fixed_policies: list[str] | None = None,
+    min_offload_bytes: int = 2**16,
+    offload_dir: str | None = None,
+) -> RankProfile:
+    """Measure this rank (see the module description).
+
+    Args:
+        strategy: the trainer's strategy, set up (optimizers built).
+        batches: ``size -> batch on the device``.
+        sizes: the two micro-batch sizes (``m1 <= m2``).
+        meter: the peak-memory meter (CUDA allocator, or RSS above the fit's start).
+        options: the optimizer options; the first is the run's own optimizers.
+        blocks: the blocks to profile (empty: none).
+        exclude: what is not an activation (the parameters' storages).
+        policies: the activation policies to profile.
+        budget_bytes: this rank's budget (carried in the profile).
+        fixed_policies: the block policies the user fixed (carried in the profile).
+        min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory` (what offload leaves on the device).
+        offload_dir: where the disk policy's bandwidth is measured.
+    """
+    module = strategy.lightning_module
+    device = strategy.root_device
+    sync_off = getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
+    saved_states = [copy.deepcopy(o.state_dict()) if len(o.state) else None for o in strategy.optimizers]
+
+    def forward_backward(size: int) -> None:
+        batch = batches(size)
+        with sync_off():
+            loss = step_loss(strategy, batch)
+            loss.backward()
+        del loss
+
+    def timed(size: int) -> tuple[int, float]:
+        meter.reset()
+        synchronize(device)
+        start = time.perf_counter()
+        forward_backward(size)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        peak = meter.read()
+        module.zero_grad(set_to_none=False)  # the gradients stay held, as in a real accumulation
+        return peak, elapsed
+
+    m1, m2 = sizes
+    with restored_run_state(strategy):
+        try:
+            forward_backward(m2)  # warm-up (lazy initialisation, compilation), then the run's states
+            for optimizer in strategy.optimizers:
+                if len(optimizer.state) == 0:
+                    optimizer.step()
+            module.zero_grad(set_to_none=False)
+            run_state = sum(device_state_bytes(o, device) for o in strategy.optimizers)
+            # each size twice, interleaved, keeping the least: one reading is at the mercy of the machine
+            (peak1, time1), (peak2, time2) = timed(m1), timed(m2)
+            if m1 != m2:
+                (again1, retime1), (again2, retime2) = timed(m1), timed(m2)
+                peak1, time1, peak2, time2 = max(peak1, again1), min(time1, retime1), max(peak2, again2), min(time2, retime2)
+            profiles: list[BlockProfile] = []
+            if blocks and fixed_policies is None and len(policies) > 1:
+                profiles = _profile_blocks(strategy, batches, m2, blocks, exclude, policies, min_offload_bytes, offload_dir)
+            elif blocks:
+                wanted = tuple(dict.fromkeys(("keep", *(fixed_policies or ()))))
+                profiles = _profile_blocks(strategy, batches, m2, blocks, exclude, wanted, min_offload_bytes, offload_dir)
+            measured = [_measure_option(spec, meter, device, 0 if spec.own else run_state) for spec in options]
+        finally:
+            for optimizer, state in zip(strategy.optimizers, saved_states):
+                if state is not None:
+                    optimizer.load_state_dict(state)
+    release_free_memory(device)
+    return RankProfile(
+        sizes=(m1, m2), peak_bytes=(peak1, peak2), step_s=(time1, time2), run_state_bytes=run_state,
+        blocks=profiles, blocks_size=m2, options=measured, budget_bytes=budget_bytes,
+        tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies,
+    )
+
+
+def _profile_blocks(strategy, batches, size, blocks, exclude, policies, min_offload_bytes, offload_dir) -> list[BlockProfile]:
+    module = strategy.lightning_module
+    sync_off = getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
+    batch = batches(size)
+
+    def run_step() -> None:
+        with sync_off():
+            loss = step_loss(strategy, batch)
+            loss.backward()
+        module.zero_grad(set_to_none=False)
+
+    def run_forward() -> None:
+        step_loss(strategy, batch)
+
+    return profile_blocks(run_step, run_forward, blocks, exclude, module.device,
+                          min_offload_bytes=min_offload_bytes, policies=policies, offload_dir=offload_dir)
+
+
+def _measure_option(spec: OptimizerSpec, meter: PeakMemory, device: torch.device, others_bytes: int) -> OptimizerOption:
+    """Step the option's optimizers twice (the first creates their states) and measure the second;
+    ``others_bytes`` (the run's own states, held meanwhile but not under this option) are not counted."""
+    optimizers = spec.build()
+    fresh = [o for o in optimizers if len(o.state) == 0]
+    try:
+        for optimizer in fresh:
+            optimizer.step()
+        meter.reset()
+        synchronize(device)
+        start = time.perf_counter()
+        for optimizer in optimizers:
+            optimizer.step()
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        peak = max(0, meter.read() - others_bytes)
+        state = sum(device_state_bytes(o, device) for o in optimizers)
+    finally:
+        for optimizer in fresh:
+            release_optimizer_state(optimizer)
+        spec.cleanup()
+    return OptimizerOption(spec.name, state, elapsed, peak)

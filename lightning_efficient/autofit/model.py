@@ -1,0 +1,356 @@
+"""AutoFit's model and search: from a rank's measured figures, the predicted peak memory and step time
+of every configuration, and the fastest configuration that fits the budget.
+
+Pure functions over :class:`RankProfile` figures (no Lightning), so they can be tested on synthetic
+profiles. The model, per rank, for micro-batch ``m``, a policy per block and an optimizer option ``o``:
+
+* forward and backward peak: ``peak(m) = p0 + p1 * m`` fitted through the peaks measured at two
+  micro-batch sizes with every block kept and the run's own optimizer states held; each block's
+  activations scale with ``m`` from the block profile (measured at one size): a plan subtracts what
+  its policies free, adds the largest block a recomputed policy re-materialises in backward, and the
+  option's optimizer-state bytes replace the run's own;
+* the optimizer step's peak is measured per option (gradients and states held, no activations);
+* time: ``t(m) = t0 + t1 * m`` per micro-step fitted the same way, plus the plan's recompute or
+  transfer time (scaled with ``m``), times the number of micro-steps, plus the option's step time.
+
+The search keeps the global batch: under data parallelism (``uniform``) every rank runs the same
+micro-batch, a divisor of the per-rank batch, with gradient accumulation making up the rest; under the
+heterogeneous strategies each rank gets its own micro-batch cap and the balancer shares the global
+batch by speed. The pick is the configuration of least predicted step time whose predicted peak on
+every rank is at most ``budget x (1 - margin)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_efficient.activations.planner import BlockProfile, plan_blocks
+
+RECOMPUTED = ("checkpoint", "selective")
+
+
+@dataclass
+class OptimizerOption:
+    """One way to hold the optimizer states, measured on this rank.
+
+    Attributes:
+        name: ``"32-bit"``, ``"8-bit"``, ``"8-bit paged"``, ``"8-bit offload"`` or ``"as set"``.
+        state_bytes: the device bytes its states hold between steps.
+        step_s: seconds of one optimizer step (the second one: the first creates the states).
+        step_peak_bytes: peak memory during its step (gradients and states held, no activations).
+    """
+
+    name: str
+    state_bytes: int
+    step_s: float
+    step_peak_bytes: int
+
+
+@dataclass
+class RankProfile:
+    """What one rank measured: two micro-batch sizes, its blocks, its optimizer options.
+
+    Attributes:
+        sizes: the two micro-batch sizes measured (equal when only one could be).
+        peak_bytes: peak memory of a forward and backward at each size, every block kept.
+        step_s: seconds of a forward and backward at each size.
+        run_state_bytes: the optimizer-state bytes held during those measurements.
+        blocks: each block's profile, measured at ``blocks_size`` samples.
+        blocks_size: the micro-batch the blocks were profiled at.
+        options: the optimizer options measured.
+        budget_bytes: this rank's budget.
+        tokens_per_sample: tokens in one sample (for tokens/s).
+        fixed_policies: a policy per block the user set (None: AutoFit chooses).
+    """
+
+    sizes: tuple[int, int]
+    peak_bytes: tuple[int, int]
+    step_s: tuple[float, float]
+    run_state_bytes: int
+    blocks: list[BlockProfile]
+    blocks_size: int
+    options: list[OptimizerOption]
+    budget_bytes: int
+    tokens_per_sample: float = 1.0
+    fixed_policies: list[str] | None = None
+
+    def line(self, values: tuple[float, float]) -> tuple[float, float]:
+        """``(intercept, slope)`` through ``values`` at :attr:`sizes`: slope 0 with one size; neither is ever
+        negative (a line through the origin and the larger size where the intercept would be: a cost that
+        grows faster than the micro-batch is not extrapolated into a negative fixed cost)."""
+        (m1, m2), (v1, v2) = self.sizes, values
+        if m1 == m2:
+            return float(v1), 0.0
+        slope = max(0.0, (v2 - v1) / (m2 - m1))
+        intercept = v2 - slope * m2
+        if intercept < 0:
+            return 0.0, float(v2) / m2
+        return float(intercept), slope
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (for all-gathering and checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankProfile:
+        """The inverse of :meth:`to_dict`."""
+        data = dict(data)
+        data["blocks"] = [BlockProfile(**b) for b in data["blocks"]]
+        data["options"] = [OptimizerOption(**o) for o in data["options"]]
+        data["sizes"], data["peak_bytes"], data["step_s"] = tuple(data["sizes"]), tuple(data["peak_bytes"]), tuple(data["step_s"])
+        return cls(**data)
+
+
+@dataclass
+class RankChoice:
+    """One rank's part of a plan, with its predictions."""
+
+    micro_batch: int
+    policies: list[str]
+    peak_bytes: int
+    micro_step_s: float
+    step_s: float
+
+
+@dataclass
+class FitPlan:
+    """The chosen configuration and what it is predicted to do.
+
+    Attributes:
+        optimizer: the optimizer option's name.
+        ranks: each rank's micro-batch, block policies and predictions.
+        accumulation: micro-steps per optimizer step (uniform micro-batch; None under the
+            heterogeneous strategies, whose balancer decides it).
+        step_s: predicted seconds per optimizer step.
+        tokens_per_s: predicted tokens per second over all ranks.
+        samples_per_step: the global batch.
+        margin: the fraction of each budget left free.
+        budgets: each rank's budget in bytes.
+    """
+
+    optimizer: str
+    ranks: list[RankChoice]
+    accumulation: int | None
+    step_s: float
+    tokens_per_s: float
+    samples_per_step: int
+    margin: float
+    budgets: list[int]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def micro_batches(self) -> list[int]:
+        """Each rank's micro-batch (its cap under the heterogeneous strategies)."""
+        return [r.micro_batch for r in self.ranks]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (for checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FitPlan:
+        """The inverse of :meth:`to_dict`."""
+        data = dict(data)
+        data["ranks"] = [RankChoice(**r) for r in data["ranks"]]
+        return cls(**data)
+
+
+class BudgetTooSmall(ValueError):
+    """No configuration fits the budget; the message gives the smallest budget that would and its plan."""
+
+
+def _scaled(blocks: list[BlockProfile], factor: float) -> list[BlockProfile]:
+    return [BlockProfile(b.name, {k: int(v * factor) for k, v in b.held_bytes.items()},
+                         {k: v * factor for k, v in b.cost_s.items()}) for b in blocks]
+
+
+def _rematerialised(blocks: list[BlockProfile], policies: list[str]) -> int:
+    """The largest activation bytes one recomputed block brings back in backward (0 without recompute)."""
+    return max((b.held_bytes["keep"] - b.held_bytes[p] for b, p in zip(blocks, policies) if p in RECOMPUTED), default=0)
+
+
+def _predict(profile: RankProfile, blocks: list[BlockProfile], policies: list[str], micro: int, option: OptimizerOption) -> tuple[int, float]:
+    """(predicted peak bytes, predicted micro-step seconds) on this rank."""
+    p0, p1 = profile.line(profile.peak_bytes)
+    t0, t1 = profile.line(profile.step_s)
+    kept = sum(b.held_bytes["keep"] for b in blocks)
+    held = sum(b.held_bytes[p] for b, p in zip(blocks, policies))
+    forward_backward = p0 + p1 * micro - kept + held + _rematerialised(blocks, policies) + option.state_bytes - profile.run_state_bytes
+    cost = sum(b.cost_s[p] for b, p in zip(blocks, policies))
+    return int(max(forward_backward, option.step_peak_bytes)), t0 + t1 * micro + cost
+
+
+def choose_rank(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...], margin: float) -> RankChoice | None:
+    """The fastest block policies for this rank at ``micro`` samples and ``option`` within its
+    budget less ``margin`` (None when none fits)."""
+    usable = profile.budget_bytes * (1.0 - margin)
+    blocks = _scaled(profile.blocks, micro / profile.blocks_size)
+    candidates: list[list[str]] = []
+    if profile.fixed_policies is not None or not blocks:
+        candidates.append(list(profile.fixed_policies or []))
+    else:
+        base, _ = _predict(profile, blocks, ["keep"] * len(blocks), micro, option)
+        all_kept = sum(b.held_bytes["keep"] for b in blocks)
+        room = usable - (base - all_kept)
+        leanest = _leanest_policies(blocks, policies)
+        # the planner counts held bytes only: plan again leaving room for the block a recompute brings
+        # back in backward, and fall back on every block at its leanest
+        for reserve in (0, _rematerialised(blocks, leanest)):
+            try:
+                candidates.append(plan_blocks(blocks, int(room - reserve), 0, policies).policies)
+            except ValueError:
+                continue
+        candidates.append(leanest)
+    best: RankChoice | None = None
+    for chosen in candidates:
+        peak, micro_s = _predict(profile, blocks, chosen, micro, option)
+        if peak <= usable and (best is None or micro_s < best.micro_step_s):
+            best = RankChoice(micro, chosen, peak, micro_s, micro_s)
+    return best
+
+
+def _leanest_policies(blocks: list[BlockProfile], policies: tuple[str, ...]) -> list[str]:
+    """Every block at the policy holding the least (the cheaper one of equals)."""
+    return [min((p for p in policies if p in b.held_bytes), key=lambda p, b=b: (b.held_bytes[p], b.cost_s[p])) for b in blocks]
+
+
+def _leanest(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...]) -> RankChoice:
+    """The configuration at ``micro`` and ``option`` holding the least (every block at its leanest policy)."""
+    blocks = _scaled(profile.blocks, micro / profile.blocks_size)
+    chosen = list(profile.fixed_policies) if profile.fixed_policies is not None else _leanest_policies(blocks, policies)
+    peak, micro_s = _predict(profile, blocks, chosen, micro, option)
+    return RankChoice(micro, chosen, peak, micro_s, micro_s)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(
+    profiles: list[RankProfile],
+    *,
+    samples_per_step: int,
+    heterogeneous: bool,
+    margin: float,
+    policies: tuple[str, ...],
+    micro_batches: list[int] | None = None,
+) -> FitPlan:
+    """The configuration of least predicted step time that fits every rank's budget less ``margin``.
+
+    Args:
+        profiles: one per rank, in rank order.
+        samples_per_step: the global batch (all ranks, one optimizer step).
+        heterogeneous: each rank its own micro-batch cap, shares by speed (else one micro-batch for all).
+        margin: the fraction of each budget kept free for what the model does not see.
+        policies: the activation policies allowed.
+        micro_batches: the micro-batch sizes allowed (default: divisors of the per-rank batch for the
+            uniform case, 1..global batch for the heterogeneous one).
+
+    Raises:
+        BudgetTooSmall: when nothing fits, with the smallest budget that would and the plan needing it.
+    """
+    world = len(profiles)
+    names = [o.name for o in profiles[0].options]
+    per_rank = samples_per_step // world
+    if micro_batches is None:
+        micro_batches = list(range(1, samples_per_step + 1)) if heterogeneous else divisors(per_rank)
+    best: FitPlan | None = None
+    for index in range(len(names)):
+        options = [p.options[index] for p in profiles]
+        if heterogeneous:
+            plan = _heterogeneous(profiles, options, micro_batches, samples_per_step, margin, policies)
+        else:
+            plan = _uniform(profiles, options, micro_batches, per_rank, margin, policies)
+        if plan is not None and (best is None or plan.step_s < best.step_s):
+            best = plan
+    if best is None:
+        raise BudgetTooSmall(_infeasible_message(profiles, micro_batches, margin, policies))
+    return best
+
+
+def _tokens_per_s(profiles: list[RankProfile], samples: int, step_s: float) -> float:
+    tokens = sum(p.tokens_per_sample for p in profiles) / len(profiles)
+    return samples * tokens / max(step_s, 1e-12)
+
+
+def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> FitPlan | None:
+    best: FitPlan | None = None
+    for micro in micro_batches:
+        if per_rank % micro:
+            continue
+        steps = per_rank // micro
+        chosen = [choose_rank(p, micro, o, policies, margin) for p, o in zip(profiles, options)]
+        if any(c is None for c in chosen):
+            continue
+        for c, o in zip(chosen, options):
+            c.step_s = steps * c.micro_step_s + o.step_s
+        step_s = max(c.step_s for c in chosen)
+        if best is None or step_s < best.step_s:
+            samples = per_rank * len(profiles)
+            best = FitPlan(options[0].name, chosen, steps, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
+                           [p.budget_bytes for p in profiles])
+    return best
+
+
+def _heterogeneous(profiles, options, micro_batches, samples, margin, policies) -> FitPlan | None:
+    chosen: list[RankChoice] = []
+    for profile, option in zip(profiles, options):
+        fastest: RankChoice | None = None  # the highest samples per second within the budget
+        for micro in micro_batches:
+            choice = choose_rank(profile, micro, option, policies, margin)
+            if choice is not None and (fastest is None or micro / choice.micro_step_s > fastest.micro_batch / fastest.micro_step_s):
+                fastest = choice
+        if fastest is None:
+            return None
+        chosen.append(fastest)
+    rate = sum(c.micro_batch / c.micro_step_s for c in chosen)
+    step_s = samples / rate + max(o.step_s for o in options)
+    for c in chosen:
+        c.step_s = step_s
+    return FitPlan(options[0].name, chosen, None, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
+                   [p.budget_bytes for p in profiles])
+
+
+def _infeasible_message(profiles: list[RankProfile], micro_batches: list[int], margin: float, policies: tuple[str, ...]) -> str:
+    """The smallest budget that fits (at the leanest configuration) and what it is, per rank."""
+    lines = []
+    for rank, profile in enumerate(profiles):
+        leanest = min(((_leanest(profile, m, o, policies), o.name) for m in micro_batches[:1] for o in profile.options),
+                      key=lambda pair: pair[0].peak_bytes)
+        choice, option = leanest
+        needed = math.ceil(choice.peak_bytes / (1.0 - margin))
+        if needed > profile.budget_bytes:
+            lines.append(
+                f"rank {rank}: budget {profile.budget_bytes / 2**20:,.1f} MiB, but the leanest plan (micro-batch {choice.micro_batch}, "
+                f"optimizer {option}, blocks {_counts(choice.policies)}) is predicted to peak at {choice.peak_bytes / 2**20:,.1f} MiB, "
+                f"so it needs a budget of at least {needed / 2**20:,.1f} MiB ({needed:,} bytes) with margin {margin:g}"
+            )
+    return "AutoFit: no configuration fits the budget. " + "; ".join(lines or ["every rank's leanest plan misses it"])
+
+
+def _counts(policies: list[str]) -> str:
+    return ", ".join(f"{policies.count(p)} {p}" for p in dict.fromkeys(policies)) or "none"
+
+
+def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) -> str:
+    """The plan as a table: each rank's choices, predicted peak and step time (and the measured
+    figures beside them when given)."""
+    lines = [
+        f"AutoFit plan: optimizer states {plan.optimizer}, global batch {plan.samples_per_step}"
+        + (f", micro-batch {plan.ranks[0].micro_batch} x {plan.accumulation} accumulated" if plan.accumulation else ", shares by speed")
+        + f", margin {plan.margin:g}; predicted {plan.tokens_per_s:,.0f} tokens/s, {plan.step_s * 1e3:,.1f} ms/step",
+        f"  {'rank':<5} {'budget MiB':>11} {'micro':>6} {'blocks':<28} {'peak MiB':>10} {'ms/step':>9}"
+        + (f" {'measured MiB':>13} {'measured ms':>12}" if measured else ""),
+    ]
+    for rank, (choice, budget) in enumerate(zip(plan.ranks, plan.budgets)):
+        row = (f"  {rank:<5} {budget / 2**20:>11,.1f} {choice.micro_batch:>6} {_counts(choice.policies):<28} "
+               f"{choice.peak_bytes / 2**20:>10,.1f} {choice.step_s * 1e3:>9,.1f}")
+        if measured:
+            m = measured[rank]
+            row += f" {m['peak_bytes'] / 2**20:>13,.1f} {m['step_s'] * 1e3:>12,.1f}"
+        lines.append(row)
+    lines.extend(f"  note: {note}" for note in plan.notes)
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""AutoFit's prediction model and search, on synthetic profiles, against an exhaustive search over the same space."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_efficient.activations.planner import BlockProfile
+from lightning_efficient.autofit.model import (
+    BudgetTooSmall,
+    FitPlan,
+    OptimizerOption,
+    RankProfile,
+    _predict,
+    _scaled,
+    divisors,
+    search,
+)
+
+MiB = 2**20
+POLICIES = ("keep", "checkpoint", "selective")
+
+
+def block(name: str, keep: int, inputs: int, forward_s: float) -> BlockProfile:
+    """A block holding ``keep`` bytes (at the profiled size), ``inputs`` under checkpoint, half way under selective."""
+    return BlockProfile(name, {"keep": keep, "checkpoint": inputs, "selective": (keep + inputs) // 2},
+                        {"keep": 0.0, "checkpoint": forward_s, "selective": forward_s / 3})
+
+
+def profile(budget: int, *, blocks: int = 3, block_bytes: int = 8 * MiB, fixed: int = 20 * MiB, per_sample: int = 16 * MiB,
+            t0: float = 0.05, t1: float = 0.02, options: list[OptimizerOption] | None = None) -> RankProfile:
+    """Measured at sizes 4 and 8; blocks profiled at 8 samples (their keep bytes part of the per-sample slope)."""
+    return RankProfile(
+        sizes=(4, 8), peak_bytes=(fixed + 4 * per_sample, fixed + 8 * per_sample), step_s=(t0 + 4 * t1, t0 + 8 * t1),
+        run_state_bytes=8 * MiB,
+        blocks=[block(f"b{i}", block_bytes, block_bytes // 8, 0.01) for i in range(blocks)], blocks_size=8,
+        options=options or [OptimizerOption("32-bit", 8 * MiB, 0.010, 30 * MiB), OptimizerOption("8-bit", 2 * MiB, 0.015, 24 * MiB)],
+        budget_bytes=budget, tokens_per_sample=128.0,
+    )
+
+
+def exhaustive(profiles: list[RankProfile], samples: int, margin: float) -> tuple[float, int] | None:
+    """(least step time, its micro-batch) over every micro-batch x option x per-block policy combination."""
+    best = None
+    per_rank = samples // len(profiles)
+    for micro in divisors(per_rank):
+        for index in range(len(profiles[0].options)):
+            times = []
+            for p in profiles:
+                option = p.options[index]
+                blocks = _scaled(p.blocks, micro / p.blocks_size)
+                fits = []
+                for combo in itertools.product(POLICIES, repeat=len(blocks)):
+                    peak, micro_s = _predict(p, blocks, list(combo), micro, option)
+                    if peak <= p.budget_bytes * (1 - margin):
+                        fits.append(per_rank // micro * micro_s + option.step_s)
+                if not fits:
+                    break
+                times.append(min(fits))
+            else:
+                step = max(times)
+                if best is None or step < best[0]:
+                    best = (step, micro)
+    return best
+
+
+def test_a_line_through_two_sizes_never_has_a_negative_part():
+    p = profile(10**9)
+    assert p.line(p.peak_bytes) == pytest.approx((20 * MiB, 16 * MiB))
+    p.step_s = (0.10, 0.40)  # grows faster than the micro-batch: no negative fixed cost
+    intercept, slope = p.line(p.step_s)
+    assert intercept == 0.0 and slope == pytest.approx(0.05)
+    p.step_s = (0.5, 0.4)  # noise: slower at the smaller size
+    assert p.line(p.step_s) == (pytest.approx(0.4), 0.0)
+
+
+def test_a_loose_budget_gets_the_largest_micro_batch_without_recompute_and_a_tight_one_less():
+    loose = search([profile(4000 * MiB)], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert loose.micro_batches == [16] and loose.accumulation == 1 and set(loose.ranks[0].policies) == {"keep"}
+    tight = search([profile(200 * MiB)], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert tight.micro_batches[0] * tight.accumulation == 16
+    assert tight.ranks[0].peak_bytes <= 200 * MiB * 0.9
+    assert tight.step_s > loose.step_s
+
+
+def test_a_budget_only_8bit_states_meet_is_met_with_them():
+    # at micro-batch 1 with every block at its leanest, the 32-bit states (8 MiB) miss by less than 8-bit saves
+    p = profile(0, per_sample=2 * MiB, block_bytes=MiB, fixed=30 * MiB)
+    p.options = [OptimizerOption("32-bit", 8 * MiB, 0.010, 0), OptimizerOption("8-bit", 2 * MiB, 0.015, 0)]
+    leanest_32 = _predict(p, _scaled(p.blocks, 1 / 8), ["checkpoint"] * 3, 1, p.options[0])[0]
+    p.budget_bytes = int((leanest_32 - 3 * MiB) / 0.9)
+    plan = search([p], samples_per_step=8, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert plan.optimizer == "8-bit"
+
+
+def test_an_infeasible_budget_names_the_smallest_that_works_and_that_one_does():
+    p = profile(10 * MiB)
+    with pytest.raises(BudgetTooSmall, match=r"needs a budget of at least [0-9.,]+ MiB \(([0-9,]+) bytes\)") as raised:
+        search([p], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    needed = int(raised.value.args[0].split("(")[-1].split(" bytes")[0].replace(",", ""))
+    assert needed > 10 * MiB
+    p.budget_bytes = needed
+    plan = search([p], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert plan.micro_batches == [1]
+    p.budget_bytes = needed - 2 * MiB
+    with pytest.raises(BudgetTooSmall):
+        search([p], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+
+
+def test_uniform_ranks_share_one_micro_batch_and_the_tighter_budget_decides_it():
+    plan = search([profile(4000 * MiB), profile(150 * MiB)], samples_per_step=32, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert len(set(plan.micro_batches)) == 1 and plan.accumulation * plan.micro_batches[0] == 16
+    assert plan.ranks[1].peak_bytes <= 150 * MiB * 0.9
+    alone = search([profile(150 * MiB)], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert plan.micro_batches == alone.micro_batches * 2
+
+
+def test_heterogeneous_ranks_get_their_own_caps_and_a_slower_rank_lowers_the_rate():
+    fast, small = profile(4000 * MiB), profile(150 * MiB)
+    plan = search([fast, small], samples_per_step=32, heterogeneous=True, margin=0.1, policies=POLICIES)
+    assert plan.accumulation is None
+    assert plan.ranks[0].micro_batch > plan.ranks[1].micro_batch
+    assert all(r.peak_bytes <= b * 0.9 for r, b in zip(plan.ranks, plan.budgets))
+    slow = profile(4000 * MiB, t0=0.5, t1=0.2)
+    slower = search([fast, slow], samples_per_step=32, heterogeneous=True, margin=0.1, policies=POLICIES)
+    assert slower.step_s > search([fast, fast], samples_per_step=32, heterogeneous=True, margin=0.1, policies=POLICIES).step_s
+
+
+def test_fixed_policies_are_kept_and_predicted_as_set():
+    p = profile(4000 * MiB)
+    p.fixed_policies = ["checkpoint", "keep", "checkpoint"]
+    plan = search([p], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert plan.ranks[0].policies == ["checkpoint", "keep", "checkpoint"]
+
+
+def test_a_plan_round_trips_through_a_dict():
+    plan = search([profile(300 * MiB)], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert FitPlan.from_dict(plan.to_dict()) == plan
+    p = profile(300 * MiB)
+    assert RankProfile.from_dict(p.to_dict()) == p
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    budget_mib=st.integers(20, 600),
+    per_sample_mib=st.integers(1, 40),
+    block_mib=st.integers(1, 12),
+    t0=st.floats(0.0, 0.5),
+    t1=st.floats(0.001, 0.2),
+    margin=st.sampled_from([0.0, 0.1, 0.25]),
+    samples=st.sampled_from([1, 6, 12, 16]),
+)
+def test_the_search_fits_the_budget_and_is_as_fast_as_the_exhaustive_grid(budget_mib, per_sample_mib, block_mib, t0, t1, margin, samples):
+    p = profile(budget_mib * MiB, per_sample=max(per_sample_mib, block_mib * 3 // 8 + 1) * MiB, block_bytes=block_mib * MiB, t0=t0, t1=t1)
+    best = exhaustive([p], samples, margin)
+    try:
+        plan = search([p], samples_per_step=samples, heterogeneous=False, margin=margin, policies=POLICIES)
+    except BudgetTooSmall:
+        assert best is None
+        return
+    assert best is not None
+    assert plan.ranks[0].peak_bytes <= p.budget_bytes * (1 - margin)
+    # the per-block greedy is within one block's recompute cost per micro-step of the exhaustive optimum
+    slack = (samples // plan.micro_batches[0]) * max(b.cost_s["checkpoint"] for b in p.blocks) * plan.micro_batches[0] / p.blocks_size
+    assert plan.step_s <= best[0] + slack + 1e-12
+    assert math.isclose(plan.tokens_per_s, samples * 128.0 / plan.step_s)
