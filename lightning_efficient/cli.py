@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from collections.abc import Sequence
@@ -13,9 +14,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.utilities.parsing import lightning_hasattr
 from typing_extensions import override
 
 import lightning_efficient  # noqa: F401  (registers the package's strategies)
+from lightning_efficient.autofit import AutoFit, FitPlan
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -119,11 +122,99 @@ def run_cli(args: list[str] | None = None) -> EfficientCLI:
     )
 
 
+PLAN_USAGE = """usage: lightning-efficient plan [--config CONFIG] [--budget BUDGET] [--margin MARGIN] [fit options ...]
+
+Build the run as `lightning-efficient fit` would (same config and options), measure it and print AutoFit's
+plan and the YAML settings that fit with it, without training. --budget (bytes, a size like 6GiB, 'auto',
+or a list like [6GiB,12GiB], one per rank) is required unless the config has an AutoFit callback."""
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    value = yaml.safe_load(text)
+    return value if isinstance(value, (int, list)) and not isinstance(value, bool) else text
+
+
+def plan_yaml(plan: FitPlan, autofit: AutoFit, trainer: Trainer, model: LightningModule) -> str:
+    """The plan as settings for a config file: fixed settings where every rank has the same plan (a fit with
+    them trains as AutoFit's would, without measuring), else the AutoFit callback itself."""
+    import yaml
+
+    budget = {"class_path": "lightning_efficient.AutoFit", "init_args": {"budget": autofit.budget, "margin": autofit.margin}}
+    policies = {tuple(r.policies) for r in plan.ranks}
+    if len(policies) > 1:
+        return yaml.safe_dump({"trainer": {"callbacks": [budget]}}, sort_keys=False)
+    callbacks: list[dict[str, Any]] = []
+    (chosen,) = policies
+    if chosen and any(p != "keep" for p in chosen):
+        args: dict[str, Any] = {"policy": list(chosen)}
+        if autofit.blocks != "auto":
+            args["blocks"] = autofit.blocks
+        callbacks.append({"class_path": "lightning_efficient.ActivationMemory", "init_args": args})
+    if plan.optimizer.startswith("8-bit"):
+        args = {"min_8bit_size": autofit.min_8bit_size}
+        if plan.optimizer == "8-bit paged":
+            args["paged"] = True
+        if plan.optimizer == "8-bit offload":
+            args["offload"] = "cpu"
+        callbacks.append({"class_path": "lightning_efficient.EightBitOptimizer", "init_args": args})
+    settings: dict[str, Any] = {"trainer": {}}
+    if plan.accumulation is None:
+        settings["trainer"]["strategy"] = {"init_args": {"max_micro_batch": plan.micro_batches}}
+    else:
+        settings["trainer"]["accumulate_grad_batches"] = plan.accumulation
+        holder = "data" if trainer.datamodule is not None and hasattr(trainer.datamodule, "batch_size") else "model"
+        if lightning_hasattr(model, "batch_size"):
+            settings[holder] = {"init_args": {"batch_size": plan.micro_batches[0]}}
+    if callbacks:
+        settings["trainer"]["callbacks"] = callbacks
+    return yaml.safe_dump(settings, sort_keys=False)
+
+
+def run_plan(args: Sequence[str]) -> AutoFit:
+    """``lightning-efficient plan``: see :data:`PLAN_USAGE`. Returns the AutoFit callback that planned."""
+    if any(a in ("-h", "--help") for a in args):
+        print(PLAN_USAGE)
+    parser = argparse.ArgumentParser(prog="lightning-efficient plan", add_help=False)
+    parser.add_argument("--budget", type=_parse_value)
+    parser.add_argument("--margin", type=float)
+    known, rest = parser.parse_known_args(list(args))
+    if not _gives_config(rest):
+        rest = ["--config", default_config_path(), *rest]
+    cli = EfficientCLI(subclass_mode_model=True, subclass_mode_data=True, save_config_callback=None, args=rest, run=False)
+    trainer = cli.trainer
+    autofit = next((c for c in trainer.callbacks if isinstance(c, AutoFit)), None)
+    if autofit is None:
+        if known.budget is None:
+            raise SystemExit("lightning-efficient plan: give --budget (or an AutoFit callback in the config)\n\n" + PLAN_USAGE)
+        autofit = AutoFit(budget=known.budget, margin=0.10 if known.margin is None else known.margin)
+        trainer.callbacks.insert(0, autofit)
+    elif known.budget is not None or known.margin is not None:
+        autofit = AutoFit(**{**{k: getattr(autofit, k) for k in ("budget", "margin", "search_micro_batch", "blocks",
+                                                                  "min_8bit_size", "report_after_steps")},
+                             "activation_policies": list(autofit.activation_policies),
+                             "optimizer_options": list(autofit.optimizer_options),
+                             **({"budget": known.budget} if known.budget is not None else {}),
+                             **({"margin": known.margin} if known.margin is not None else {})})
+        index = next(i for i, c in enumerate(trainer.callbacks) if isinstance(c, AutoFit))
+        trainer.callbacks[index] = autofit
+    autofit.plan_only = True
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    if trainer.is_global_zero and autofit.plan is not None:
+        print("\n# AutoFit's plan as settings for your config (the same global batch):")
+        print(plan_yaml(autofit.plan, autofit, trainer, cli.model))
+    return autofit
+
+
 def main() -> None:
-    """Console-script entry point of ``lightning-efficient``."""
+    """Console-script entry point of ``lightning-efficient`` (``fit``/``validate``/``test``/``predict``, and ``plan``)."""
     # Lightning 2.6's pytree helper trips torch's own deprecation of LeafSpec on every fit: nothing a
     # user of this command can act on (it is between Lightning and torch), so the command hides it
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    if sys.argv[1:2] == ["plan"]:
+        run_plan(sys.argv[2:])
+        return
     run_cli()
 
 

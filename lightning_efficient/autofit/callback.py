@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
@@ -22,8 +23,8 @@ from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
 from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_rank, sample_batch
-from lightning_efficient.autofit.model import FitPlan, RankProfile, plan_table, search
-from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes
+from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, plan_table, search
+from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, release_free_memory
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.twins import eight_bit_classes
@@ -31,15 +32,6 @@ from lightning_efficient.optim.twins import eight_bit_classes
 OptimizerChoice = Literal["32-bit", "8-bit", "8-bit paged", "8-bit offload"]
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
 _CUDA_ONLY = ("8-bit paged", "8-bit offload")
-
-
-class PlanReady(Exception):
-    """Raised by ``AutoFit(plan_only=True)`` once the plan is printed: the fit stops before its first step."""
-
-    def __init__(self, plan: FitPlan, table: str) -> None:
-        super().__init__("AutoFit(plan_only=True): planned, not trained")
-        self.plan = plan
-        self.table = table
 
 
 class AutoFit(Callback):
@@ -78,7 +70,8 @@ class AutoFit(Callback):
         blocks: which modules are blocks, as for :class:`ActivationMemory`.
         min_8bit_size: as for :class:`EightBitOptimizer`.
         report_after_steps: optimizer steps after which the measured figures are printed beside the predicted.
-        plan_only: stop with :class:`PlanReady` once the plan is printed (what ``lightning-efficient plan`` does).
+        plan_only: end the fit once the plan is printed, before the first step (``trainer.fit`` returns; the plan
+            is :attr:`plan`), as Lightning's batch-size finder ends a tuning fit; what ``lightning-efficient plan`` does.
 
     Raises:
         ValueError: naming the argument for a bad value; before the first step, when no configuration fits
@@ -163,6 +156,7 @@ class AutoFit(Callback):
         wants_8bit = any(o != "32-bit" for o in self.optimizer_options)
         if wants_8bit or self._user_optimizer is not None:
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
+        release_free_memory()  # what earlier work freed is not counted in the start
         self._start_rss = current_rss_bytes()
         if self._user_optimizer is None and wants_8bit and self._optimizer is None:
             # added now, not when planning: it must exist when a checkpoint is loaded (it converts states)
@@ -194,13 +188,13 @@ class AutoFit(Callback):
         started = time.perf_counter()
         plan = self._reusable(restored, trainer)
         if plan is None:
-            plan = self._plan_now(trainer, pl_module)
+            saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
+            plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
         self.planning_s = time.perf_counter() - started
         self._plan = plan
-        table = plan_table(plan)
-        rank_zero_info(table + f"\n  planned in {self.planning_s:.2f} s")
+        rank_zero_info(plan_table(plan) + f"\n  planned in {self.planning_s:.2f} s")
         if self.plan_only:
-            raise PlanReady(plan, table)
+            raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
         self._apply(plan, trainer, pl_module)
 
     def _reusable(self, restored: dict[str, Any] | None, trainer: Trainer) -> FitPlan | None:
@@ -219,7 +213,9 @@ class AutoFit(Callback):
     def _heterogeneous(self, trainer: Trainer) -> bool:
         return hasattr(trainer.strategy, "balancer")
 
-    def _plan_now(self, trainer: Trainer, pl_module: LightningModule) -> FitPlan:
+    def _plan_now(self, trainer: Trainer, pl_module: LightningModule, keep_micro_batch: FitPlan | None = None) -> FitPlan:
+        """Measure every rank and search. ``keep_micro_batch``: the checkpoint's plan, whose micro-batch is kept
+        when it still fits (a resume mid-epoch must keep the samples per step of each DataLoader batch)."""
         strategy = trainer.strategy
         loader = trainer.fit_loop._data_source.dataloader()
         require(isinstance(loader, torch.utils.data.DataLoader), "train_dataloader", type(loader).__name__,
@@ -268,8 +264,18 @@ class AutoFit(Callback):
             exclude.stop()
         profiles = [RankProfile.from_dict(p) for p in gather_or_raise_together(profile, failure, "AutoFit could not measure")]
         self._profiles = profiles
-        plan = search(profiles, samples_per_step=samples, heterogeneous=heterogeneous, margin=self.margin, policies=policies,
-                      micro_batches=micro_batches)
+        plan = None
+        saved = keep_micro_batch
+        if saved is not None and not heterogeneous and saved.accumulation is not None and micro_batches is None:
+            try:
+                plan = search(profiles, samples_per_step=samples, heterogeneous=False, margin=self.margin, policies=policies,
+                              micro_batches=saved.micro_batches[:1])
+                notes.append(f"micro-batch {saved.micro_batches[0]} kept from the checkpoint's plan (a resume mid-epoch needs it)")
+            except BudgetTooSmall:
+                notes.append(f"the checkpoint's micro-batch {saved.micro_batches[0]} does not fit this budget: chosen again")
+        if plan is None:
+            plan = search(profiles, samples_per_step=samples, heterogeneous=heterogeneous, margin=self.margin, policies=policies,
+                          micro_batches=micro_batches)
         plan.notes.extend(notes)
         return plan
 

@@ -29,6 +29,20 @@ from typing import Any
 from lightning_efficient.activations.planner import BlockProfile, plan_blocks
 
 RECOMPUTED = ("checkpoint", "selective")
+CLOSE = 0.03
+"""Predicted step times within this fraction of the best count as equal; the largest micro-batch among them is
+taken: the model times forward and backward, not the loop's own work per micro-step (hooks, loading a batch),
+which favours fewer, larger micro-steps."""
+
+
+def _better(step_s: float, micro: int, best: FitPlan | None) -> bool:
+    """Whether a plan of ``step_s`` at ``micro`` beats ``best`` (see :data:`CLOSE`)."""
+    if best is None:
+        return True
+    best_micro = best.ranks[0].micro_batch
+    if abs(step_s - best.step_s) <= CLOSE * best.step_s:
+        return micro > best_micro or (micro == best_micro and step_s < best.step_s)
+    return step_s < best.step_s
 
 
 @dataclass
@@ -264,7 +278,7 @@ def search(
             plan = _heterogeneous(profiles, options, micro_batches, samples_per_step, margin, policies)
         else:
             plan = _uniform(profiles, options, micro_batches, per_rank, margin, policies)
-        if plan is not None and (best is None or plan.step_s < best.step_s):
+        if plan is not None and _better(plan.step_s, plan.ranks[0].micro_batch, best):
             best = plan
     if best is None:
         raise BudgetTooSmall(_infeasible_message(profiles, micro_batches, margin, policies))
@@ -288,7 +302,7 @@ def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> Fi
         for c, o in zip(chosen, options):
             c.step_s = steps * c.micro_step_s + o.step_s
         step_s = max(c.step_s for c in chosen)
-        if best is None or step_s < best.step_s:
+        if _better(step_s, micro, best):
             samples = per_rank * len(profiles)
             best = FitPlan(options[0].name, chosen, steps, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
                            [p.budget_bytes for p in profiles])
@@ -301,7 +315,11 @@ def _heterogeneous(profiles, options, micro_batches, samples, margin, policies) 
         fastest: RankChoice | None = None  # the highest samples per second within the budget
         for micro in micro_batches:
             choice = choose_rank(profile, micro, option, policies, margin)
-            if choice is not None and (fastest is None or micro / choice.micro_step_s > fastest.micro_batch / fastest.micro_step_s):
+            if choice is None:
+                continue
+            rate = micro / choice.micro_step_s
+            best = 0.0 if fastest is None else fastest.micro_batch / fastest.micro_step_s
+            if rate > best * (1 + CLOSE) or (rate >= best * (1 - CLOSE) and micro > fastest.micro_batch):
                 fastest = choice
         if fastest is None:
             return None

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.autofit.model import (
+    CLOSE,
     BudgetTooSmall,
     FitPlan,
     OptimizerOption,
@@ -166,5 +167,5 @@ def test_the_search_fits_the_budget_and_is_as_fast_as_the_exhaustive_grid(budget
     assert plan.ranks[0].peak_bytes <= p.budget_bytes * (1 - margin)
     # the per-block greedy is within one block's recompute cost per micro-step of the exhaustive optimum
     slack = (samples // plan.micro_batches[0]) * max(b.cost_s["checkpoint"] for b in p.blocks) * plan.micro_batches[0] / p.blocks_size
-    assert plan.step_s <= best[0] + slack + 1e-12
+    assert plan.step_s <= (best[0] + slack) * (1 + CLOSE) + 1e-12
     assert math.isclose(plan.tokens_per_s, samples * 128.0 / plan.step_s)

@@ -1,0 +1,179 @@
+"""AutoFit in real one-device fits: what it sets, that the fit trains as plain Lightning with those settings,
+refusals before the first step, checkpoints, plan-only fits, the ``plan`` command, and user-set callbacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import lightning
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer
+from lightning_efficient.activations.discovery import find_blocks
+from lightning_efficient.autofit.model import BudgetTooSmall
+from tests.conftest import tiny_gpt_kwargs
+
+MiB = 2**20
+
+
+class Recorder(lightning.Callback):
+    """Per optimizer step: the samples trained and the mean loss of its micro-batches; the accumulation seen."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self.losses: list[float] = []
+        self.accumulation: set[int] = set()
+        self._samples = 0
+        self._losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._samples += len(batch["input_ids"])
+        self._losses.append(float(outputs["loss"]))
+        self.accumulation.add(trainer.accumulate_grad_batches)
+        if not trainer.fit_loop.epoch_loop._should_accumulate():
+            self.samples.append(self._samples)
+            self.losses.append(sum(self._losses) / len(self._losses))
+            self._samples, self._losses = 0, []
+
+
+#: a head over a large vocabulary (the data's tokens use the first 512) on long sequences: activations of several
+#: tens of MiB per sample, well above the ~20 MiB RSS readings wander by inside a test process, so budgets between micro-batch sizes are unambiguous
+WIDE_HEAD = {**tiny_gpt_kwargs(), "vocab_size": 8192, "seq_len": 256}
+
+
+def _fit(kwargs, callbacks, *, batch_size=8, accumulate=1, steps=3, root=None, ckpt_path=None, seed=0, wide=False):
+    lightning.seed_everything(seed)
+    model = DemoGPT(**(WIDE_HEAD if wide else tiny_gpt_kwargs()))
+    data = CorpusDataModule(**{**kwargs, "batch_size": batch_size, **({"seq_len": 256} if wide else {})})
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
+                                enable_checkpointing=root is not None, default_root_dir=root, enable_progress_bar=False,
+                                enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return trainer, model, data
+
+
+def _profile_figures(small_datamodule_kwargs):
+    """The line AutoFit fits for the tiny model (keep, 32-bit): peak bytes at micro-batches 4 and 8."""
+    probe = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"], plan_only=True)
+    _fit(small_datamodule_kwargs, [probe], wide=True)
+    return probe.profiles[0]
+
+
+def test_a_budget_between_two_micro_batches_gets_the_smaller_one_and_the_fit_equals_plain_lightning(small_datamodule_kwargs):
+    profile = _profile_figures(small_datamodule_kwargs)
+    p0, p1 = profile.line(profile.peak_bytes)
+    # room for micro-batch 4, not 8 (of the 8 per step), with every block kept and 32-bit states
+    budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
+    fit, record = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
+    trainer, model, data = _fit(small_datamodule_kwargs, [fit, record], steps=3, wide=True)
+    assert p1 > 16 * MiB  # tens of MiB a sample: the budget is far from both sizes' peaks
+    micro = fit.plan.micro_batches[0]
+    assert micro < 8 and micro * fit.plan.accumulation == 8
+    assert record.samples == [8, 8, 8] and record.accumulation == {fit.plan.accumulation}
+    assert fit.plan.ranks[0].peak_bytes <= budget * 0.9
+    # the settings it made are undone when the fit ends
+    assert data.batch_size == 8 and trainer.accumulate_grad_batches == 1
+    # the same fit in plain Lightning, the plan's settings set by hand: the same losses, the same weights
+    plain = Recorder()
+    _, plain_model, _ = _fit(small_datamodule_kwargs, [plain], batch_size=micro, accumulate=fit.plan.accumulation, steps=3, wide=True)
+    assert plain.losses == record.losses
+    for a, b in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_budget_no_configuration_meets_is_refused_before_the_first_step_with_the_smallest_that_would(small_datamodule_kwargs):
+    record = Recorder()
+    fit = AutoFit(budget="1MB")
+    with pytest.raises(BudgetTooSmall, match=r"needs a budget of at least [0-9.,]+ MiB") as raised:
+        _fit(small_datamodule_kwargs, [fit, record])
+    assert record.samples == [] and record._samples == 0
+    assert "rank 0: budget 1.0 MiB" in str(raised.value)
+    # nothing is left behind: a second fit of the same module with a budget that fits trains
+    needed = int(str(raised.value).split("(")[-1].split(" bytes")[0].replace(",", ""))
+    again, record = AutoFit(budget=needed * 2), Recorder()
+    _fit(small_datamodule_kwargs, [again, record], steps=2)
+    assert record.samples == [8, 8]
+
+
+def test_plan_only_fits_return_before_training_and_leave_the_module_as_it_was(small_datamodule_kwargs):
+    fit, record = AutoFit(budget="2GiB", plan_only=True), Recorder()
+    trainer, model, _ = _fit(small_datamodule_kwargs, [fit, record])
+    assert fit.plan is not None and trainer.global_step == 0 and record._samples == 0
+    assert fit.planning_s > 0
+    for _, block in find_blocks(model):
+        assert "forward" not in vars(block)  # not wrapped
+
+
+def test_the_plan_is_saved_in_checkpoints_and_a_resume_with_the_same_budget_reuses_it(small_datamodule_kwargs, tmp_path):
+    first = AutoFit(budget="512MB", optimizer_options=["32-bit", "8-bit"])
+    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2, root=str(tmp_path))
+    assert first.profiles
+    resumed, record = AutoFit(budget="512MB", optimizer_options=["32-bit", "8-bit"]), Recorder()
+    trainer, _, _ = _fit(small_datamodule_kwargs, [resumed, record], steps=4, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.profiles == [] and resumed.plan == first.plan
+    assert len(record.samples) == 2 and trainer.global_step == 4
+    other = AutoFit(budget="600MB", optimizer_options=["32-bit", "8-bit"])
+    _fit(small_datamodule_kwargs, [other], steps=5, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert other.profiles  # another budget: measured again
+
+
+def test_callbacks_the_user_set_keep_their_settings_and_the_plan_says_so(small_datamodule_kwargs):
+    fit = AutoFit(budget="2GiB")
+    eight = EightBitOptimizer()
+    memory = ActivationMemory(policy="checkpoint")
+    trainer, _, _ = _fit(small_datamodule_kwargs, [fit, memory, eight], steps=1)
+    assert fit.plan.optimizer == "as set" and set(fit.plan.ranks[0].policies) == {"checkpoint"}
+    assert any("EightBitOptimizer" in n for n in fit.plan.notes) and any("ActivationMemory" in n for n in fit.plan.notes)
+    assert sum(isinstance(c, (ActivationMemory, EightBitOptimizer)) for c in trainer.callbacks) == 2  # none added
+    with pytest.raises(ValueError, match="ActivationMemory\\(policy='auto'\\) beside AutoFit"):
+        _fit(small_datamodule_kwargs, [AutoFit(budget="2GiB"), ActivationMemory(policy="auto", budget=0.5)], steps=1)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"budget": 0}, "budget=0 is not allowed"),
+    ({"budget": "lots"}, "budget='lots' is not allowed"),
+    ({"budget": 0.5}, "budget=0.5 is not allowed"),
+    ({"budget": ["1GiB", "auto"]}, "budget=\\['1GiB', 'auto'\\] is not allowed"),
+    ({"budget": "1GiB", "margin": 1.0}, "margin=1.0 is not allowed"),
+    ({"budget": "1GiB", "activation_policies": ["checkpoint"]}, "activation_policies=\\['checkpoint'\\] is not allowed"),
+    ({"budget": "1GiB", "optimizer_options": ["4-bit"]}, "optimizer_options=\\['4-bit'\\] is not allowed"),
+    ({"budget": "1GiB", "report_after_steps": 0}, "report_after_steps=0 is not allowed"),
+    ({"budget": "1GiB", "search_micro_batch": "yes"}, "search_micro_batch='yes' is not allowed"),
+])
+def test_wrong_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AutoFit(**kwargs)
+
+
+def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_training(small_datamodule_kwargs, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        trainer:
+          accelerator: cpu
+          max_steps: 2
+          accumulate_grad_batches: 2
+          logger: false
+          enable_checkpointing: false
+          enable_progress_bar: false
+          limit_val_batches: 0
+        model:
+          class_path: lightning_efficient.DemoGPT
+          init_args: {json.dumps(tiny_gpt_kwargs())}
+        data:
+          class_path: lightning_efficient.CorpusDataModule
+          init_args: {json.dumps(small_datamodule_kwargs)}
+        """))
+    done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "2GiB"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "AutoFit plan:" in done.stdout + done.stderr
+    settings = yaml.safe_load(done.stdout.split("(the same global batch):")[1])
+    batch = settings["data"]["init_args"]["batch_size"]
+    assert batch * settings["trainer"]["accumulate_grad_batches"] == 4 * 2
+    assert not list(tmp_path.glob("**/*.ckpt"))
