@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -23,7 +24,7 @@ from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
 from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_rank, sample_batch
-from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, plan_table, search
+from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, choose_rank, plan_table, search
 from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, release_free_memory
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
@@ -404,24 +405,35 @@ class AutoFit(Callback):
         if over <= 0:
             return
         margin = min(0.95, plan.margin + over)
-        if not self._profiles or self._activations is None:
+        if not self._profiles or self._user_activations is not None or not self._profiles[0].blocks:
             rank_zero_warn(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; nothing AutoFit "
                            f"can change now (plan again with margin={margin:.2f}).")
             return
-        try:
-            option = next(i for i, o in enumerate(self._profiles[0].options) if o.name == plan.optimizer)
-            narrowed = [RankProfile(**{**vars(p), "options": [p.options[option]]}) for p in self._profiles]
-            again = search(narrowed, samples_per_step=plan.samples_per_step, heterogeneous=plan.accumulation is None, margin=margin,
-                           policies=self.activation_policies, micro_batches=[r.micro_batch for r in plan.ranks][:1])
-        except ValueError as error:
+        # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the
+        # states); each rank's block policies are chosen again for the wider margin
+        policies = tuple(p for p in self.activation_policies if p != "offload" or pl_module.device.type == "cuda")
+        option = next(i for i, o in enumerate(self._profiles[0].options) if o.name == plan.optimizer)
+        ranks = [choose_rank(p, r.micro_batch, p.options[option], policies, margin) for p, r in zip(self._profiles, plan.ranks)]
+        if any(r is None for r in ranks):
             rank_zero_warn(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction, and with margin "
-                           f"{margin:.2f} no block plan fits at this micro-batch and precision: {error}")
+                           f"{margin:.2f} no block plan fits at this micro-batch and precision; plan again with that margin.")
             return
+        for new, old in zip(ranks, plan.ranks):
+            new.step_s = old.step_s + (plan.accumulation or 1) * (new.micro_step_s - old.micro_step_s)
+        step_s = max(r.step_s for r in ranks)
+        again = replace(plan, ranks=ranks, margin=margin, step_s=step_s, tokens_per_s=plan.tokens_per_s * plan.step_s / step_s, notes=[*plan.notes,
+                        f"block policies planned again with margin {margin:.2f} after a measured peak {over:.1%} of the budget above its prediction"])
         mine = again.ranks[trainer.global_rank]
         rank_zero_info(f"AutoFit: a measured peak was {over:.1%} of the budget above its prediction; block policies planned "
                        f"again with margin {margin:.2f}:\n" + plan_table(again))
-        self._activations._undo()
-        self._activations._apply(list(mine.policies), pl_module)
+        if self._activations is None:
+            self._activations = ActivationMemory(policy=list(mine.policies), blocks=self.blocks)
+            trainer.callbacks.insert(trainer.callbacks.index(self) + 1, self._activations)
+            self._activations.on_fit_start(trainer, pl_module)  # between two steps: wraps the blocks now
+        else:
+            self._activations._undo()
+            self._activations.policy = list(mine.policies)
+            self._activations.on_fit_start(trainer, pl_module)
         self._plan = again
 
     # -- clean-up -------------------------------------------------------------------------------

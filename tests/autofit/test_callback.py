@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import lightning
 import pytest
@@ -18,6 +19,7 @@ from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, Dem
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.autofit.model import BudgetTooSmall
 from tests.conftest import tiny_gpt_kwargs
+from tests.ddp import run_script
 
 MiB = 2**20
 
@@ -177,3 +179,54 @@ def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_
     batch = settings["data"]["init_args"]["batch_size"]
     assert batch * settings["trainer"]["accumulate_grad_batches"] == 4 * 2
     assert not list(tmp_path.glob("**/*.ckpt"))
+
+
+def test_in_a_fresh_process_the_measured_peak_stays_within_a_budget_that_forces_a_smaller_plan(small_datamodule_kwargs, tmp_path):
+    """The honest memory check: a fresh process (RSS means something there) with glibc's mmap threshold fixed, as
+    the benchmarks run; the budget sits between what micro-batch 8 with every block kept needs and the leanest plan."""
+    script = Path(__file__).with_name("fresh_fit.py")
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    corpus, cache = small_datamodule_kwargs["data_path"], small_datamodule_kwargs["cache_dir"]
+    run_script(script, corpus, cache, "8GiB", tmp_path / "loose.json", "plan_only", env=env)
+    loose = json.loads((tmp_path / "loose.json").read_text())
+    p0, p1 = loose["line"]
+    all_kept = p0 + 8 * p1
+    budget = int((all_kept - 0.5 * (loose["blocks_keep"] - loose["blocks_leanest"])) / 0.9)  # keep everything at 8: no
+    run_script(script, corpus, cache, str(budget), tmp_path / "tight.json", env=env)
+    tight = json.loads((tmp_path / "tight.json").read_text())
+    assert tight["micro_batch"] < 8 or any(p != "keep" for p in tight["policies"])
+    assert tight["predicted"] <= 0.9 * budget
+    assert tight["measured"] <= budget, tight
+
+
+class Mispredict(lightning.Callback):
+    """Before AutoFit compares (listed before it): lowers its predicted peak so that the measured one is above it by
+    enough that ``shed`` bytes must go, as if the model had missed them."""
+
+    def __init__(self, fit: AutoFit, at_step: int, shed: int) -> None:
+        self.fit, self.at_step, self.shed = fit, at_step, shed
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at_step and self.fit.measured is None:
+            plan, measured = self.fit.plan, self.fit._meter.read()
+            budget = plan.budgets[0]
+            over = ((1 - plan.margin) * budget - measured + self.shed) / budget
+            plan.ranks[0].peak_bytes = int(measured - over * budget)
+
+
+def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_wider_margin(small_datamodule_kwargs, lightning_caplog):
+    lightning.seed_everything(0)
+    model = DemoGPT(vocab_size=512, n_layers=4, d_model=256, n_heads=2, seq_len=256)
+    data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256})
+    fit, record = AutoFit(budget="4GiB", optimizer_options=["32-bit"], report_after_steps=2), Recorder()
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, limit_val_batches=0,
+                                callbacks=[Mispredict(fit, at_step=2, shed=60 * MiB), fit, record])
+    trainer.fit(model, data)
+    assert "block policies planned again with margin" in lightning_caplog.text
+    assert fit.plan.margin > 0.1 and any(p != "keep" for p in fit.plan.ranks[0].policies)
+    memory = next(c for c in trainer.callbacks if isinstance(c, ActivationMemory))
+    assert memory.plan == fit.plan.ranks[0].policies  # applied between steps 2 and 3
+    assert len(record.losses) == 4 and all(torch.isfinite(torch.tensor(record.losses)))
+    for _, block in find_blocks(model):
+        assert "forward" not in vars(block)  # unwrapped when the fit ended
