@@ -230,3 +230,31 @@ def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_
     assert len(record.losses) == 4 and all(torch.isfinite(torch.tensor(record.losses)))
     for _, block in find_blocks(model):
         assert "forward" not in vars(block)  # unwrapped when the fit ended
+
+
+def test_the_plan_command_under_ddp_plans_on_both_ranks_and_prints_once(small_datamodule_kwargs, tmp_path):
+    config = tmp_path / "ddp.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        trainer:
+          accelerator: cpu
+          devices: 2
+          strategy: ddp
+          max_steps: 2
+          logger: false
+          enable_checkpointing: false
+          enable_progress_bar: false
+          limit_val_batches: 0
+        model:
+          class_path: lightning_efficient.DemoGPT
+          init_args: {json.dumps(tiny_gpt_kwargs())}
+        data:
+          class_path: lightning_efficient.CorpusDataModule
+          init_args: {json.dumps(small_datamodule_kwargs)}
+        """))
+    done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "[1GiB, 1GiB]"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert output.count("AutoFit plan:") == 1 and "\n  1 " in output  # rank 1's row in rank 0's table
+    settings = yaml.safe_load(done.stdout.split("(the same global batch):")[1])
+    assert settings["data"]["init_args"]["batch_size"] * settings["trainer"]["accumulate_grad_batches"] == 4
