@@ -21,7 +21,7 @@ def _run(command, cwd):
 
 def test_every_config_parses_and_runs_two_steps(tmp_path):
     # the demo config is the packaged default alone (lightning_efficient/demo/default.yaml; tests/test_cli.py)
-    assert {c.stem for c in CONFIGS} == {"tokens", "activations", "optim", "balance", "hf_llama"}
+    assert {c.stem for c in CONFIGS} == {"tokens", "activations", "optim", "balance", "hf_llama", "autofit"}
 
     def run(config):
         cwd = tmp_path / config.stem
