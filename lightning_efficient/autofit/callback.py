@@ -131,6 +131,7 @@ class AutoFit(Callback):
         self._step_times: list[float] = []
         self._measured: list[dict[str, float]] | None = None
         self.planning_s = 0.0
+        self._trainer_rank = 0
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -184,6 +185,7 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._measured, self._step_times, self._step_started = None, [], None
+        self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
         started = time.perf_counter()
@@ -444,6 +446,17 @@ class AutoFit(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._undo(pl_module)  # Lightning skips teardown when fit raises
+
+    def memory_figures(self) -> dict[str, int]:
+        """This rank's budget, predicted peak and micro-batch (and measured peak once read), for :class:`MemoryReport`."""
+        if self._plan is None or self._trainer_rank >= len(self._plan.ranks):
+            return {}
+        mine = self._plan.ranks[self._trainer_rank]
+        figures = {"autofit_budget_bytes": self._plan.budgets[self._trainer_rank], "autofit_predicted_peak_bytes": mine.peak_bytes,
+                   "autofit_micro_batch": mine.micro_batch}
+        if self._measured is not None:
+            figures["autofit_measured_peak_bytes"] = int(self._measured[self._trainer_rank]["peak_bytes"])
+        return figures
 
     @property
     def plan(self) -> FitPlan | None:

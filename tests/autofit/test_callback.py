@@ -15,7 +15,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer
+from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.autofit.model import BudgetTooSmall
 from tests.conftest import tiny_gpt_kwargs
@@ -72,13 +72,16 @@ def test_a_budget_between_two_micro_batches_gets_the_smaller_one_and_the_fit_equ
     p0, p1 = profile.line(profile.peak_bytes)
     # room for micro-batch 4, not 8 (of the 8 per step), with every block kept and 32-bit states
     budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
-    fit, record = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
-    trainer, model, data = _fit(small_datamodule_kwargs, [fit, record], steps=3, wide=True)
+    fit, record, report = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder(), MemoryReport(every_n_steps=1)
+    trainer, model, data = _fit(small_datamodule_kwargs, [fit, record, report], steps=3, wide=True)
     assert p1 > 16 * MiB  # tens of MiB a sample: the budget is far from both sizes' peaks
     micro = fit.plan.micro_batches[0]
     assert micro < 8 and micro * fit.plan.accumulation == 8
     assert record.samples == [8, 8, 8] and record.accumulation == {fit.plan.accumulation}
     assert fit.plan.ranks[0].peak_bytes <= budget * 0.9
+    figures = report.report()
+    assert figures["autofit_budget_bytes"] == budget and figures["autofit_micro_batch"] == micro
+    assert figures["autofit_measured_peak_bytes"] == int(fit.measured[0]["peak_bytes"])
     # the settings it made are undone when the fit ends
     assert data.batch_size == 8 and trainer.accumulate_grad_batches == 1
     # the same fit in plain Lightning, the plan's settings set by hand: the same losses, the same weights
