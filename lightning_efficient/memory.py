@@ -12,6 +12,7 @@ import ctypes
 import os
 import resource
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -280,17 +281,22 @@ class PeakMemory:
         start_rss_bytes: the RSS the CPU figure is counted above.
     """
 
+    _warned = False
+
     def __init__(self, device: torch.device, start_rss_bytes: int = 0) -> None:
         self.device = device
         self.start_rss_bytes = start_rss_bytes
 
     def reset(self) -> None:
-        """Start a new peak from what is held now."""
+        """Start a new peak from what is held now (on CPU where the peak cannot be reset, warns once: the
+        readings are then the process's all-time peak)."""
         release_free_memory(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            reset_peak_rss()
+        elif not reset_peak_rss() and not PeakMemory._warned:
+            PeakMemory._warned = True
+            warnings.warn("PeakMemory: this system cannot reset the peak RSS (/proc/self/clear_refs): each reading is "
+                          "the process's peak so far, not the peak since the reset", stacklevel=2)
 
     def read(self) -> int:
         """The peak since the last :meth:`reset`, in bytes."""

@@ -4,11 +4,15 @@ states' precision for the most tokens per second that fit."""
 
 from __future__ import annotations
 
+import contextlib
+import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -23,16 +27,43 @@ from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
-from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_rank, sample_batch
+from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_peak, measure_rank, sample_batch
 from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, choose_rank, plan_table, search
 from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, release_free_memory
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
-from lightning_efficient.optim.twins import eight_bit_classes
+from lightning_efficient.optim.sharded import has_sharded_params
+from lightning_efficient.optim.twins import eight_bit_classes, find_twin, is_stateless, paged_refusal
 
 OptimizerChoice = Literal["32-bit", "8-bit", "8-bit paged", "8-bit offload"]
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
 _CUDA_ONLY = ("8-bit paged", "8-bit offload")
+
+
+@contextlib.contextmanager
+def _random_streams_restored(device: torch.device) -> Iterator[None]:
+    """torch's (CPU and this CUDA device), Python's and NumPy's global random states put back afterwards."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+def _cannot_build(name: str, optimizers: list[torch.optim.Optimizer]) -> str | None:
+    """Why the optimizer option ``name`` cannot hold these optimizers' states (None: it can)."""
+    for index, optimizer in enumerate(optimizers):
+        if isinstance(optimizer, eight_bit_classes()) or is_stateless(optimizer):
+            continue
+        if find_twin(optimizer) is None:
+            return f"optimizer {index} ({type(optimizer).__name__}) has no bitsandbytes 8-bit twin"
+        if name == "8-bit paged" and paged_refusal(optimizer):
+            return f"optimizer {index}: {paged_refusal(optimizer)}"
+        if name == "8-bit offload" and has_sharded_params(optimizer):
+            return f"optimizer {index} steps sharded (DTensor) parameters, which host offload refuses"
+    return None
 
 
 class AutoFit(Callback):
@@ -97,11 +128,11 @@ class AutoFit(Callback):
                 "margin", margin, "a fraction in [0, 1)")
         require(isinstance(search_micro_batch, bool), "search_micro_batch", search_micro_batch, "True or False")
         require(isinstance(plan_only, bool), "plan_only", plan_only, "True or False")
-        policies = list(activation_policies or ("keep", "selective", "checkpoint", "offload", "disk"))
+        policies = list(activation_policies) if activation_policies is not None else ["keep", "selective", "checkpoint", "offload", "disk"]
         require(all(p in POLICIES for p in policies) and "keep" in policies, "activation_policies", activation_policies,
                 "a list of " + ", ".join(POLICIES) + " that includes 'keep'")
         choices = ("32-bit", "8-bit", "8-bit paged", "8-bit offload")
-        options = list(optimizer_options or choices)
+        options = list(optimizer_options) if optimizer_options is not None else list(choices)
         require(bool(options) and all(o in choices for o in options), "optimizer_options", optimizer_options,
                 "a non-empty list of " + ", ".join(repr(c) for c in choices))
         require(blocks == "auto" or (isinstance(blocks, list) and blocks and all(isinstance(b, str) for b in blocks)),
@@ -132,10 +163,11 @@ class AutoFit(Callback):
         self._measured: list[dict[str, float]] | None = None
         self.planning_s = 0.0
         self._trainer_rank = 0
+        self._precision: str | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
-        return {"budget": self.budget, "margin": self.margin, "search_micro_batch": self.search_micro_batch,
+        return {"precision": self._precision, "budget": self.budget, "margin": self.margin, "search_micro_batch": self.search_micro_batch,
                 "activation_policies": list(self.activation_policies), "optimizer_options": list(self.optimizer_options),
                 "blocks": self.blocks}
 
@@ -160,10 +192,14 @@ class AutoFit(Callback):
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
         release_free_memory()  # what earlier work freed is not counted in the start
         self._start_rss = current_rss_bytes()
-        if self._user_optimizer is None and wants_8bit and self._optimizer is None:
-            # added now, not when planning: it must exist when a checkpoint is loaded (it converts states)
-            self._optimizer = EightBitOptimizer(bits=32, min_8bit_size=self.min_8bit_size)
-            callbacks.insert(callbacks.index(self) + 1, self._optimizer)
+        self._precision = str(trainer.precision)
+        if self._user_optimizer is None and wants_8bit:
+            # added now, not when planning: it must exist when a checkpoint is loaded (it converts states); the
+            # same one in every fit of this AutoFit (its state key is the checkpoint's), into each Trainer's list
+            if self._optimizer is None:
+                self._optimizer = EightBitOptimizer(bits=32, min_8bit_size=self.min_8bit_size)
+            if self._optimizer not in callbacks:
+                callbacks.insert(callbacks.index(self) + 1, self._optimizer)
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -188,11 +224,18 @@ class AutoFit(Callback):
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
+        if restored is None and trainer.ckpt_path and getattr(trainer.strategy, "restore_checkpoint_after_setup", False):
+            # ModelParallelStrategy / hetero_fsdp load checkpoints after on_fit_start: read this callback's part now
+            from lightning_efficient.optim.sharded import checkpoint_layouts
+
+            saved = (checkpoint_layouts(trainer.ckpt_path)[2] or {}).get(self.state_key)
+            restored = dict(saved) if saved else None
         started = time.perf_counter()
         plan = self._reusable(restored, trainer)
         if plan is None:
             saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
-            plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
+            with _random_streams_restored(pl_module.device):  # measuring draws nothing the run would have drawn
+                plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
         self.planning_s = time.perf_counter() - started
         self._plan = plan
         rank_zero_info(plan_table(plan) + f"\n  planned in {self.planning_s:.2f} s")
@@ -207,6 +250,10 @@ class AutoFit(Callback):
         if restored.get("settings") != self._settings():
             rank_zero_info("AutoFit: the checkpoint's plan was made with other settings; planning again.")
             return None
+        if plan.samples_per_step != self._samples_per_step(trainer):
+            rank_zero_info(f"AutoFit: the checkpoint's plan is for a global batch of {plan.samples_per_step}, not "
+                           f"{self._samples_per_step(trainer)}; planning again.")
+            return None
         if len(plan.ranks) != trainer.world_size:
             rank_zero_info(f"AutoFit: the checkpoint's plan is for {len(plan.ranks)} ranks, not {trainer.world_size}; planning again.")
             return None
@@ -215,6 +262,14 @@ class AutoFit(Callback):
 
     def _heterogeneous(self, trainer: Trainer) -> bool:
         return hasattr(trainer.strategy, "balancer")
+
+    def _samples_per_step(self, trainer: Trainer, loader: Any = None) -> int:
+        """The global batch the user set (before AutoFit changes anything)."""
+        loader = trainer.fit_loop._data_source.dataloader() if loader is None else loader
+        batch_size = getattr(loader, "batch_size", None) or 1
+        if self._heterogeneous(trainer) and trainer.strategy.global_batch_size:
+            return trainer.strategy.global_batch_size
+        return batch_size * trainer.world_size * trainer.accumulate_grad_batches
 
     def _plan_now(self, trainer: Trainer, pl_module: LightningModule, keep_micro_batch: FitPlan | None = None) -> FitPlan:
         """Measure every rank and search. ``keep_micro_batch``: the checkpoint's plan, whose micro-batch is kept
@@ -228,13 +283,14 @@ class AutoFit(Callback):
         world = trainer.world_size
         notes: list[str] = []
         resizable = can_resize(loader)
+        samples = self._samples_per_step(trainer, loader)
         if heterogeneous:
-            samples = strategy.global_batch_size or batch_size * world * trainer.accumulate_grad_batches
             per_rank = samples
             searched = resizable and self.search_micro_batch
+            if strategy.max_micro_batch is not None:
+                notes.append(f"the strategy's max_micro_batch={strategy.max_micro_batch!r} is replaced by the plan's caps")
         else:
-            per_rank = batch_size * trainer.accumulate_grad_batches
-            samples = per_rank * world
+            per_rank = samples // world
             searched = self.search_micro_batch and resizable and lightning_hasattr(pl_module, "batch_size")
             if self.search_micro_batch and not searched:
                 notes.append("micro-batch kept at the DataLoader's: " + (
@@ -279,8 +335,38 @@ class AutoFit(Callback):
         if plan is None:
             plan = search(profiles, samples_per_step=samples, heterogeneous=heterogeneous, margin=self.margin, policies=policies,
                           micro_batches=micro_batches)
+        if searched and any(r.micro_batch > p.sizes[1] for r, p in zip(plan.ranks, profiles)):
+            plan = self._confirmed(plan, profiles, strategy, batches, notes,
+                                   lambda found: search(found, samples_per_step=samples, heterogeneous=heterogeneous,
+                                                        margin=self.margin, policies=policies, micro_batches=micro_batches))
         plan.notes.extend(notes)
         return plan
+
+    def _confirmed(self, plan: FitPlan, profiles: list[RankProfile], strategy: Any, batches: Any, notes: list[str],
+                   again: Any) -> FitPlan:
+        """A micro-batch beyond the measured sizes is measured too (every block kept): where it reads above the line,
+        the line is fitted through it and the larger measured size, and the search runs again."""
+        rank = strategy.global_rank
+        mine, profile = plan.ranks[rank], profiles[rank]
+        reading, failure = None, None
+        try:
+            size = max(mine.micro_batch, profile.sizes[1])
+            reading = (size, *measure_peak(strategy, batches, size, self._meter))
+        except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
+            failure = error
+        readings = gather_or_raise_together(reading, failure, "AutoFit could not measure its pick")
+        updated, moved = [], False
+        for (size, peak, seconds), p in zip(readings, profiles):
+            p0, p1 = p.line(p.peak_bytes)
+            if size > p.sizes[1] and peak > p0 + p1 * size:
+                moved = True
+                p = replace(p, sizes=(p.sizes[1], size), peak_bytes=(p.peak_bytes[1], peak), step_s=(p.step_s[1], seconds))
+            updated.append(p)
+        if not moved:
+            return plan
+        self._profiles = updated
+        notes.append("the pick's micro-batch read above the fitted line: fitted again through it and planned again")
+        return again(updated)
 
     def _blocks(self, pl_module: LightningModule, notes: list[str]) -> tuple[list, list[str] | None, tuple[str, ...]]:
         """The blocks to profile, the policies the user fixed (None: AutoFit chooses), the policies allowed."""
@@ -317,19 +403,25 @@ class AutoFit(Callback):
             return [self._twin_spec("as set", trainer, pl_module, paged=user.paged, offload=bool(user.offload), like=user)]
         on_cuda = pl_module.device.type == "cuda"
         specs = [OptimizerSpec("32-bit", own, own=True)] if "32-bit" in self.optimizer_options else []
-        for name in self.optimizer_options:
-            if name == "32-bit" or (name in _CUDA_ONLY and not on_cuda):
+        names = [n for n in self.optimizer_options if n != "32-bit" and (on_cuda or n not in _CUDA_ONLY)]
+        if not specs and not names:  # only CUDA options asked for, on CPU
+            notes.append("the optimizer options asked for need CUDA; 8-bit measured instead")
+            names = ["8-bit"]
+        for name in names:
+            reason = _cannot_build(name, strategy.optimizers)
+            if reason:
+                notes.append(f"optimizer states {name} not considered: {reason}")
                 continue
-            spec = self._twin_spec(name, trainer, pl_module, paged=name == "8-bit paged", offload=name == "8-bit offload")
-            specs.append(spec)
-        if not specs:  # only CUDA options asked for, on CPU
-            notes.append("the asked optimizer options need CUDA; 8-bit measured instead")
-            specs.append(self._twin_spec("8-bit", trainer, pl_module, paged=False, offload=False))
+            specs.append(self._twin_spec(name, trainer, pl_module, paged=name == "8-bit paged", offload=name == "8-bit offload"))
+        if not specs:
+            notes.append("optimizer states kept as the module built them")
+            specs.append(OptimizerSpec("32-bit", own, own=True))
         return specs
 
     def _twin_spec(self, name: str, trainer: Trainer, pl_module: LightningModule, *, paged: bool, offload: bool,
                    like: EightBitOptimizer | None = None) -> OptimizerSpec:
-        settings = {} if like is None else {"keep_32bit": like.keep_32bit or None, "embeddings_32bit": like.embeddings_32bit}
+        settings = {} if like is None else {"keep_32bit": like.keep_32bit or None, "embeddings_32bit": like.embeddings_32bit,
+                                            "strict": like.strict}
         builder = EightBitOptimizer(min_8bit_size=like.min_8bit_size if like else self.min_8bit_size, **settings)
         return OptimizerSpec(name, lambda: builder.build_twins(list(trainer.strategy.optimizers), pl_module, paged=paged, offload=offload),
                              builder.drop_overrides)
@@ -352,10 +444,10 @@ class AutoFit(Callback):
             policies = list(mine.policies) or ["keep"]
             if self._activations is None:
                 self._activations = ActivationMemory(policy=policies, blocks=self.blocks)
-                callbacks = trainer.callbacks
-                callbacks.insert(callbacks.index(self) + 1, self._activations)  # Lightning calls its on_fit_start next
-            else:
-                self._activations.policy = policies
+            self._activations.policy = policies
+            callbacks = trainer.callbacks
+            if self._activations not in callbacks:  # Lightning calls its on_fit_start next, in this same loop
+                callbacks.insert(callbacks.index(self) + 1, self._activations)
         if self._optimizer is not None:
             eight = plan.optimizer.startswith("8-bit")
             self._optimizer.bits = 8 if eight else 32
@@ -373,6 +465,17 @@ class AutoFit(Callback):
     # -- measured beside predicted --------------------------------------------------------------
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        plan = self._plan
+        if plan is not None and plan.accumulation is not None and any(isinstance(s, tuple) and s[0] == "batch_size" for s in self._undo_settings):
+            loader = trainer.train_dataloader
+            size = getattr(loader, "batch_size", None)
+            wanted = plan.ranks[trainer.global_rank].micro_batch
+            if size is not None and size != wanted:
+                raise ValueError(
+                    f"AutoFit set batch_size={wanted}, but the training DataLoader has batch_size={size}: train_dataloader() "
+                    "does not read the `batch_size` attribute, so the global batch would change. Build the DataLoader with "
+                    "self.batch_size, or AutoFit(search_micro_batch=False)"
+                )
         if self._meter is not None:
             self._meter.reset()
 
@@ -425,6 +528,10 @@ class AutoFit(Callback):
         step_s = max(r.step_s for r in ranks)
         again = replace(plan, ranks=ranks, margin=margin, step_s=step_s, tokens_per_s=plan.tokens_per_s * plan.step_s / step_s, notes=[*plan.notes,
                         f"block policies planned again with margin {margin:.2f} after a measured peak {over:.1%} of the budget above its prediction"])
+        if [r.policies for r in ranks] == [r.policies for r in plan.ranks]:
+            rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; with margin "
+                           f"{margin:.2f} the block policies stay as they are.")
+            return
         mine = again.ranks[trainer.global_rank]
         rank_zero_info(f"AutoFit: a measured peak was {over:.1%} of the budget above its prediction; block policies planned "
                        f"again with margin {margin:.2f}:\n" + plan_table(again))
@@ -441,10 +548,12 @@ class AutoFit(Callback):
     # -- clean-up -------------------------------------------------------------------------------
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._restored = None  # a checkpoint's plan belongs to its own fit
         self._undo(pl_module)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restored = None
         self._undo(pl_module)  # Lightning skips teardown when fit raises
 
     def memory_figures(self) -> dict[str, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.profile import profile_blocks
 from lightning_efficient.autofit.model import OptimizerOption, RankProfile
 from lightning_efficient.balance.probe import release_optimizer_state
-from lightning_efficient.memory import PeakMemory, first_tensor, optimizer_state_bytes, release_free_memory
+from lightning_efficient.memory import PeakMemory, first_tensor, local_tensor, optimizer_state_bytes, release_free_memory
 from lightning_efficient.report import host_state_bytes, paged_state_bytes
 
 
@@ -124,15 +124,15 @@ def measure_rank(
         return peak, elapsed
 
     m1, m2 = sizes
-    with restored_run_state(strategy):
+    with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, device)):
         try:
-            forward_backward(m2)  # warm-up (lazy initialisation, compilation), then the run's states
+            forward_backward(m1)  # warm-up (lazy initialisation, compilation) at the smaller size, then the run's states
             for optimizer in strategy.optimizers:
                 if len(optimizer.state) == 0:
                     optimizer.step()
             module.zero_grad(set_to_none=False)
             run_state = sum(device_state_bytes(o, device) for o in strategy.optimizers)
-            # each size twice, interleaved, keeping the least: one reading is at the mercy of the machine
+            # each size twice, interleaved: the least time and the larger peak (one reading is at the mercy of the machine)
             (peak1, time1), (peak2, time2) = timed(m1), timed(m2)
             if m1 != m2:
                 (again1, retime1), (again2, retime2) = timed(m1), timed(m2)
@@ -156,6 +156,52 @@ def measure_rank(
     )
 
 
+def _backup_bytes(module: nn.Module, device: torch.device) -> int:
+    """Host bytes of :func:`~lightning_efficient._step.restored_run_state`'s copy of the module's state (one copy per
+    ``state_dict`` entry): resident while measuring on CPU, never during training (0 on CUDA, where it is in host memory)."""
+    if device.type == "cuda":
+        return 0
+    return sum(local_tensor(t).numel() * t.element_size() for t in module.state_dict(keep_vars=True).values())
+
+
+@contextlib.contextmanager
+def _not_counting(meter: PeakMemory, held_bytes: int) -> Iterator[None]:
+    """Readings of ``meter`` leave out ``held_bytes`` held only while measuring."""
+    meter.start_rss_bytes += held_bytes
+    try:
+        yield
+    finally:
+        meter.start_rss_bytes -= held_bytes
+
+
+def measure_peak(strategy: Any, batches: Callable[[int], Any], size: int, meter: PeakMemory) -> tuple[int, float]:
+    """The peak and seconds of one forward and backward at ``size`` samples (every block as it is now), the run's
+    state restored."""
+    module = strategy.lightning_module
+    sync_off = getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
+    with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, strategy.root_device)):
+        stateless = [o for o in strategy.optimizers if len(o.state) == 0]
+        if stateless:  # the run's states are held during a real step
+            with sync_off():
+                step_loss(strategy, batches(1)).backward()
+            for optimizer in stateless:
+                optimizer.step()
+        module.zero_grad(set_to_none=False)
+        batch = batches(size)
+        meter.reset()
+        synchronize(strategy.root_device)
+        start = time.perf_counter()
+        with sync_off():
+            loss = step_loss(strategy, batch)
+            loss.backward()
+        del loss
+        synchronize(strategy.root_device)
+        seconds = time.perf_counter() - start
+        peak = meter.read()
+    release_free_memory(strategy.root_device)
+    return peak, seconds
+
+
 def _profile_blocks(strategy, batches, size, blocks, exclude, policies, min_offload_bytes, offload_dir) -> list[BlockProfile]:
     module = strategy.lightning_module
     sync_off = getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
@@ -177,9 +223,11 @@ def _profile_blocks(strategy, batches, size, blocks, exclude, policies, min_offl
 def _measure_option(spec: OptimizerSpec, meter: PeakMemory, device: torch.device, others_bytes: int) -> OptimizerOption:
     """Step the option's optimizers twice (the first creates their states) and measure the second;
     ``others_bytes`` (the run's own states, held meanwhile but not under this option) are not counted."""
-    optimizers = spec.build()
-    fresh = [o for o in optimizers if len(o.state) == 0]
+    optimizers: list[torch.optim.Optimizer] = []
+    fresh: list[torch.optim.Optimizer] = []
     try:
+        optimizers = spec.build()
+        fresh = [o for o in optimizers if len(o.state) == 0]
         for optimizer in fresh:
             optimizer.step()
         meter.reset()

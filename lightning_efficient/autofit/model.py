@@ -35,14 +35,13 @@ taken: the model times forward and backward, not the loop's own work per micro-s
 which favours fewer, larger micro-steps."""
 
 
-def _better(step_s: float, micro: int, best: FitPlan | None) -> bool:
-    """Whether a plan of ``step_s`` at ``micro`` beats ``best`` (see :data:`CLOSE`)."""
-    if best is None:
-        return True
-    best_micro = best.ranks[0].micro_batch
-    if abs(step_s - best.step_s) <= CLOSE * best.step_s:
-        return micro > best_micro or (micro == best_micro and step_s < best.step_s)
-    return step_s < best.step_s
+def _pick(plans: list[FitPlan]) -> FitPlan | None:
+    """The plan of least step time, or the largest micro-batch among those within :data:`CLOSE` of it."""
+    if not plans:
+        return None
+    fastest = min(p.step_s for p in plans)
+    close = [p for p in plans if p.step_s <= fastest * (1 + CLOSE)]
+    return max(close, key=lambda p: (p.ranks[0].micro_batch, -p.step_s))
 
 
 @dataclass
@@ -91,17 +90,16 @@ class RankProfile:
     fixed_policies: list[str] | None = None
 
     def line(self, values: tuple[float, float]) -> tuple[float, float]:
-        """``(intercept, slope)`` through ``values`` at :attr:`sizes`: slope 0 with one size; neither is ever
-        negative (a line through the origin and the larger size where the intercept would be: a cost that
-        grows faster than the micro-batch is not extrapolated into a negative fixed cost)."""
+        """``(intercept, slope)`` through ``values`` at :attr:`sizes`, never below either reading: with one size, or a
+        slope that is not positive (noise), the larger reading and slope 0; an intercept that would be negative is 0,
+        the slope kept (a cost growing faster than the micro-batch is not extrapolated into a negative fixed cost)."""
         (m1, m2), (v1, v2) = self.sizes, values
         if m1 == m2:
-            return float(v1), 0.0
-        slope = max(0.0, (v2 - v1) / (m2 - m1))
-        intercept = v2 - slope * m2
-        if intercept < 0:
-            return 0.0, float(v2) / m2
-        return float(intercept), slope
+            return float(max(v1, v2)), 0.0
+        slope = (v2 - v1) / (m2 - m1)
+        if slope <= 0:  # noise: the smaller size read higher; never predict below either reading
+            return float(max(v1, v2)), 0.0
+        return float(max(0.0, v2 - slope * m2)), float(slope)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (for all-gathering and checkpoints)."""
@@ -271,15 +269,14 @@ def search(
     per_rank = samples_per_step // world
     if micro_batches is None:
         micro_batches = list(range(1, samples_per_step + 1)) if heterogeneous else divisors(per_rank)
-    best: FitPlan | None = None
+    plans: list[FitPlan] = []
     for index in range(len(names)):
         options = [p.options[index] for p in profiles]
         if heterogeneous:
-            plan = _heterogeneous(profiles, options, micro_batches, samples_per_step, margin, policies)
+            plans.extend(_heterogeneous(profiles, options, micro_batches, samples_per_step, margin, policies))
         else:
-            plan = _uniform(profiles, options, micro_batches, per_rank, margin, policies)
-        if plan is not None and _better(plan.step_s, plan.ranks[0].micro_batch, best):
-            best = plan
+            plans.extend(_uniform(profiles, options, micro_batches, per_rank, margin, policies))
+    best = _pick(plans)
     if best is None:
         raise BudgetTooSmall(_infeasible_message(profiles, micro_batches, margin, policies))
     return best
@@ -290,8 +287,8 @@ def _tokens_per_s(profiles: list[RankProfile], samples: int, step_s: float) -> f
     return samples * tokens / max(step_s, 1e-12)
 
 
-def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> FitPlan | None:
-    best: FitPlan | None = None
+def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> list[FitPlan]:
+    plans: list[FitPlan] = []
     for micro in micro_batches:
         if per_rank % micro:
             continue
@@ -302,34 +299,27 @@ def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> Fi
         for c, o in zip(chosen, options):
             c.step_s = steps * c.micro_step_s + o.step_s
         step_s = max(c.step_s for c in chosen)
-        if _better(step_s, micro, best):
-            samples = per_rank * len(profiles)
-            best = FitPlan(options[0].name, chosen, steps, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
-                           [p.budget_bytes for p in profiles])
-    return best
+        samples = per_rank * len(profiles)
+        plans.append(FitPlan(options[0].name, chosen, steps, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
+                             [p.budget_bytes for p in profiles]))
+    return plans
 
 
-def _heterogeneous(profiles, options, micro_batches, samples, margin, policies) -> FitPlan | None:
+def _heterogeneous(profiles, options, micro_batches, samples, margin, policies) -> list[FitPlan]:
     chosen: list[RankChoice] = []
     for profile, option in zip(profiles, options):
-        fastest: RankChoice | None = None  # the highest samples per second within the budget
-        for micro in micro_batches:
-            choice = choose_rank(profile, micro, option, policies, margin)
-            if choice is None:
-                continue
-            rate = micro / choice.micro_step_s
-            best = 0.0 if fastest is None else fastest.micro_batch / fastest.micro_step_s
-            if rate > best * (1 + CLOSE) or (rate >= best * (1 - CLOSE) and micro > fastest.micro_batch):
-                fastest = choice
-        if fastest is None:
-            return None
-        chosen.append(fastest)
+        fits = [c for c in (choose_rank(profile, micro, option, policies, margin) for micro in micro_batches) if c is not None]
+        if not fits:
+            return []
+        # the highest samples per second, or the largest cap among those within CLOSE of it
+        best = max(c.micro_batch / c.micro_step_s for c in fits)
+        chosen.append(max((c for c in fits if c.micro_batch / c.micro_step_s >= best / (1 + CLOSE)), key=lambda c: c.micro_batch))
     rate = sum(c.micro_batch / c.micro_step_s for c in chosen)
     step_s = samples / rate + max(o.step_s for o in options)
     for c in chosen:
         c.step_s = step_s
-    return FitPlan(options[0].name, chosen, None, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
-                   [p.budget_bytes for p in profiles])
+    return [FitPlan(options[0].name, chosen, None, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
+                    [p.budget_bytes for p in profiles])]
 
 
 def _infeasible_message(profiles: list[RankProfile], micro_batches: list[int], margin: float, policies: tuple[str, ...]) -> str:

@@ -15,7 +15,9 @@ from lightning_efficient.autofit.model import (
     BudgetTooSmall,
     FitPlan,
     OptimizerOption,
+    RankChoice,
     RankProfile,
+    _pick,
     _predict,
     _scaled,
     divisors,
@@ -69,14 +71,25 @@ def exhaustive(profiles: list[RankProfile], samples: int, margin: float) -> tupl
     return best
 
 
-def test_a_line_through_two_sizes_never_has_a_negative_part():
+def test_a_line_through_two_sizes_never_predicts_below_either_reading():
     p = profile(10**9)
     assert p.line(p.peak_bytes) == pytest.approx((20 * MiB, 16 * MiB))
-    p.step_s = (0.10, 0.40)  # grows faster than the micro-batch: no negative fixed cost
+    p.step_s = (0.10, 0.40)  # grows faster than the micro-batch: no negative fixed cost, the slope kept
     intercept, slope = p.line(p.step_s)
-    assert intercept == 0.0 and slope == pytest.approx(0.05)
+    assert intercept == 0.0 and slope == pytest.approx(0.075)
+    assert intercept + slope * 4 >= 0.10 and intercept + slope * 8 >= 0.40
     p.step_s = (0.5, 0.4)  # noise: slower at the smaller size
-    assert p.line(p.step_s) == (pytest.approx(0.4), 0.0)
+    assert p.line(p.step_s) == (pytest.approx(0.5), 0.0)
+
+
+def test_near_equal_plans_go_to_the_largest_micro_batch_but_never_beyond_the_tolerance_of_the_fastest():
+    def plan(step_s, micro):
+        return FitPlan("32-bit", [RankChoice(micro, [], 0, step_s, step_s)], 16 // micro, step_s, 1.0, 16, 0.1, [1])
+
+    # each within CLOSE of the next, but 1.050 is 5% slower than the fastest: not taken
+    assert _pick([plan(1.000, 1), plan(1.025, 2), plan(1.050, 4)]).ranks[0].micro_batch == 2
+    assert _pick([plan(1.050, 4), plan(1.025, 2), plan(1.000, 1)]).ranks[0].micro_batch == 2  # whatever the order
+    assert _pick([plan(1.000, 1), plan(1.200, 16)]).ranks[0].micro_batch == 1
 
 
 def test_a_loose_budget_gets_the_largest_micro_batch_without_recompute_and_a_tight_one_less():
