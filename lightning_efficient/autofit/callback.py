@@ -22,7 +22,7 @@ from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
 from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_rank, sample_batch
-from lightning_efficient.autofit.model import FitPlan, RankProfile, plan_table, search
+from lightning_efficient.autofit.model import FitPlan, RankProfile, plan_table, replan, search
 from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
@@ -391,32 +391,42 @@ class AutoFit(Callback):
         self._replan_if_above(trainer, pl_module)
 
     def _replan_if_above(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Plan the block policies again with a wider margin where a measured peak is above its prediction."""
+        """Plan the block policies again with a wider margin where a measured peak is above its prediction.
+
+        Every rank decides alike (from the all-gathered figures) and computes the same plan, then switches
+        its own blocks (an :class:`ActivationMemory` is added on a rank that had none)."""
         plan, measured = self._plan, self._measured
         assert plan is not None and measured is not None
         over = max((m["peak_bytes"] - r.peak_bytes) / b for m, r, b in zip(measured, plan.ranks, plan.budgets))
         if over <= 0:
             return
         margin = min(0.95, plan.margin + over)
-        if not self._profiles or self._activations is None:
+        if not self._profiles or self._user_activations is not None or not self._profiles[0].blocks:
             rank_zero_warn(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; nothing AutoFit "
                            f"can change now (plan again with margin={margin:.2f}).")
             return
         try:
-            option = next(i for i, o in enumerate(self._profiles[0].options) if o.name == plan.optimizer)
-            narrowed = [RankProfile(**{**vars(p), "options": [p.options[option]]}) for p in self._profiles]
-            again = search(narrowed, samples_per_step=plan.samples_per_step, heterogeneous=plan.accumulation is None, margin=margin,
-                           policies=self.activation_policies, micro_batches=[r.micro_batch for r in plan.ranks][:1])
+            again = replan(plan, self._profiles, margin=margin, policies=self.activation_policies)
         except ValueError as error:
             rank_zero_warn(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction, and with margin "
                            f"{margin:.2f} no block plan fits at this micro-batch and precision: {error}")
             return
-        mine = again.ranks[trainer.global_rank]
         rank_zero_info(f"AutoFit: a measured peak was {over:.1%} of the budget above its prediction; block policies planned "
                        f"again with margin {margin:.2f}:\n" + plan_table(again))
-        self._activations._undo()
-        self._activations._apply(list(mine.policies), pl_module)
+        self._switch_policies(list(again.ranks[trainer.global_rank].policies), trainer, pl_module)
         self._plan = again
+
+    def _switch_policies(self, policies: list[str], trainer: Trainer, pl_module: LightningModule) -> None:
+        """This rank's blocks under ``policies`` from the next step on (mid-fit)."""
+        if self._activations is None:
+            if all(p == "keep" for p in policies):
+                return
+            self._activations = ActivationMemory(policy=policies, blocks=self.blocks)
+            trainer.callbacks.insert(trainer.callbacks.index(self) + 1, self._activations)
+        else:
+            self._activations._undo()
+            self._activations.policy = policies
+        self._activations.on_fit_start(trainer, pl_module)  # wired as at the start of fit, which has passed
 
     # -- clean-up -------------------------------------------------------------------------------
     @override

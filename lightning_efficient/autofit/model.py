@@ -261,7 +261,7 @@ def search(
     for index in range(len(names)):
         options = [p.options[index] for p in profiles]
         if heterogeneous:
-            plan = _heterogeneous(profiles, options, micro_batches, samples_per_step, margin, policies)
+            plan = _heterogeneous(profiles, options, [micro_batches] * world, samples_per_step, margin, policies)
         else:
             plan = _uniform(profiles, options, micro_batches, per_rank, margin, policies)
         if plan is not None and (best is None or plan.step_s < best.step_s):
@@ -269,6 +269,27 @@ def search(
     if best is None:
         raise BudgetTooSmall(_infeasible_message(profiles, micro_batches, margin, policies))
     return best
+
+
+def replan(plan: FitPlan, profiles: list[RankProfile], *, margin: float, policies: tuple[str, ...]) -> FitPlan:
+    """``plan`` with the block policies chosen again for ``margin`` (what AutoFit does when a measured peak
+    is above its prediction): every rank keeps its micro-batch (its cap under the heterogeneous strategies)
+    and the plan's optimizer option. A pure function of every rank's profile: each rank computes the same plan.
+
+    Raises:
+        BudgetTooSmall: when a rank's leanest block policies at its micro-batch miss its budget less ``margin``.
+    """
+    index = [o.name for o in profiles[0].options].index(plan.optimizer)
+    options = [p.options[index] for p in profiles]
+    if plan.accumulation is None:
+        again = _heterogeneous(profiles, options, [[m] for m in plan.micro_batches], plan.samples_per_step, margin, policies)
+    else:
+        again = _uniform(profiles, options, plan.micro_batches[:1], plan.samples_per_step // len(profiles), margin, policies)
+    if again is None:
+        raise BudgetTooSmall(f"AutoFit: with margin {margin:g} no block policies fit every rank's budget at micro-batches "
+                             f"{plan.micro_batches} and optimizer states {plan.optimizer}")
+    again.notes = list(plan.notes)
+    return again
 
 
 def _tokens_per_s(profiles: list[RankProfile], samples: int, step_s: float) -> float:
@@ -296,10 +317,11 @@ def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> Fi
 
 
 def _heterogeneous(profiles, options, micro_batches, samples, margin, policies) -> FitPlan | None:
+    """Each rank's fastest configuration among its own ``micro_batches[rank]``, shares by speed."""
     chosen: list[RankChoice] = []
-    for profile, option in zip(profiles, options):
+    for profile, option, allowed in zip(profiles, options, micro_batches):
         fastest: RankChoice | None = None  # the highest samples per second within the budget
-        for micro in micro_batches:
+        for micro in allowed:
             choice = choose_rank(profile, micro, option, policies, margin)
             if choice is not None and (fastest is None or micro / choice.micro_step_s > fastest.micro_batch / fastest.micro_step_s):
                 fastest = choice
