@@ -28,7 +28,7 @@ from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
 from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_peak, measure_rank, sample_batch
-from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, choose_rank, plan_table, search
+from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, plan_table, replan, search
 from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, release_free_memory
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
@@ -50,6 +50,18 @@ def _random_streams_restored(device: torch.device) -> Iterator[None]:
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
+
+
+def _ddp_bucket_bytes(strategy: Any) -> int:
+    """Bytes of DDP's gradient buckets (one copy of the trainable parameters' gradients, unless they are views of
+    the buckets): allocated by DDP's own forward, which the measured steps do not run; 0 for other strategies."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if not isinstance(strategy, DDPStrategy) or strategy.world_size < 2:
+        return 0
+    if getattr(strategy, "_ddp_kwargs", {}).get("gradient_as_bucket_view"):
+        return 0
+    return sum(p.numel() * p.element_size() for p in strategy.lightning_module.parameters() if p.requires_grad)
 
 
 def _cannot_build(name: str, optimizers: list[torch.optim.Optimizer]) -> str | None:
@@ -315,8 +327,10 @@ class AutoFit(Callback):
         exclude = ParameterStorages(pl_module).track()
         try:
             budget = rank_budget(self.budget, rank, world, pl_module.device, max(1, trainer.num_devices))
-            profile = measure_rank(strategy, batches, sizes, meter=self._meter, options=options, blocks=blocks, exclude=exclude,
-                                   policies=policies, budget_bytes=budget, fixed_policies=fixed).to_dict()
+            measured = measure_rank(strategy, batches, sizes, meter=self._meter, options=options, blocks=blocks, exclude=exclude,
+                                    policies=policies, budget_bytes=budget, fixed_policies=fixed)
+            measured.unmeasured_bytes = _ddp_bucket_bytes(strategy)
+            profile = measured.to_dict()
         except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
             failure = error
         finally:
@@ -503,7 +517,10 @@ class AutoFit(Callback):
         self._replan_if_above(trainer, pl_module)
 
     def _replan_if_above(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Plan the block policies again with a wider margin where a measured peak is above its prediction."""
+        """Plan the block policies again with a wider margin where a measured peak is above its prediction.
+
+        Every rank decides alike (from the all-gathered figures) and computes the same plan, then switches
+        its own blocks (an :class:`ActivationMemory` is added on a rank that had none)."""
         plan, measured = self._plan, self._measured
         assert plan is not None and measured is not None
         over = max((m["peak_bytes"] - r.peak_bytes) / b for m, r, b in zip(measured, plan.ranks, plan.budgets))
@@ -517,33 +534,36 @@ class AutoFit(Callback):
         # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the
         # states); each rank's block policies are chosen again for the wider margin
         policies = tuple(p for p in self.activation_policies if p != "offload" or pl_module.device.type == "cuda")
-        option = next(i for i, o in enumerate(self._profiles[0].options) if o.name == plan.optimizer)
-        ranks = [choose_rank(p, r.micro_batch, p.options[option], policies, margin) for p, r in zip(self._profiles, plan.ranks)]
-        if any(r is None for r in ranks):
+        try:
+            again = replan(plan, self._profiles, margin=margin, policies=policies)
+        except ValueError:
             rank_zero_warn(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction, and with margin "
                            f"{margin:.2f} no block plan fits at this micro-batch and precision; plan again with that margin.")
             return
-        for new, old in zip(ranks, plan.ranks):
-            new.step_s = old.step_s + (plan.accumulation or 1) * (new.micro_step_s - old.micro_step_s)
-        step_s = max(r.step_s for r in ranks)
-        again = replace(plan, ranks=ranks, margin=margin, step_s=step_s, tokens_per_s=plan.tokens_per_s * plan.step_s / step_s, notes=[*plan.notes,
-                        f"block policies planned again with margin {margin:.2f} after a measured peak {over:.1%} of the budget above its prediction"])
-        if [r.policies for r in ranks] == [r.policies for r in plan.ranks]:
+        if [r.policies for r in again.ranks] == [r.policies for r in plan.ranks]:
             rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; with margin "
                            f"{margin:.2f} the block policies stay as they are.")
             return
-        mine = again.ranks[trainer.global_rank]
+        again.notes.append(f"block policies planned again with margin {margin:.2f} after a measured peak {over:.1%} of the "
+                           "budget above its prediction")
         rank_zero_info(f"AutoFit: a measured peak was {over:.1%} of the budget above its prediction; block policies planned "
                        f"again with margin {margin:.2f}:\n" + plan_table(again))
+        self._switch_policies(list(again.ranks[trainer.global_rank].policies), trainer, pl_module)
+        self._plan = again
+
+    def _switch_policies(self, policies: list[str], trainer: Trainer, pl_module: LightningModule) -> None:
+        """This rank's blocks under ``policies`` from the next step on (mid-fit)."""
         if self._activations is None:
-            self._activations = ActivationMemory(policy=list(mine.policies), blocks=self.blocks)
+            if all(p == "keep" for p in policies):
+                return
+            self._activations = ActivationMemory(policy=policies, blocks=self.blocks)
             trainer.callbacks.insert(trainer.callbacks.index(self) + 1, self._activations)
-            self._activations.on_fit_start(trainer, pl_module)  # between two steps: wraps the blocks now
         else:
             self._activations._undo()
-            self._activations.policy = list(mine.policies)
-            self._activations.on_fit_start(trainer, pl_module)
-        self._plan = again
+            self._activations.policy = policies
+            if self._activations not in trainer.callbacks:
+                trainer.callbacks.insert(trainer.callbacks.index(self) + 1, self._activations)
+        self._activations.on_fit_start(trainer, pl_module)  # wired as at the start of fit, which has passed
 
     # -- clean-up -------------------------------------------------------------------------------
     @override

@@ -27,7 +27,7 @@ from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.profile import profile_blocks
 from lightning_efficient.autofit.model import OptimizerOption, RankProfile
 from lightning_efficient.balance.probe import release_optimizer_state
-from lightning_efficient.memory import PeakMemory, first_tensor, local_tensor, optimizer_state_bytes, release_free_memory
+from lightning_efficient.memory import PeakMemory, first_tensor, is_fsdp2, local_tensor, optimizer_state_bytes, release_free_memory
 from lightning_efficient.report import host_state_bytes, paged_state_bytes
 
 
@@ -102,7 +102,7 @@ def measure_rank(
     """
     module = strategy.lightning_module
     device = strategy.root_device
-    sync_off = getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
+    sync_off = _sync_off(strategy)
     saved_states = [copy.deepcopy(o.state_dict()) if len(o.state) else None for o in strategy.optimizers]
 
     def forward_backward(size: int) -> None:
@@ -178,7 +178,7 @@ def measure_peak(strategy: Any, batches: Callable[[int], Any], size: int, meter:
     """The peak and seconds of one forward and backward at ``size`` samples (every block as it is now), the run's
     state restored."""
     module = strategy.lightning_module
-    sync_off = getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
+    sync_off = _sync_off(strategy)
     with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, strategy.root_device)):
         stateless = [o for o in strategy.optimizers if len(o.state) == 0]
         if stateless:  # the run's states are held during a real step
@@ -202,9 +202,21 @@ def measure_peak(strategy: Any, batches: Callable[[int], Any], size: int, meter:
     return peak, seconds
 
 
+def _sync_off(strategy: Any) -> Callable[[], Any]:
+    """The context the measured backwards run in: DDP's ``no_sync`` where the strategy has one (no collective
+    runs), but nothing under FSDP2. A backward with FSDP2's gradient sync off leaves its gradients on FSDP2's
+    unsharded parameters, which ``zero_grad`` does not reach, and the next backward that reduce-scatters (the
+    fit's first step) would add them in; with the sync on they are reduce-scattered into the sharded
+    gradients, which are zeroed. Every rank measures the same sizes in the same order, so the collectives
+    stay in step."""
+    if any(is_fsdp2(m) for m in strategy.lightning_module.modules()):
+        return contextlib.nullcontext
+    return getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
+
+
 def _profile_blocks(strategy, batches, size, blocks, exclude, policies, min_offload_bytes, offload_dir) -> list[BlockProfile]:
     module = strategy.lightning_module
-    sync_off = getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
+    sync_off = _sync_off(strategy)
     batch = batches(size)
 
     def run_step() -> None:

@@ -76,6 +76,8 @@ class RankProfile:
         budget_bytes: this rank's budget.
         tokens_per_sample: tokens in one sample (for tokens/s).
         fixed_policies: a policy per block the user set (None: AutoFit chooses).
+        unmeasured_bytes: held during training but not while measuring (DDP's gradient buckets: the measured
+            steps run outside DDP's forward, which allocates them); added to every prediction.
     """
 
     sizes: tuple[int, int]
@@ -88,6 +90,7 @@ class RankProfile:
     budget_bytes: int
     tokens_per_sample: float = 1.0
     fixed_policies: list[str] | None = None
+    unmeasured_bytes: int = 0
 
     def line(self, values: tuple[float, float]) -> tuple[float, float]:
         """``(intercept, slope)`` through ``values`` at :attr:`sizes`, never below either reading: with one size, or a
@@ -191,7 +194,7 @@ def _predict(profile: RankProfile, blocks: list[BlockProfile], policies: list[st
     held = sum(b.held_bytes[p] for b, p in zip(blocks, policies))
     forward_backward = p0 + p1 * micro - kept + held + _rematerialised(blocks, policies) + option.state_bytes - profile.run_state_bytes
     cost = sum(b.cost_s[p] for b, p in zip(blocks, policies))
-    return int(max(forward_backward, option.step_peak_bytes)), t0 + t1 * micro + cost
+    return int(max(forward_backward, option.step_peak_bytes) + profile.unmeasured_bytes), t0 + t1 * micro + cost
 
 
 def choose_rank(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...], margin: float) -> RankChoice | None:
@@ -273,13 +276,34 @@ def search(
     for index in range(len(names)):
         options = [p.options[index] for p in profiles]
         if heterogeneous:
-            plans.extend(_heterogeneous(profiles, options, micro_batches, samples_per_step, margin, policies))
+            plans.extend(_heterogeneous(profiles, options, [micro_batches] * world, samples_per_step, margin, policies))
         else:
             plans.extend(_uniform(profiles, options, micro_batches, per_rank, margin, policies))
     best = _pick(plans)
     if best is None:
         raise BudgetTooSmall(_infeasible_message(profiles, micro_batches, margin, policies))
     return best
+
+
+def replan(plan: FitPlan, profiles: list[RankProfile], *, margin: float, policies: tuple[str, ...]) -> FitPlan:
+    """``plan`` with the block policies chosen again for ``margin`` (what AutoFit does when a measured peak
+    is above its prediction): every rank keeps its micro-batch (its cap under the heterogeneous strategies)
+    and the plan's optimizer option. A pure function of every rank's profile: each rank computes the same plan.
+
+    Raises:
+        BudgetTooSmall: when a rank's leanest block policies at its micro-batch miss its budget less ``margin``.
+    """
+    index = [o.name for o in profiles[0].options].index(plan.optimizer)
+    options = [p.options[index] for p in profiles]
+    if plan.accumulation is None:
+        again = _pick(_heterogeneous(profiles, options, [[m] for m in plan.micro_batches], plan.samples_per_step, margin, policies))
+    else:
+        again = _pick(_uniform(profiles, options, plan.micro_batches[:1], plan.samples_per_step // len(profiles), margin, policies))
+    if again is None:
+        raise BudgetTooSmall(f"AutoFit: with margin {margin:g} no block policies fit every rank's budget at micro-batches "
+                             f"{plan.micro_batches} and optimizer states {plan.optimizer}")
+    again.notes = list(plan.notes)
+    return again
 
 
 def _tokens_per_s(profiles: list[RankProfile], samples: int, step_s: float) -> float:
@@ -306,12 +330,13 @@ def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> li
 
 
 def _heterogeneous(profiles, options, micro_batches, samples, margin, policies) -> list[FitPlan]:
+    """Each rank's fastest configuration among its own ``micro_batches[rank]`` (the largest cap among those within
+    :data:`CLOSE` of the fastest), shares by speed: one plan, or none when a rank fits nothing."""
     chosen: list[RankChoice] = []
-    for profile, option in zip(profiles, options):
-        fits = [c for c in (choose_rank(profile, micro, option, policies, margin) for micro in micro_batches) if c is not None]
+    for profile, option, allowed in zip(profiles, options, micro_batches):
+        fits = [c for c in (choose_rank(profile, micro, option, policies, margin) for micro in allowed) if c is not None]
         if not fits:
             return []
-        # the highest samples per second, or the largest cap among those within CLOSE of it
         best = max(c.micro_batch / c.micro_step_s for c in fits)
         chosen.append(max((c for c in fits if c.micro_batch / c.micro_step_s >= best / (1 + CLOSE)), key=lambda c: c.micro_batch))
     rate = sum(c.micro_batch / c.micro_step_s for c in chosen)

@@ -1,0 +1,360 @@
+"""Run by test_distributed.py: AutoFit on 2 gloo CPU processes. Usage: ``python ddp_run.py OUT_DIR MODE [MODE ...]``.
+
+The launching process (which imports neither torch nor Lightning) starts two processes (rank, world
+size and a free port in their environment, so every Trainer in them joins one process group); each
+runs one short plain fit (what a process allocates once), then the modes given in turn, and writes
+OUT_DIR/rank<r>.json after every mode (so a later failure leaves the earlier results). Modes are the
+strategies: ``ddp``, ``hetero_ddp`` (shares 1:1), ``fsdp2`` (``ModelParallelStrategy(data_parallel_size=2,
+tensor_parallel_size=1)``, ``fully_shard`` per block and on the root) and ``hetero_fsdp`` (shares 1:1).
+Each runs, on a tiny demo GPT (4 optimizer steps of a global batch of 16, 2 epochs of 32 rows):
+
+1. ``infeasible``: AutoFit with budget ``[512 MiB, 64 KiB]``: the error fit raises on each rank (before
+   any batch), and what AutoFit measured (its profiles, set before the search refuses);
+2. from rank 1's profile there, rank 1's budget for the next fit: what the leanest block policies
+   need at micro-batch 4 (so rank 1 can run at most about 4 samples at once, rank 0 up to the whole batch);
+3. ``autofit``: AutoFit with budget ``[512 MiB, that]``: the plan as applied and at the end, each rank's
+   settings during the fit (micro-batch, accumulation or caps, its ActivationMemory policies, the
+   optimizer class) and after it, every micro-batch's size and loss, AutoFit's measured figures (under
+   ``ddp`` also a checkpoint at the end of epoch 0);
+4. ``reference``: a plain Lightning fit of the same strategy with the plan's settings set by hand
+   (micro-batch and accumulation, or the caps; ``ActivationMemory(policy=[...])`` of this rank's
+   policies; ``EightBitOptimizer(bits=8)`` when the plan chose 8-bit states): each micro-batch's loss;
+5. ``resumed`` (``ddp`` only): a fresh AutoFit with the same settings resumed from the epoch-0
+   checkpoint (its profiles, plan, info lines and losses), and the plain fit resumed the same way.
+
+Mode ``replan`` (DDP): a measured peak above the prediction on one rank (see :func:`run_replan`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+
+def launch(out: str, modes: list[str]) -> None:
+    """Start rank 0 and rank 1 (this script again, with the rank in its environment) and wait for both."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, out, *modes], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(2)]
+    try:
+        codes = [p.wait(timeout=540) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise SystemExit(f"ranks exited with {codes}")
+
+
+if __name__ == "__main__" and "LOCAL_RANK" not in os.environ:
+    launch(sys.argv[1], sys.argv[2:])  # the launching process imports neither torch nor Lightning: seconds saved
+    sys.exit(0)
+
+import lightning
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_efficient import ActivationMemory, DemoGPT, EightBitOptimizer, HeterogeneousDDPStrategy
+from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan, RankProfile
+from lightning_efficient.autofit.model import _leanest, _predict, _scaled
+from lightning_efficient.balance.fsdp import HeterogeneousFSDPStrategy
+from lightning_efficient.optim.twins import eight_bit_classes
+
+VOCAB, SEQ, ROWS = 8192, 32, 32  # a large vocabulary: the logits make the memory grow with the micro-batch
+KWARGS = {"vocab_size": VOCAB, "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": SEQ}
+GLOBAL_BATCH, LOADER_BATCH, ACCUMULATE, STEPS = 16, 4, 2, 4  # uniform: 2 ranks x 4 samples x 2 micro-steps
+BIG = 512 * 2**20
+POLICIES = ["keep", "selective", "checkpoint"]
+REPLAN_MODEL = {"vocab_size": 512, "n_layers": 4, "d_model": 64, "n_heads": 2, "seq_len": SEQ}  # the blocks hold most activations
+TIMEOUT = timedelta(seconds=90)  # a rank left alone in a collective fails instead of hanging
+
+
+class Rows(Dataset):
+    """``ROWS`` reproducible rows of ``SEQ`` token ids and labels below ``vocab``."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        self.vocab = vocab
+
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        ids, labels = (torch.randint(0, self.vocab, (SEQ,), generator=g) for _ in range(2))
+        return {"input_ids": ids, "labels": labels}
+
+
+class Tiny(DemoGPT):
+    """The demo GPT with a ``batch_size`` its DataLoader reads (which AutoFit sets), sharded with
+    ``fully_shard`` per block and on the root under FSDP2."""
+
+    def __init__(self, batch_size: int = LOADER_BATCH, sharded: bool = False, model: dict | None = None) -> None:
+        torch.manual_seed(0)
+        super().__init__(**(model or KWARGS), warmup_steps=0, learning_rate=1e-2)
+        self.batch_size = batch_size
+        self.sharded = sharded
+
+    def configure_model(self) -> None:
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Rows(self.hparams.vocab_size), batch_size=self.batch_size)
+
+
+class Record(lightning.Callback):
+    """Each micro-batch's optimizer step, size and loss; the settings in force when training starts;
+    AutoFit's info lines and warnings (set by :func:`fit`)."""
+
+    def __init__(self) -> None:
+        self.micro: list[list[Any]] = []
+        self.during: dict[str, Any] = {}
+        self.lines: list[str] = []  # AutoFit's info lines (rank 0) and warnings
+
+    def on_train_start(self, trainer, pl_module):
+        strategy = trainer.strategy
+        memory = [c for c in trainer.callbacks if isinstance(c, ActivationMemory)]
+        planner = [c for c in trainer.callbacks if isinstance(c, AutoFit)]
+        self.during = {
+            "plan": planner[0].plan.to_dict() if planner else None,  # as applied (a re-plan may change it later)
+            "batch_size": pl_module.batch_size,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "caps": list(strategy.micro_batch_caps) if hasattr(strategy, "balancer") else None,
+            "max_micro_batch": getattr(strategy, "max_micro_batch", None),
+            "policies": memory[0].plan if memory else None,
+            "eight_bit": [isinstance(o, eight_bit_classes()) for o in trainer.optimizers],
+        }
+
+    def on_train_end(self, trainer, pl_module):
+        memory = [c for c in trainer.callbacks if isinstance(c, ActivationMemory)]
+        self.during["policies_at_end"] = memory[0].plan if memory else None  # after any re-plan
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.micro.append([trainer.global_step, len(batch["input_ids"])])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.micro[-1].append(float(outputs["loss"]))
+
+
+class Hog(lightning.Callback):
+    """Holds ``nbytes`` more on rank ``rank`` during every micro-step: memory AutoFit did not see when it measured."""
+
+    def __init__(self, rank: int, nbytes: int) -> None:
+        self.rank, self.nbytes, self.held = rank, nbytes, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank:
+            self.held = torch.ones(self.nbytes // 4)  # written: resident
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.held = None
+
+
+class Lines(logging.Handler):
+    """Lightning's info lines (``rank_zero_info``: on rank 0 only)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+LINES = Lines()
+
+
+def strategy_for(mode: str, caps: list[int] | None = None) -> Any:
+    common = {"process_group_backend": "gloo", "timeout": TIMEOUT}
+    if mode == "ddp":
+        return DDPStrategy(**common)
+    if mode == "hetero_ddp":
+        return HeterogeneousDDPStrategy(global_batch_size=GLOBAL_BATCH, shares=[1.0, 1.0], max_micro_batch=caps, **common)
+    if mode == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **common)
+    assert mode == "hetero_fsdp", mode
+    return HeterogeneousFSDPStrategy(global_batch_size=GLOBAL_BATCH, shares=[1.0, 1.0], max_micro_batch=caps, **common)
+
+
+def heterogeneous(mode: str) -> bool:
+    return mode.startswith("hetero")
+
+
+def fit(mode: str, callbacks: list, *, batch_size: int = LOADER_BATCH, accumulate: int | None = None, caps=None,
+        ckpt_dir: Path | None = None, ckpt_path: Path | None = None,
+        model: dict | None = None, steps: int = STEPS) -> tuple[lightning.Trainer, Tiny, Record, Exception | None]:
+    """One fit of ``mode``; a ValueError it raised is returned, not raised (a plan-only fit returns normally)."""
+    record = Record()
+    if ckpt_dir is not None:
+        callbacks = [*callbacks, ModelCheckpoint(dirpath=ckpt_dir, filename="epoch{epoch}", auto_insert_metric_name=False,
+                                                 every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True)]
+    if accumulate is None:
+        accumulate = 1 if heterogeneous(mode) else ACCUMULATE
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy_for(mode, caps), max_steps=steps, logger=False,
+        enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, accumulate_grad_batches=accumulate, callbacks=[*callbacks, record],
+    )
+    module = Tiny(batch_size, sharded="fsdp" in mode, model=model)
+    start = len(LINES.lines)
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(module, ckpt_path=ckpt_path)
+        except ValueError as raised:
+            error = raised
+    record.lines = [line for line in LINES.lines[start:] + [str(w.message) for w in caught] if "AutoFit" in line]
+    return trainer, module, record, error
+
+
+def autofit(budget: list[int]) -> AutoFit:
+    return AutoFit(budget=budget, activation_policies=POLICIES, optimizer_options=["32-bit", "8-bit"])
+
+
+def rank_one_budget(profiles: list[RankProfile], margin: float) -> int:
+    """Rank 1's budget: 1.3x what its leanest block policies are predicted to need at micro-batch 4 (32-bit states)."""
+    profile = profiles[1]
+    option = next(o for o in profile.options if o.name == "32-bit")
+    # 30% above the edge: what a fit holds beyond the measured steps (gloo's buffers, the loop's first allocations)
+    # is a few MiB, which at these sizes is what the margin leaves
+    return int(_leanest(profile, 4, option, tuple(POLICIES)).peak_bytes / (1.0 - margin) * 1.3) + 1
+
+
+def keep_all_budget(profiles: list[RankProfile], margin: float) -> int:
+    """A budget (the same for every rank) 5% above what keeping every block at micro-batch 8 is predicted to need."""
+    needed = []
+    for profile in profiles:
+        option = next(o for o in profile.options if o.name == "32-bit")
+        blocks = _scaled(profile.blocks, 8 / profile.blocks_size)
+        needed.append(_predict(profile, blocks, ["keep"] * len(blocks), 8, option)[0])
+    return int(max(needed) / (1.0 - margin) * 1.05)
+
+
+def run_replan(rank: int) -> dict[str, Any]:
+    """DDP, a model whose blocks hold most of the activations, a budget where every block is kept at the
+    largest micro-batch, and rank 1 holding a tenth of it more than AutoFit measured during each micro-step:
+    after 3 steps the measured peak is above the prediction, and AutoFit plans the block policies again."""
+    probe = AutoFit(budget=[BIG, BIG], activation_policies=POLICIES, optimizer_options=["32-bit"], plan_only=True)
+    _, _, _, error = fit("ddp", [probe], model=REPLAN_MODEL)
+    assert error is None, error
+    budget = keep_all_budget(probe.profiles, probe.margin)
+    callback = AutoFit(budget=[budget, budget], activation_policies=POLICIES, optimizer_options=["32-bit"])
+    _, _, record, error = fit("ddp", [callback, Hog(1, budget // 10)], model=REPLAN_MODEL)
+    if error is not None:
+        raise error
+    return {"budget": budget, "applied": record.during["plan"], "plan": callback.plan.to_dict(), "measured": callback.measured,
+            "policies": record.during["policies"], "policies_at_end": record.during["policies_at_end"], "lines": record.lines}
+
+
+def by_hand(plan: FitPlan, rank: int, min_8bit_size: int) -> list:
+    """The callbacks that set ``plan``'s block policies (this rank's) and optimizer states by hand."""
+    callbacks: list = []
+    mine = plan.ranks[rank]
+    if any(p != "keep" for p in mine.policies):
+        callbacks.append(ActivationMemory(policy=list(mine.policies)))
+    if plan.optimizer == "8-bit":
+        callbacks.append(EightBitOptimizer(bits=8, min_8bit_size=min_8bit_size))
+    return callbacks
+
+
+def settings_by_hand(mode: str, plan: FitPlan, rank: int) -> dict[str, Any]:
+    """The micro-batch and accumulation (or the caps under hetero) of ``plan``, for :func:`fit`."""
+    if heterogeneous(mode):
+        return {"caps": plan.micro_batches}
+    return {"batch_size": plan.ranks[rank].micro_batch, "accumulate": plan.accumulation}
+
+
+def run_mode(mode: str, out: Path, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    tiny = 64 * 2**10  # far below anything a step needs
+    # 1. rank 1 cannot fit: every rank raises, before any batch
+    callback = autofit([BIG, tiny])
+    trainer, module, record, error = fit(mode, [callback])
+    result["infeasible"] = {
+        "error": None if error is None else f"{type(error).__name__}: {error}", "budget_too_small": isinstance(error, BudgetTooSmall),
+        "profiles": len(callback.profiles), "batches": len(record.micro), "batch_size_after": module.batch_size,
+        "measured_lines": [(p.sizes, p.peak_bytes, p.step_s) for p in callback.profiles],
+        "max_micro_batch_after": getattr(trainer.strategy, "max_micro_batch", None),
+    }
+    profiles = callback.profiles
+    # 2. rank 1's budget from what it measured
+    budget = [BIG, rank_one_budget(profiles, callback.margin)]
+    result["budget"] = budget
+    # 3. AutoFit
+    callback = autofit(budget)
+    trainer, module, record, error = fit(mode, [callback], ckpt_dir=out / "ckpt" if mode == "ddp" else None)
+    if error is not None:
+        raise error
+    strategy = trainer.strategy
+    plan = callback.plan
+    result["autofit"] = {
+        "plan": plan.to_dict(), "profiles": len(callback.profiles), "measured": callback.measured, "micro": record.micro,
+        "measured_lines": [(p.sizes, p.peak_bytes, p.step_s) for p in callback.profiles],
+        "during": record.during, "lines": record.lines,
+        "after": {"batch_size": module.batch_size, "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                  "max_micro_batch": getattr(strategy, "max_micro_batch", None)},
+    }
+    # 4. the same fit in plain Lightning with the settings of the plan as applied (before any re-plan) set by hand
+    plan = FitPlan.from_dict(record.during["plan"])
+    _, _, reference, error = fit(mode, by_hand(plan, rank, callback.min_8bit_size), ckpt_dir=out / "ckpt_ref" if mode == "ddp" else None,
+                                 **settings_by_hand(mode, plan, rank))
+    if error is not None:
+        raise error
+    result["reference"] = {"micro": reference.micro, "during": reference.during}
+    # 5. resumed from the end of epoch 0 with the same settings: the plan comes from the checkpoint; and
+    # the plain fit resumed the same way
+    if mode == "ddp":
+        callback = autofit(budget)
+        _, _, resumed, error = fit(mode, [callback], ckpt_path=out / "ckpt" / "epoch0.ckpt")
+        if error is not None:
+            raise error
+        _, _, reference_resumed, error = fit(mode, by_hand(plan, rank, callback.min_8bit_size),
+                                             ckpt_path=out / "ckpt_ref" / "epoch0.ckpt", **settings_by_hand(mode, plan, rank))
+        if error is not None:
+            raise error
+        result["resumed"] = {"profiles": len(callback.profiles), "plan": callback.plan.to_dict(), "micro": resumed.micro,
+                             "lines": resumed.lines, "reference_micro": reference_resumed.micro}
+    return result
+
+
+def main(out: Path, modes: list[str], rank: int) -> None:
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").addHandler(LINES)
+    torch.set_num_threads(1)
+    # a first fit in the process allocates for good what later ones reuse (thread pools, gloo, lazy
+    # initialisation): without it the first AutoFit here would measure it, not what its fit holds
+    fit("ddp", [], steps=1)
+    results: dict[str, Any] = {}
+    for mode in modes:
+        started = time.perf_counter()
+        try:
+            results[mode] = run_replan(rank) if mode == "replan" else run_mode(mode, out / mode, rank)
+        except Exception as error:  # noqa: BLE001 - reported against the mode by the test
+            results[mode] = {"error": "".join(traceback.format_exception(error))[-3000:]}
+        results[mode]["seconds"] = time.perf_counter() - started
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:], int(os.environ["LOCAL_RANK"]))

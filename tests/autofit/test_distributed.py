@@ -1,0 +1,197 @@
+"""AutoFit under DDP, hetero_ddp, FSDP2 and hetero_fsdp: 2 gloo CPU processes, one launch of ddp_run.py.
+
+Each strategy runs a tiny demo GPT with budget ``[512 MiB, B]``, ``B`` being what rank 1's leanest
+block policies are predicted to need at micro-batch 4 (from what AutoFit measured in an infeasible
+fit just before, budget ``[512 MiB, 64 KiB]``), and the same fit in plain Lightning with the plan set
+by hand; under DDP also a resume. Memory is each process's peak RSS above its RSS when the fit started
+(what AutoFit plans for on CPU), with glibc made to hand freed memory back (one arena, large blocks
+mapped). The ``replan`` case: a measured peak above the prediction on one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.ddp import run_script
+
+HERE = Path(__file__).parent
+MODES = ("ddp", "hetero_ddp", "fsdp2", "hetero_fsdp")
+GLOBAL_BATCH, LOADER_BATCH, ACCUMULATE, STEPS = 16, 4, 2, 4  # as in ddp_run.py
+BIG, TINY = 512 * 2**20, 64 * 2**10
+PREDICTION_TOLERANCE = 0.10  # |measured - predicted| peak <= this fraction of the prediction + 1 MiB (see the test)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("autofit_distributed")
+    run_script(HERE / "ddp_run.py", out, *MODES, "replan", timeout=600, env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, result in enumerate(results):
+        for mode in (*MODES, "replan"):
+            assert "error" not in result.get(mode, {"error": "missing"}), f"rank {rank}, {mode}: {result.get(mode)}"
+    return {mode: [result[mode] for result in results] for mode in (*MODES, "replan")}
+
+
+def _samples_per_step(ranks, key):
+    counted = defaultdict(int)
+    for rank in ranks:
+        for step, size, _ in rank[key]["micro"]:
+            counted[step] += size
+    return dict(counted)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_plan_is_the_same_on_every_rank_and_each_rank_applies_its_own_part(results, mode):
+    ranks = results[mode]
+    applied = [rank["autofit"]["during"]["plan"] for rank in ranks]  # when training starts
+    assert applied[0] == applied[1]
+    final = [rank["autofit"]["plan"] for rank in ranks]  # also after a re-plan from the measured peaks
+    assert final[0] == final[1]
+    plan = applied[0]
+    assert plan["budgets"] == ranks[0]["budget"] == ranks[1]["budget"]
+    caps = [choice["micro_batch"] for choice in plan["ranks"]]
+    for rank, result in enumerate(ranks):
+        run = result["autofit"]
+        assert run["profiles"] == 2
+        during, after, mine = run["during"], run["after"], plan["ranks"][rank]
+        if mode.startswith("hetero"):
+            # each rank its own cap, in force during the fit (the balancer splits larger shares) and restored after
+            assert plan["accumulation"] is None
+            assert during["caps"] == during["max_micro_batch"] == caps
+            assert after["max_micro_batch"] is None
+            assert all(size <= caps[rank] for _, size, _ in run["micro"])
+        else:
+            # one micro-batch for every rank, accumulation keeping 4 x 2 samples a rank per step; restored after
+            assert caps[0] == caps[1] and caps[0] * plan["accumulation"] == LOADER_BATCH * ACCUMULATE
+            assert during["batch_size"] == caps[0] and during["accumulate_grad_batches"] == plan["accumulation"]
+            assert {size for _, size, _ in run["micro"]} == {caps[0]}
+            assert after["batch_size"] == LOADER_BATCH and after["accumulate_grad_batches"] == ACCUMULATE
+        # this rank's block policies (an ActivationMemory is added only where one is not kept), the plan's optimizer
+        if any(policy != "keep" for policy in mine["policies"]):
+            assert during["policies"] == mine["policies"]
+        else:
+            assert during["policies"] is None
+        assert during["eight_bit"] == [plan["optimizer"] == "8-bit"]
+    if mode.startswith("hetero"):
+        assert caps[1] < caps[0], caps  # rank 1's budget holds about 4 samples; rank 0's the whole global batch
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_optimizer_step_trains_the_global_batch(results, mode):
+    ranks = results[mode]
+    for key in ("autofit", "reference"):
+        assert _samples_per_step(ranks, key) == dict.fromkeys(range(STEPS), GLOBAL_BATCH), key
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_rank_measured_peak_is_within_its_budget_and_near_the_prediction(results, mode):
+    ranks = results[mode]
+    # Measured after 3 optimizer steps: each process's peak RSS above its RSS at the start of fit. At these
+    # sizes (a few MiB) what the loop, the collectives and the allocator add outside the measured steps
+    # weighs: the prediction is held to 10% + 1 MiB either way (the benchmark reports the error on
+    # realistic sizes). Under hetero a rank whose share splits into micro-batches below its cap runs
+    # smaller ones than planned for: its peak is held to the upper bound only.
+    measured = ranks[0]["autofit"]["measured"]
+    assert measured == ranks[1]["autofit"]["measured"]
+    plan = ranks[0]["autofit"]["during"]["plan"]  # the predictions the steps ran under
+    for rank, (figures, choice, budget) in enumerate(zip(measured, plan["ranks"], plan["budgets"])):
+        peak, predicted = figures["peak_bytes"], choice["peak_bytes"]
+        assert 0 < peak <= budget, (rank, figures, budget)
+        tolerance = PREDICTION_TOLERANCE * predicted + 2**20
+        assert peak <= predicted + tolerance, (rank, peak, choice)
+        if max(size for _, size, _ in ranks[rank]["autofit"]["micro"]) == choice["micro_batch"]:
+            assert peak >= predicted - tolerance, (rank, peak, choice)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_losses_equal_a_plain_lightning_fit_with_the_plan_set_by_hand(results, mode):
+    ranks = results[mode]
+    for rank in ranks:
+        assert rank["autofit"]["micro"] == rank["reference"]["micro"]  # each micro-batch's step, size and loss, bitwise
+        assert rank["reference"]["during"]["policies"] == rank["autofit"]["during"]["policies"]
+        assert rank["reference"]["during"]["eight_bit"] == rank["autofit"]["during"]["eight_bit"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_budget_infeasible_on_one_rank_fails_on_every_rank_before_the_first_step(results, mode):
+    ranks = results[mode]
+    errors = [rank["infeasible"] for rank in ranks]
+    assert errors[0]["error"] == errors[1]["error"]
+    message = errors[0]["error"]
+    assert message.startswith("BudgetTooSmall: AutoFit: no configuration fits the budget. rank 1: budget 0.1 MiB"), message
+    assert "rank 0" not in message
+    needed = int(re.search(r"needs a budget of at least [0-9.,]+ MiB \(([0-9,]+) bytes\)", message).group(1).replace(",", ""))
+    assert TINY < needed < BIG
+    for error in errors:
+        assert error["budget_too_small"]  # a ValueError
+        assert error["profiles"] == 2  # measured on both ranks first
+        assert error["batches"] == 0
+        assert error["batch_size_after"] == LOADER_BATCH and error["max_micro_batch_after"] is None
+
+
+def test_a_resume_under_ddp_reuses_the_checkpoint_plan_and_continues_the_run(results):
+    ranks = results["ddp"]
+    for rank in ranks:
+        resumed, straight = rank["resumed"], rank["autofit"]
+        assert resumed["profiles"] == 0  # not measured again
+        assert resumed["plan"] == straight["during"]["plan"]  # saved at step 2, before the measured figures (step 3)
+        # the end of epoch 0 is step 2: the resumed fit trains steps 2 and 3 as plain Lightning resumed from the
+        # same moment of the plain fit does (plain Lightning's resume from that checkpoint does not draw the
+        # uninterrupted run's samples for step 3 under DDP, with or without AutoFit)
+        assert resumed["micro"] == resumed["reference_micro"]
+        assert resumed["micro"][0] == next(entry for entry in straight["micro"] if entry[0] == 2)
+    assert any("the checkpoint's plan is reused" in line for line in ranks[0]["resumed"]["lines"])
+
+
+def test_a_measured_peak_above_the_prediction_on_one_rank_re_plans_the_block_policies_on_every_rank(results):
+    # DDP, every block kept at micro-batch 8 within the budget; rank 1 then holds a tenth of its budget
+    # more during every micro-step than AutoFit measured: after 3 steps the block policies are planned
+    # again with a wider margin, the same plan on every rank, each rank switching to its own part
+    ranks = results["replan"]
+    applied, final = ranks[0]["applied"], ranks[0]["plan"]
+    assert [rank["applied"] for rank in ranks] == [applied] * 2 and [rank["plan"] for rank in ranks] == [final] * 2
+    assert final["margin"] > applied["margin"]
+    # only the block policies change: micro-batch, accumulation and optimizer stay
+    assert [r["micro_batch"] for r in final["ranks"]] == [r["micro_batch"] for r in applied["ranks"]]
+    assert (final["accumulation"], final["optimizer"]) == (applied["accumulation"], applied["optimizer"])
+    assert any(policy != "keep" for choice in final["ranks"] for policy in choice["policies"])  # leaner than before
+    for rank, result in enumerate(ranks):
+        policies = final["ranks"][rank]["policies"]
+        assert result["policies_at_end"] == (policies if any(p != "keep" for p in policies) else None)
+    assert any("planned again" in line for line in ranks[0]["lines"]), ranks[0]["lines"]
+
+
+def test_a_re_plan_keeps_each_rank_micro_batch_and_plans_its_blocks_for_it():
+    # what every rank computes when a measured peak is above its prediction (pure: the same on every rank);
+    # under hetero, rank 1 (budget 50 MiB) keeps its cap of 2 and checkpoints what margin 0.3 needs
+    # there, rather than being planned at rank 0's cap of 8, where nothing fits it
+    from lightning_efficient.activations.planner import BlockProfile
+    from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, OptimizerOption, RankChoice, RankProfile, choose_rank, replan
+
+    mib, policies = 2**20, ("keep", "checkpoint")
+
+    def profile(budget):  # 20 MiB + 8 MiB a sample, 6 blocks of 0.75 MiB a sample (1/16 of it under checkpoint)
+        return RankProfile(
+            sizes=(4, 8), peak_bytes=(20 * mib + 4 * 8 * mib, 20 * mib + 8 * 8 * mib), step_s=(0.09, 0.13), run_state_bytes=4 * mib,
+            blocks=[BlockProfile(f"b{i}", {"keep": 6 * mib, "checkpoint": mib // 2}, {"keep": 0.0, "checkpoint": 0.01}) for i in range(6)],
+            blocks_size=8, options=[OptimizerOption("32-bit", 4 * mib, 0.01, 12 * mib)], budget_bytes=budget)
+
+    profiles = [profile(10**10), profile(50 * mib)]
+    kept = ["keep"] * 6
+    for caps, accumulation in (([8, 2], None), ([2, 2], 4)):
+        plan = FitPlan("32-bit", [RankChoice(m, kept, 0, 0.1, 0.1) for m in caps], accumulation, 0.1, 1.0, 16, 0.1,
+                       [p.budget_bytes for p in profiles])
+        again = replan(plan, profiles, margin=0.3, policies=policies)
+        assert (again.micro_batches, again.accumulation, again.optimizer, again.margin) == (caps, accumulation, "32-bit", 0.3)
+        for profile_, choice, micro in zip(profiles, again.ranks, caps):
+            alone = choose_rank(profile_, micro, profile_.options[0], policies, 0.3)
+            assert (choice.policies, choice.peak_bytes) == (alone.policies, alone.peak_bytes)
+            assert choice.peak_bytes <= profile_.budget_bytes * 0.7
+        assert again.ranks[0].policies == kept and again.ranks[1].policies != kept
+        with pytest.raises(BudgetTooSmall, match=r"with margin 0\.6 no block policies fit"):
+            replan(plan, profiles, margin=0.6, policies=policies)
