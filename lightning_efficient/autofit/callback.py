@@ -52,6 +52,19 @@ def _random_streams_restored(device: torch.device) -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
+def _loader_batch_size(loader: Any) -> int:
+    """Samples in one batch of ``loader``: its ``batch_size``, or (a ``batch_sampler`` of its own) the first batch's length."""
+    size = getattr(loader, "batch_size", None)
+    if size:
+        return int(size)
+    sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(sampler, "batch_size", None)
+    if size:
+        return int(size)
+    first = next(iter(sampler), None) if sampler is not None else None
+    return max(1, len(first)) if first is not None else 1
+
+
 def _ddp_bucket_bytes(strategy: Any) -> int:
     """Bytes of DDP's gradient buckets (one copy of the trainable parameters' gradients, unless they are views of
     the buckets): allocated by DDP's own forward, which the measured steps do not run; 0 for other strategies."""
@@ -176,6 +189,7 @@ class AutoFit(Callback):
         self.planning_s = 0.0
         self._trainer_rank = 0
         self._precision: str | None = None
+        self._micro_searched = False
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -270,6 +284,7 @@ class AutoFit(Callback):
             rank_zero_info(f"AutoFit: the checkpoint's plan is for {len(plan.ranks)} ranks, not {trainer.world_size}; planning again.")
             return None
         rank_zero_info("AutoFit: the checkpoint's plan is reused (same budget and settings); not measured again.")
+        self._micro_searched = self.search_micro_batch
         return plan
 
     def _heterogeneous(self, trainer: Trainer) -> bool:
@@ -278,7 +293,7 @@ class AutoFit(Callback):
     def _samples_per_step(self, trainer: Trainer, loader: Any = None) -> int:
         """The global batch the user set (before AutoFit changes anything)."""
         loader = trainer.fit_loop._data_source.dataloader() if loader is None else loader
-        batch_size = getattr(loader, "batch_size", None) or 1
+        batch_size = _loader_batch_size(loader)
         if self._heterogeneous(trainer) and trainer.strategy.global_batch_size:
             return trainer.strategy.global_batch_size
         return batch_size * trainer.world_size * trainer.accumulate_grad_batches
@@ -291,7 +306,7 @@ class AutoFit(Callback):
         require(isinstance(loader, torch.utils.data.DataLoader), "train_dataloader", type(loader).__name__,
                 "one DataLoader (AutoFit measures its samples)")
         heterogeneous = self._heterogeneous(trainer)
-        batch_size = loader.batch_size or 1
+        batch_size = _loader_batch_size(loader)
         world = trainer.world_size
         notes: list[str] = []
         resizable = can_resize(loader)
@@ -307,7 +322,9 @@ class AutoFit(Callback):
             if self.search_micro_batch and not searched:
                 notes.append("micro-batch kept at the DataLoader's: " + (
                     "no `batch_size` attribute on the module or datamodule to set" if resizable
+                    else "it batches with its own batch_sampler" if loader.batch_size is None
                     else "its dataset cannot be drawn by index"))
+        self._micro_searched = searched
         if searched:
             m2 = min(max(batch_size, 2), per_rank)
             sizes = (max(1, m2 // 2), m2)
@@ -416,6 +433,9 @@ class AutoFit(Callback):
             notes.append(f"optimizer states kept as set by EightBitOptimizer(bits={user.bits}, paged={user.paged}, offload={user.offload!r})")
             return [self._twin_spec("as set", trainer, pl_module, paged=user.paged, offload=bool(user.offload), like=user)]
         on_cuda = pl_module.device.type == "cuda"
+        if all(is_stateless(o) for o in strategy.optimizers):
+            notes.append("the optimizer keeps no state: nothing to hold in 8 bits")
+            return [OptimizerSpec("32-bit", own, own=True)]
         specs = [OptimizerSpec("32-bit", own, own=True)] if "32-bit" in self.optimizer_options else []
         names = [n for n in self.optimizer_options if n != "32-bit" and (on_cuda or n not in _CUDA_ONLY)]
         if not specs and not names:  # only CUDA options asked for, on CPU
@@ -447,7 +467,7 @@ class AutoFit(Callback):
             strategy = trainer.strategy
             self._undo_settings.append((strategy, "max_micro_batch", strategy.max_micro_batch))
             strategy.max_micro_batch = plan.micro_batches
-        elif plan.accumulation is not None and lightning_hasattr(pl_module, "batch_size"):
+        elif plan.accumulation is not None and self._micro_searched and lightning_hasattr(pl_module, "batch_size"):
             current = lightning_getattr(pl_module, "batch_size")
             if current != mine.micro_batch:
                 self._undo_settings.append(("batch_size", current))
@@ -527,9 +547,11 @@ class AutoFit(Callback):
         if over <= 0:
             return
         margin = min(0.95, plan.margin + over)
+        above_usable = any(m["peak_bytes"] > b * (1 - plan.margin) for m, b in zip(measured, plan.budgets))
         if not self._profiles or self._user_activations is not None or not self._profiles[0].blocks:
-            rank_zero_warn(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; nothing AutoFit "
-                           f"can change now (plan again with margin={margin:.2f}).")
+            say = rank_zero_warn if above_usable else rank_zero_info
+            say(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; nothing AutoFit can change "
+                f"now (plan again with margin={margin:.3f}).")
             return
         # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the
         # states); each rank's block policies are chosen again for the wider margin

@@ -373,13 +373,14 @@ def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) ->
     figures beside them when given)."""
     lines = [
         f"AutoFit plan: optimizer states {plan.optimizer}, global batch {plan.samples_per_step}"
-        + (f", micro-batch {plan.ranks[0].micro_batch} x {plan.accumulation} accumulated" if plan.accumulation else ", shares by speed")
+        + ((f", micro-batch {plan.ranks[0].micro_batch} x {plan.accumulation} accumulated" if plan.accumulation > 1
+            else f", micro-batch {plan.ranks[0].micro_batch} (no accumulation)") if plan.accumulation else ", caps per rank, shares by speed")
         + f", margin {plan.margin:g}; predicted {plan.tokens_per_s:,.0f} tokens/s, {plan.step_s * 1e3:,.1f} ms/step",
-        f"  {'rank':<5} {'budget MiB':>11} {'micro':>6} {'blocks':<28} {'peak MiB':>10} {'ms/step':>9}"
+        f"  {'rank':<5} {'budget MiB':>11} {'micro':>6}  {'blocks':<28} {'peak MiB':>10} {'ms/step':>9}"
         + (f" {'measured MiB':>13} {'measured ms':>12}" if measured else ""),
     ]
     for rank, (choice, budget) in enumerate(zip(plan.ranks, plan.budgets)):
-        row = (f"  {rank:<5} {budget / 2**20:>11,.1f} {choice.micro_batch:>6} {_counts(choice.policies):<28} "
+        row = (f"  {rank:<5} {budget / 2**20:>11,.1f} {choice.micro_batch:>6}  {_counts(choice.policies):<28} "
                f"{choice.peak_bytes / 2**20:>10,.1f} {choice.step_s * 1e3:>9,.1f}")
         if measured:
             m = measured[rank]

@@ -327,3 +327,22 @@ def test_a_dataloader_that_ignores_batch_size_is_refused_before_the_first_step(s
     with pytest.raises(ValueError, match="does not read the `batch_size` attribute"):
         trainer.fit(DemoGPT(**WIDE_HEAD), data)
     assert record._samples == 0 and data.batch_size == 8
+
+
+class BatchSamplerData(CorpusDataModule):
+    def train_dataloader(self):
+        dataset = super().train_dataloader().dataset
+        sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(dataset), self.batch_size, drop_last=True)
+        return torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+
+
+def test_a_dataloader_with_its_own_batch_sampler_keeps_its_batch_and_the_global_batch(small_datamodule_kwargs):
+    lightning.seed_everything(0)
+    fit, record = AutoFit(budget="2GiB"), Recorder()
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[fit, record])
+    data = BatchSamplerData(**small_datamodule_kwargs)
+    trainer.fit(DemoGPT(**tiny_gpt_kwargs()), data)
+    assert fit.plan.samples_per_step == 8 and fit.plan.micro_batches == [4]
+    assert any("batch_sampler" in note for note in fit.plan.notes)
+    assert record.samples == [8, 8] and data.batch_size == 4
