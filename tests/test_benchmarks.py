@@ -64,8 +64,8 @@ def test_autofit_report_sets_autofit_beside_the_fastest_grid_point_within_each_b
               "micro_batch": 8, "accumulation": 2, "optimizer": "32-bit", "policies": "4 keep",
               "grid_point": "mb8-32bit-keep", "predicted_peak_bytes": 50 * mib, "measured_peak_bytes": 55 * mib,
               "planning_peak_bytes": 100 * mib, "planning_s": 6.0, "planning_steps": 3.0}
-    results = {"demo/grid": {"points": points}, "demo/autofit/medium": medium,
-               "demo/autofit/tight": {"budget_bytes": 20 * mib, "infeasible": "AutoFit: no configuration fits"}}
+    tight = {"budget_bytes": 20 * mib, "infeasible": "AutoFit: no configuration fits"}
+    results = {"demo/grid": {"points": points}, "demo/autofit": {"budgets": {"medium": medium, "tight": tight}}}
     rows: dict[tuple[str, str], list[str]] = {}  # the first table's (the finder's follows, with the same first cells)
     for line in report(results, tmp_path, quick=False).splitlines():
         if line.startswith("| demo |"):

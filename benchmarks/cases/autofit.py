@@ -20,8 +20,10 @@ Per model:
 * Lightning's ``Tuner.scale_batch_size`` (power mode, its defaults) at the same budget: there is no
   out-of-memory on CPU at a budget, so it runs in a child process whose address space is limited to
   its size when the fit starts plus the budget (``RLIMIT_AS``; Lightning's ``is_oom_error`` knows the CPU
-  allocator's "can't allocate memory"), then the fit at its pick — which changes the global batch:
-  it does not accumulate.
+  allocator's "can't allocate memory"), then the fit at its pick in a fresh process — which changes the
+  global batch: it does not accumulate. An address-space limit is not the RSS budget (pages mapped
+  before it and touched after it are not counted, reserved pages never touched are), so the pick's
+  RSS peak is measured and set against the budget.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ POLICIES = ("keep", "checkpoint", "selective", "disk")
 #: budget name -> its multiple of the default configuration's measured peak
 BUDGETS = {"loose": 1.5, "medium": 0.6, "tight": 0.35}
 QUICK_BUDGETS = ("loose",)
+
+
+def _budget_names(quick: bool) -> tuple[str, ...]:
+    return QUICK_BUDGETS if quick else tuple(BUDGETS)
 #: optimizer steps per fit: warm-up steps (not timed), then timed steps (their median is the step time)
 WARMUP, TIMED = 2, 4
 QUICK_WARMUP, QUICK_TIMED = 1, 2
@@ -72,14 +78,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def grid_points(quick: bool) -> list[tuple[int, str, str]]:
+def grid_points(quick: bool, model: str = "demo") -> list[tuple[int, str, str]]:
     """``(micro-batch, optimizer, policy)`` of every grid point, the default configuration first.
 
-    ``--quick`` measures a sample that turns every knob once (its "best grid point" is the best of the
-    sample, so its ratios mean nothing)."""
+    ``--quick`` measures the default and one other point per model, which between the two models turn
+    every knob (its "best grid point" is the better of two, so its ratios mean nothing)."""
     if quick:
         g = QUICK_GLOBAL_BATCH
-        return [(g, "32-bit", "keep"), (g // 2, "8-bit", "checkpoint"), (g // 2, "32-bit", "selective"), (1, "32-bit", "disk")]
+        other = (g // 2, "8-bit", "selective") if model == "demo" else (1, "32-bit", "disk")
+        return [(g, "32-bit", "keep"), other]
     points = [(m, o, p) for m in reversed(_divisors(GLOBAL_BATCH)) for o in OPTIMIZERS for p in POLICIES]
     return points  # (16, "32-bit", "keep") first
 
@@ -203,7 +210,8 @@ def _measured(meter, samples_per_step: int, quick: bool) -> dict[str, float]:
             "steps_timed": len(meter.step_s[_steps(quick)[0]:])}
 
 
-def _fit_point(model: str, quick: bool, micro: int, optimizer: str, policy: str, root: str) -> dict[str, float]:
+def _fit_point(model: str, quick: bool, micro: int, optimizer: str, policy: str, root: str,
+               global_batch: int | None = None) -> dict[str, float]:
     from lightning_efficient import ActivationMemory, EightBitOptimizer
 
     warmup, timed = _steps(quick)
@@ -213,7 +221,7 @@ def _fit_point(model: str, quick: bool, micro: int, optimizer: str, policy: str,
         callbacks.append(ActivationMemory(policy=policy))
     if optimizer == "8-bit":
         callbacks.append(EightBitOptimizer())
-    global_batch = _global_batch(quick)
+    global_batch = global_batch or _global_batch(quick)
     data = _data(quick, micro)
     trainer = _trainer(warmup + timed, root, callbacks, accumulation=global_batch // micro)
     trainer.fit(_module(model, quick), datamodule=data)
@@ -273,7 +281,7 @@ def reference_peak(model: str, quick: bool) -> int:
     path = _reference_file(model, quick)
     if path.exists():
         return int(json.loads(path.read_text())["peak_bytes"])
-    metrics = _child("point_main", model, *grid_points(quick)[0], quick)
+    metrics = _child("point_main", model, *grid_points(quick, model)[0], quick)
     if "peak_bytes" not in metrics:
         raise RuntimeError(f"the default configuration's fit failed: {metrics.get('error')}")
     return int(metrics["peak_bytes"])
@@ -287,14 +295,14 @@ def _budget(model: str, name: str, quick: bool) -> int:
 def grid(model: str, quick: bool) -> dict[str, Any]:
     """Every grid point, each in its own fresh process: tokens/s and peak (``points``, by name)."""
     points: dict[str, dict[str, Any]] = {}
-    for index, (micro, optimizer, policy) in enumerate(grid_points(quick)):
+    for index, (micro, optimizer, policy) in enumerate(grid_points(quick, model)):
         name = point_name(micro, optimizer, policy)
         print(f"[autofit] {model}/grid/{name} ...", file=sys.stderr, flush=True)
         points[name] = {**_child("point_main", model, micro, optimizer, policy, quick), "micro_batch": micro,
                         "accumulation": _global_batch(quick) // micro}
         if index == 0 and "peak_bytes" in points[name]:  # the default configuration: this run's budgets' reference
             _reference_file(model, quick).write_text(json.dumps({"peak_bytes": points[name]["peak_bytes"]}))
-    default = points[point_name(*grid_points(quick)[0])]
+    default = points[point_name(*grid_points(quick, model)[0])]
     failed = [name for name, r in points.items() if "error" in r]
     figures: dict[str, Any] = {"points": points, "points_measured": len(points) - len(failed)}
     if failed:
@@ -311,13 +319,11 @@ def _counts(policies: list[str]) -> str:
     return "+".join(f"{policies.count(p)} {p}" for p in dict.fromkeys(policies)) or "every block kept"
 
 
-def autofit(model: str, budget_name: str, quick: bool) -> dict[str, Any]:
-    """AutoFit over the grid's space at one budget: its pick and predictions, measured like the grid."""
+def autofit_main(model: str, budget: int, quick: bool) -> None:
+    """AutoFit over the grid's space at ``budget`` in this (fresh) process: prints its pick, predictions and
+    the fit measured like the grid's points (or ``{"infeasible": AutoFit's message}``)."""
     from lightning_efficient.autofit import AutoFit, BudgetTooSmall
 
-    if quick and budget_name not in QUICK_BUDGETS:
-        return {"skipped": "--quick runs the loose budget only"}
-    budget = _budget(model, budget_name, quick)
     _threads(quick)
     warmup, timed = _steps(quick)
     meter = _meter(warmup, True)
@@ -330,14 +336,14 @@ def autofit(model: str, budget_name: str, quick: bool) -> dict[str, Any]:
         try:
             trainer.fit(_module(model, quick), datamodule=data)
         except BudgetTooSmall as error:
-            return {"budget_bytes": budget, "infeasible": str(error)[:400]}
+            _print_result({"infeasible": str(error)[:400]})
+            return
     plan, measured = fitter.plan, fitter.measured
     mine = plan.ranks[0]
     figures = _measured(meter, global_batch, quick)
     policies = list(mine.policies) or ["keep"]  # no block planned: every block kept
     uniform = len(set(policies)) == 1
-    return {
-        "budget_bytes": budget,
+    _print_result({
         **figures,
         "micro_batch": mine.micro_batch,
         "accumulation": plan.accumulation,
@@ -351,7 +357,22 @@ def autofit(model: str, budget_name: str, quick: bool) -> dict[str, Any]:
         "planning_s": fitter.planning_s,
         "planning_steps": fitter.planning_s / figures["step_time_s"],
         "notes": "; ".join(plan.notes),
-    }
+    })
+
+
+def autofit(model: str, quick: bool) -> dict[str, Any]:
+    """AutoFit at each budget, each in its own fresh process (``budgets``, by name)."""
+    runs: dict[str, dict[str, Any]] = {}
+    for name in _budget_names(quick):
+        budget = _budget(model, name, quick)
+        print(f"[autofit] {model}/autofit/{name} ...", file=sys.stderr, flush=True)
+        runs[name] = {"budget_bytes": budget, **_child("autofit_main", model, budget, quick)}
+    figures: dict[str, Any] = {"budgets": runs}
+    for name, run in runs.items():
+        for key in ("tokens_per_s", "predicted_peak_bytes", "measured_peak_bytes", "planning_steps", "error", "infeasible"):
+            if key in run:
+                figures[f"{name}_{key}"] = run[key]
+    return figures
 
 
 def _vm_size() -> int:
@@ -392,25 +413,36 @@ def tune_main(model: str, budget: int, quick: bool) -> None:
     _print_result(result)
 
 
-def tuner(model: str, budget_name: str, quick: bool) -> dict[str, Any]:
-    """Lightning's batch-size finder at one budget (in an address-space-limited child), then a fit at its
-    pick in this process, measured like the grid."""
-    if quick and budget_name not in QUICK_BUDGETS:
-        return {"skipped": "--quick runs the loose budget only"}
-    budget = _budget(model, budget_name, quick)
-    found = _child("tune_main", model, budget, quick)
-    if "error" in found or not found.get("batch_size"):
-        return {"budget_bytes": budget, "tuner_error": found.get("error", f"picked {found.get('batch_size')!r}")}
-    picked = int(found["batch_size"])
+def pick_main(model: str, batch_size: int, quick: bool) -> None:
+    """A fit at the finder's pick in this (fresh) process: ``batch_size`` samples a step, no accumulation,
+    32-bit states, every block kept; prints its figures."""
     _threads(quick)
-    warmup, timed = _steps(quick)
-    meter = _meter(warmup, False)
     with tempfile.TemporaryDirectory() as root:
-        trainer = _trainer(warmup + timed, root, [meter])
-        trainer.fit(_module(model, quick), datamodule=_data(quick, picked))
-    figures = _measured(meter, picked, quick)
-    return {"budget_bytes": budget, **figures, "batch_size": picked, "global_batch": picked,
-            "fits_budget": int(figures["peak_bytes"] <= budget), "tuner_s": found["seconds"]}
+        _print_result(_fit_point(model, quick, batch_size, "32-bit", "keep", root, global_batch=batch_size))
+
+
+def tuner(model: str, quick: bool) -> dict[str, Any]:
+    """Lightning's batch-size finder at each budget (in an address-space-limited process), then a fit at its
+    pick in a fresh process, measured like the grid (``budgets``, by name)."""
+    runs: dict[str, dict[str, Any]] = {}
+    for name in _budget_names(quick):
+        budget = _budget(model, name, quick)
+        print(f"[autofit] {model}/tuner/{name} ...", file=sys.stderr, flush=True)
+        found = _child("tune_main", model, budget, quick)
+        if "error" in found or not found.get("batch_size"):
+            runs[name] = {"budget_bytes": budget, "tuner_error": found.get("error", f"picked {found.get('batch_size')!r}")}
+            continue
+        picked = int(found["batch_size"])
+        figures = _child("pick_main", model, picked, quick)
+        runs[name] = {"budget_bytes": budget, **figures, "batch_size": picked, "global_batch": picked, "tuner_s": found["seconds"]}
+        if "peak_bytes" in figures:
+            runs[name]["fits_budget"] = int(figures["peak_bytes"] <= budget)
+    figures = {"budgets": runs}
+    for name, run in runs.items():
+        for key in ("batch_size", "tokens_per_s", "peak_bytes", "fits_budget", "tuner_error", "error"):
+            if key in run:
+                figures[f"{name}_{key}"] = run[key]
+    return figures
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -424,6 +456,15 @@ def _grid_of(results: dict[str, dict[str, Any]], model: str) -> dict[str, dict[s
     return {name: r for name, r in points.items() if "tokens_per_s" in r}
 
 
+def _runs(results: dict[str, dict[str, Any]], model: str, kind: str) -> dict[str, dict[str, Any]]:
+    """The model's AutoFit (``kind="autofit"``) or finder (``"tuner"``) runs by budget name."""
+    variant = results.get(f"{model}/{kind}", {})
+    runs = dict(variant.get("budgets") or {})
+    if "error" in variant:  # the variant itself failed: every budget says so
+        runs = {name: {"error": variant["error"]} for name in BUDGETS}
+    return runs
+
+
 def best_within(points: dict[str, dict[str, Any]], budget: float) -> tuple[str, dict[str, Any]] | None:
     """The fastest grid point whose measured peak is within ``budget`` (None when none is)."""
     fitting = [(name, r) for name, r in points.items() if r["peak_bytes"] <= budget]
@@ -433,10 +474,10 @@ def best_within(points: dict[str, dict[str, Any]], budget: float) -> tuple[str, 
 def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> str:
     """Per model and budget: the grid's best point, AutoFit's pick, Lightning's finder; then the grids."""
     models = [m for m in MODELS if any(label.startswith(f"{m}/") for label in results)]
-    budgets = QUICK_BUDGETS if quick else tuple(BUDGETS)
+    budgets = _budget_names(quick)
     lines = ["## AutoFit against the exhaustive grid", ""]
     if quick:
-        lines += ["`--quick`: tiny models and a 4-point sample of the grid: the ratios below mean nothing.", ""]
+        lines += ["`--quick`: tiny models, the loose budget only, and two grid points per model: the ratios below mean nothing.", ""]
     lines += [
         f"Budgets are multiples of the default configuration's measured peak ({', '.join(f'{n} {BUDGETS[n]}x' for n in budgets)}); "
         "memory is the peak RSS above the fit's start, measured over the whole training (warm-up steps included). "
@@ -455,7 +496,7 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
     for model in models:
         points = _grid_of(results, model)
         for name in budgets:
-            run = results.get(f"{model}/autofit/{name}", {})
+            run = _runs(results, model, "autofit").get(name, {})
             budget = run.get("budget_bytes")
             best = best_within(points, budget) if budget else None
             best_cells = [f"`{best[0]}`", f"{best[1]['tokens_per_s']:,.0f}", _mib(best[1]["peak_bytes"])] if best else \
@@ -491,16 +532,18 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
         "## Lightning's batch-size finder at the same budgets",
         "",
         "`Tuner.scale_batch_size` (mode `power`, its defaults) in a child process whose address space is limited to "
-        "its size at the fit's start plus the budget (an address-space limit counts reserved, untouched pages too, so it "
-        "is stricter than the RSS budget); then a fit at its pick in this process, measured like the grid. It searches "
-        "the batch alone and does not accumulate: its pick is the global batch.",
+        "its size at the fit's start plus the budget — the nearest to an out-of-memory at the budget a CPU has, but not "
+        "the RSS budget: it counts address space reserved and never touched, and misses pages mapped before the limit "
+        "and touched after it (library code, the memory-mapped corpus, heap reserved earlier) —; then a fit at its pick "
+        "in a fresh process, measured like the grid (`peak <= budget` is of that RSS peak). It searches the batch alone "
+        "and does not accumulate: its pick is the global batch.",
         "",
         "| model | budget | budget MiB | finder's batch (= global batch) | tokens/s | peak MiB | peak <= budget | finder s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for model in models:
         for name in budgets:
-            run = results.get(f"{model}/tuner/{name}", {})
+            run = _runs(results, model, "tuner").get(name, {})
             if "tokens_per_s" not in run:
                 why = run.get("tuner_error") or run.get("error") or "not run"
                 lines.append(f"| {model} | {name} | {_mib(run.get('budget_bytes'))} | {why[:200]} | | | | |")
@@ -514,7 +557,7 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
         lines += ["", f"## The grid: {model} (tokens/s, peak MiB)", "",
                   "| micro-batch x accumulation | optimizer | " + " | ".join(POLICIES) + " |",
                   "|---|---|" + "---|" * len(POLICIES)]
-        rows = dict.fromkeys((m, o) for m, o, _ in grid_points(quick))
+        rows = dict.fromkeys((m, o) for m, o, _ in grid_points(quick, model))
         for micro, optimizer in rows:
             cells = []
             for policy in POLICIES:
@@ -538,11 +581,11 @@ def chart(case: Case, results: dict[str, dict[str, Any]], path: Path) -> None:
         for policy, colour in colours.items():
             ax.scatter([], [], color=colour, label=policy, s=20)
         for kind, marker, colour in (("autofit", "*", "black"), ("tuner", "^", "red")):
-            for label, r in results.items():
-                if label.startswith(f"{model}/{kind}/") and "tokens_per_s" in r:
+            for name, r in _runs(results, model, kind).items():
+                if "tokens_per_s" in r:
                     ax.scatter(r["peak_bytes"] / 2**20, r["tokens_per_s"], marker=marker, color=colour, s=90)
-                    ax.annotate(f"{kind} {label.rsplit('/', 1)[1]}", (r["peak_bytes"] / 2**20, r["tokens_per_s"]), fontsize=7)
-                if label.startswith(f"{model}/{kind}/") and r.get("budget_bytes") and kind == "autofit":
+                    ax.annotate(f"{kind} {name}", (r["peak_bytes"] / 2**20, r["tokens_per_s"]), fontsize=7)
+                if r.get("budget_bytes") and kind == "autofit":
                     ax.axvline(r["budget_bytes"] / 2**20, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xlabel("peak RSS above the fit's start (MiB)")
         ax.set_ylabel("tokens/s")
@@ -557,9 +600,8 @@ def _variants() -> dict[str, Any]:
     variants: dict[str, Any] = {}
     for model in MODELS:
         variants[f"{model}/grid"] = functools.partial(grid, model)
-        for name in BUDGETS:
-            variants[f"{model}/autofit/{name}"] = functools.partial(autofit, model, name)
-            variants[f"{model}/tuner/{name}"] = functools.partial(tuner, model, name)
+        variants[f"{model}/autofit"] = functools.partial(autofit, model)
+        variants[f"{model}/tuner"] = functools.partial(tuner, model)
     return variants
 
 
@@ -572,8 +614,9 @@ CASE = register(
             "disk for every block: 40 points, each its own process) and against Lightning's Tuner.scale_batch_size, at "
             "budgets of 1.5x, 0.6x and 0.35x the default configuration's peak RSS, for the demo GPT (vocab 4096, 4 "
             "layers, d_model 128, seq 128, full logits) and a transformers Llama (hidden 128, 4 layers, vocab 4096, "
-            "fused loss), on the standard library corpus (200 files). Full run: about 25 minutes on 2 quiet cores "
-            "(92 fits of 7 steps in fresh processes); --quick: about 2 minutes."
+            "fused loss), on the standard library corpus (200 files). Expected duration of the full run: about 20 "
+            "minutes on 2 quiet cores (an estimate, not measured: 104 fresh processes of a few seconds' start-up, 86 fits "
+            "of 6 steps, 6 AutoFit plannings, 6 finder searches); --quick: 15 processes, about 2-3 minutes."
         ),
         baseline="demo/grid",
         variants=_variants(),
