@@ -277,13 +277,14 @@ def _reference_file(model: str, quick: bool) -> Path:
 
 def reference_peak(model: str, quick: bool) -> int:
     """The default configuration's measured peak in this run: the one the ``grid`` variant measured,
-    or, when this run has not run it, measured now in a fresh process."""
+    or, when this run has not run it, measured now in a fresh process (and kept for this run's other variants)."""
     path = _reference_file(model, quick)
     if path.exists():
         return int(json.loads(path.read_text())["peak_bytes"])
     metrics = _child("point_main", model, *grid_points(quick, model)[0], quick)
     if "peak_bytes" not in metrics:
         raise RuntimeError(f"the default configuration's fit failed: {metrics.get('error')}")
+    path.write_text(json.dumps({"peak_bytes": metrics["peak_bytes"]}))
     return int(metrics["peak_bytes"])
 
 
@@ -500,7 +501,7 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
             budget = run.get("budget_bytes")
             best = best_within(points, budget) if budget else None
             best_cells = [f"`{best[0]}`", f"{best[1]['tokens_per_s']:,.0f}", _mib(best[1]["peak_bytes"])] if best else \
-                ["none fits" if budget else "-", "-", "-"]
+                ["no grid" if not points else "none fits" if budget else "-", "-", "-"]
             if "tokens_per_s" not in run:
                 why = run.get("infeasible") or run.get("error") or "not run"
                 lines.append(f"| {model} | {name} | {_mib(budget)} | " + " | ".join(best_cells)
