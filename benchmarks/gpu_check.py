@@ -1,8 +1,8 @@
 """Every CUDA path in one run: ``python benchmarks/gpu_check.py`` (sized for under 8 minutes on one H200).
 
-Expected runtime: about 4-5 minutes on one H200 by estimate (about 45 fits of a few steps each, the
-FSDP2 rows' 17 among them, and four optimizer twins of a few steps); it has not run on a GPU yet,
-none having been lent to this project. ``--smoke``: 35-60 s on 2 CPU cores.
+Expected runtime: about 5-6 minutes on one H200 by estimate (about 47 fits of a few steps each, the
+FSDP2 rows' 17 among them, two with AutoFit's planning, and four optimizer twins of a few steps); it
+has not run on a GPU yet, none having been lent to this project. ``--smoke``: 40-70 s on 2 CPU cores.
 
 Prints ONE table (check, variant, metric, value, ratio to the check's baseline — for a comparison of
 tensors, the largest per-tensor ``max|diff| / max|reference|`` —, result) and exits non-zero when
@@ -88,6 +88,16 @@ Checks (table ``check`` column):
     ``MemoryReport``'s activation bytes equal this script's count of plain FSDP2 and its parameter
     bytes the model's. FSDP2 fits run with ``use_distributed_sampler=False`` (one rank: Lightning's
     sampler would only shuffle), so every fit sees the same batches.
+  * ``autofit``: ``AutoFit`` on the demo GPT at a budget of 2 GiB and of half the baseline's device
+    peak, over its whole space (micro-batch with accumulation keeping the global batch, each block's
+    policy, 32-bit / 8-bit / paged / host-offloaded states): its pick, its predicted peak against the
+    ``max_memory_allocated`` peak of the whole training (AutoFit's own reading after the warm-up steps,
+    the probe's of the timed steps), tokens/s beside the default configuration's (the baseline), its
+    planning seconds and their worth in training steps (ratios: the budget's to the baseline's peak, the
+    predicted and measured peaks' to the budget, the predicted tokens/s' to the measured). Goals (``goal met`` / ``goal not met``): peak
+    within the budget, predicted peak within +-10% of it, planning within 5 steps; an infeasible budget
+    is a row quoting AutoFit's answer (the budget that would do). On the CPU the 2 GiB fit runs at toy
+    sizes (memory figures and goals need CUDA) and the other budget, a fraction of a CUDA peak, is skipped.
   * ``cleanup``: the most device memory a case left allocated once freed.
   * ``goals``: the issue's goals, met or not: host offload takes >= 80% of the bytes it can move (the
     blocks' saved bytes less their autocast weight copies) off the device at <= 1.10x the plain step time; the 8-bit fit reaches >= 0.90x fused AdamW's
@@ -1124,6 +1134,128 @@ def fsdp2_rows(b: Bench) -> None:
             fit.grads = fit.params = None
 
 
+# -- AutoFit ---------------------------------------------------------------------------------------
+#: AutoFit's budgets: bytes, or a fraction of the default configuration's (the baseline's) device peak
+AUTOFIT_BUDGETS: dict[str, float] = {"2GiB": 2 * 2**30, "0.5x_default_peak": 0.5}
+#: the issue's goal: AutoFit's predicted peak within this fraction of the measured one
+AUTOFIT_PREDICTION_GOAL = 0.10
+#: the issue's goal: planning costs at most this many training steps' time
+AUTOFIT_PLANNING_STEPS_GOAL = 5.0
+
+
+def autofit_fit(b: Bench, name: str, budget: int) -> Fit:
+    """One fit of the demo GPT with ``AutoFit(budget=budget)`` (its whole space: micro-batch with
+    accumulation keeping the global batch, every block's policy, the optimizer states' placement),
+    through a data module whose ``batch_size`` AutoFit sets; measured by the same probe as every fit.
+
+    AutoFit reports its measured peak after the warm-up steps (from the start of training, which it
+    resets after planning), the probe the peak of the timed steps: their maximum is the peak of the
+    whole training. An infeasible budget is a result (``figures["infeasible"]``), not an error."""
+    import lightning
+
+    from lightning_efficient import DemoGPT
+    from lightning_efficient.autofit import AutoFit, BudgetTooSmall
+
+    sizes = b.sizes
+    warm = sizes["warm"]
+    steps = warm + sizes["timed"]
+    model_sizes = sizes["model"]
+    rows = TokenRows(steps * sizes["batch"], model_sizes["seq_len"], model_sizes["vocab_size"])
+
+    class Rows(lightning.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size = sizes["batch"]
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(rows, batch_size=self.batch_size)
+
+    torch.manual_seed(0)
+    module = DemoGPT(**model_sizes)
+    fitter = AutoFit(budget=budget, report_after_steps=warm)
+    probe = make_probe(b.device, warm, count_saved=False, keep_params=False, grab_grads=False)
+    trainer = lightning.Trainer(
+        accelerator=b.device.type, devices=1, precision=PRECISION, max_steps=steps, max_epochs=-1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=b.workdir, callbacks=[fitter, probe],
+    )
+    start = time.perf_counter()
+    try:
+        trainer.fit(module, datamodule=Rows())
+    except BudgetTooSmall as error:
+        result = Fit(figures={"infeasible": str(error)})
+    else:
+        plan, measured = fitter.plan, fitter.measured
+        mine = plan.ranks[0]
+        figures = dict(probe.figures)
+        figures.update(
+            pick=(f"micro-batch {mine.micro_batch} x {plan.accumulation} accumulated, optimizer {plan.optimizer}, blocks "
+                  + (", ".join(f"{mine.policies.count(p)} {p}" for p in dict.fromkeys(mine.policies)) or "all keep")),
+            predicted_peak_bytes=mine.peak_bytes, predicted_tokens_per_s=plan.tokens_per_s, planning_s=fitter.planning_s,
+            autofit_measured_peak_bytes=measured[0]["peak_bytes"] if measured else None,
+        )
+        result = Fit(probe.step_time_s, probe.tokens_per_s, figures=figures, wall_s=time.perf_counter() - start)
+    del trainer, module, probe, fitter
+    b.free(name)
+    return result
+
+
+def check_autofit(b: Bench) -> None:
+    """AutoFit on the demo GPT at two budgets (2 GiB, half the default configuration's device peak):
+    its pick, predicted peak against the ``max_memory_allocated`` peak of the whole training, tokens/s
+    beside the default configuration's (the baseline), planning time; the issue's goals (peak within
+    the budget, prediction within +-10%, planning within 5 steps). On the CPU (``--smoke``) the 2 GiB
+    fit runs at toy sizes (its memory is RSS: the memory figures and goals need CUDA); the other budget,
+    a fraction of a CUDA peak, is skipped."""
+    check_baseline(b)
+    base = b.get("baseline/plain")
+    default_peak = base and base.figures.get("peak_device_bytes")
+    for label, amount in AUTOFIT_BUDGETS.items():
+        variant = f"budget_{label}"
+        if amount < 1 and not b.on_cuda:
+            b.add("autofit", variant, "case", None, None, NEEDS_CUDA)
+            continue
+        if amount < 1 and not default_peak:
+            b.add("autofit", variant, "case", None, None, "error: the baseline's device peak is missing")
+            continue
+        budget = int(amount * default_peak) if amount < 1 else int(amount)
+        fit = b.run_case("autofit", variant, lambda name=f"autofit_{label}", budget=budget: autofit_fit(b, name, budget))
+        b.add("autofit", variant, "budget_bytes", budget, ratio(budget, default_peak))
+        if fit is None:
+            continue
+        if "infeasible" in fit.figures:
+            b.add("autofit", variant, "pick", None, None, "infeasible: " + fit.figures["infeasible"][:150])
+            continue
+        figures = fit.figures
+        b.add("autofit", variant, "pick", None, None, figures["pick"])
+        b.timing_rows("autofit", variant, fit, base)
+        b.add("autofit", variant, "default_tokens_per_s", base and base.tokens_per_s, 1.0 if base else None)
+        b.add("autofit", variant, "predicted_tokens_per_s", figures["predicted_tokens_per_s"],
+              ratio(figures["predicted_tokens_per_s"], fit.tokens_per_s))
+        predicted = figures["predicted_peak_bytes"]
+        b.cuda_only("autofit", variant, "predicted_peak_bytes", predicted, budget)
+        measured = None
+        if b.on_cuda and figures.get("autofit_measured_peak_bytes") is not None:
+            measured = max(figures["autofit_measured_peak_bytes"], figures.get("peak_device_bytes") or 0)
+        b.cuda_only("autofit", variant, "measured_peak_bytes", measured, budget)
+        if not b.on_cuda:
+            for metric in ("prediction_error", "peak_within_budget"):
+                b.add("autofit", variant, metric, None, None, NEEDS_CUDA)
+        elif measured is None:
+            b.add("autofit", variant, "prediction_error", None, None, "goal not evaluated: no measured peak")
+        else:
+            error = (predicted - measured) / measured
+            b.add("autofit", variant, "prediction_error", error, None,
+                  "goal met" if abs(error) <= AUTOFIT_PREDICTION_GOAL else "goal not met")
+            b.add("autofit", variant, "peak_within_budget", measured / budget, None,
+                  "goal met" if measured <= budget else "goal not met")
+        steps = figures["planning_s"] / fit.step_time_s if fit.step_time_s else None
+        b.add("autofit", variant, "planning_s", figures["planning_s"])
+        # the goal is for the GPU sizes: at the smoke's toy sizes a step costs next to nothing
+        goal = "" if steps is None or not b.on_cuda else "goal met" if steps <= AUTOFIT_PLANNING_STEPS_GOAL else "goal not met"
+        b.add("autofit", variant, "planning_steps", steps, None, goal)
+
+
 def check_cleanup(b: Bench) -> None:
     """What the cases left allocated on the device once freed (the next case starts from it)."""
     if not b.on_cuda:
@@ -1174,12 +1306,13 @@ CHECKS: dict[str, Callable[[Bench], None]] = {
     "optim_exact": check_optim_exact,  # its rows are under optim_exact and resume
     "hetero": check_hetero,
     "fsdp2": check_fsdp2,
+    "autofit": check_autofit,
     "cleanup": check_cleanup,
     "goals": check_goals,
 }
 #: the table's ``check`` names (``resume`` rows come from ``optim_exact``)
 TABLE_CHECKS = ("baseline", "activations", "grads", "tokens", "linear_ce", "memory_report", "optim", "optim_twins",
-                "optim_exact", "resume", "hetero", "fsdp2", "cleanup", "goals")
+                "optim_exact", "resume", "hetero", "fsdp2", "autofit", "cleanup", "goals")
 
 
 # -- the table -----------------------------------------------------------------------------------

@@ -46,3 +46,34 @@ def test_charts_have_one_panel_per_model_and_redraw_from_saved_results(tmp_path)
         assert len(models) == 2, (name, list(models))
         height, width, _ = matplotlib.image.imread(redraw(name, tmp_path)).shape
         assert width >= 2 * height, (name, width, height)  # two side-by-side panels
+
+
+def test_autofit_report_sets_autofit_beside_the_fastest_grid_point_within_each_budget(tmp_path):
+    sys.path.insert(0, str(REPO))
+    from benchmarks.cases.autofit import best_within, report
+
+    mib = 2**20
+    points = {"mb16-32bit-keep": {"tokens_per_s": 1000.0, "peak_bytes": 100 * mib},
+              "mb8-32bit-keep": {"tokens_per_s": 900.0, "peak_bytes": 60 * mib},
+              "mb4-8bit-checkpoint": {"tokens_per_s": 600.0, "peak_bytes": 30 * mib}}
+    assert best_within(points, 100 * mib)[0] == "mb16-32bit-keep"
+    assert best_within(points, 60 * mib)[0] == "mb8-32bit-keep"  # a peak equal to the budget fits
+    assert best_within(points, 59 * mib)[0] == "mb4-8bit-checkpoint"
+    assert best_within(points, 29 * mib) is None
+    medium = {"budget_bytes": 60 * mib, "tokens_per_s": 870.0, "step_time_s": 2.0, "peak_bytes": 55 * mib,
+              "micro_batch": 8, "accumulation": 2, "optimizer": "32-bit", "policies": "4 keep",
+              "grid_point": "mb8-32bit-keep", "predicted_peak_bytes": 50 * mib, "measured_peak_bytes": 55 * mib,
+              "planning_peak_bytes": 100 * mib, "planning_s": 6.0, "planning_steps": 3.0}
+    tight = {"budget_bytes": 20 * mib, "infeasible": "AutoFit: no configuration fits"}
+    results = {"demo/grid": {"points": points}, "demo/autofit": {"budgets": {"medium": medium, "tight": tight}}}
+    rows: dict[tuple[str, str], list[str]] = {}  # the first table's (the finder's follows, with the same first cells)
+    for line in report(results, tmp_path, quick=False).splitlines():
+        if line.startswith("| demo |"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.setdefault((cells[0], cells[1]), cells)
+    row = rows[("demo", "medium")]
+    assert row[3:6] == ["`mb8-32bit-keep`", "900", "60.0"]
+    assert row[7:13] == ["870", f"{870 / 900:.3f}", "1.000", "50.0", "55.0", f"{-5 / 55:+.1%}"]
+    assert row[13] == "yes" and row[14] == "100.0 (over)" and row[16] == "3.0"
+    tight = rows[("demo", "tight")]
+    assert tight[3] == "none fits" and tight[6].startswith("AutoFit: no configuration fits") and len(tight) == len(row)

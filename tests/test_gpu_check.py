@@ -80,6 +80,13 @@ def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path
     assert abs(float(share["blocks_weight_copy_bytes"]) + float(share["blocks_movable_bytes"]) - 1) < 0.01, share
     # hetero's check that can fail (no allocation retried in training after the probe) needs CUDA
     assert ["hetero", "probe_auto", "alloc_retries_in_training", "-", "-", "skipped: needs CUDA"] in rows
+    # AutoFit's 2 GiB fit runs at toy sizes on the CPU (a pick, tokens/s); its CUDA figures and the
+    # budget that is a fraction of a CUDA peak say they were skipped
+    autofit = {(row[1], row[2]): row for row in rows if row[0] == "autofit"}
+    assert autofit[("budget_2GiB", "pick")][5].startswith("micro-batch "), autofit.get(("budget_2GiB", "pick"))
+    assert autofit[("budget_2GiB", "tokens_per_s")][3] != "-"
+    assert autofit[("budget_2GiB", "measured_peak_bytes")][5] == "skipped: needs CUDA"
+    assert autofit[("budget_0.5x_default_peak", "case")][5] == "skipped: needs CUDA"
     # CUDA-only figures and goals say they were skipped, they are not made up
     assert any(row[0] == "goals" and row[5] == "skipped: needs CUDA" for row in rows)
     assert "gpu_check: 0 failed check(s)" in done.stdout
