@@ -366,7 +366,9 @@ class AutoFit(Callback):
         if plan is None:
             plan = search(profiles, samples_per_step=samples, heterogeneous=heterogeneous, margin=self.margin, policies=policies,
                           micro_batches=micro_batches)
-        if searched and any(r.micro_batch > p.sizes[1] for r, p in zip(plan.ranks, profiles)):
+        # measured where it is safe to: every block kept at the pick is predicted within the budget
+        if searched and any(r.micro_batch > p.sizes[1] and sum(p.line(p.peak_bytes)[k] * r.micro_batch ** k for k in (0, 1))
+                            <= p.budget_bytes for r, p in zip(plan.ranks, profiles)):
             plan = self._confirmed(plan, profiles, strategy, batches, notes,
                                    lambda found: search(found, samples_per_step=samples, heterogeneous=heterogeneous,
                                                         margin=self.margin, policies=policies, micro_batches=micro_batches))
