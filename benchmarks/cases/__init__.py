@@ -1,3 +1,14 @@
 """Importing this package registers every benchmark case."""
 
-from benchmarks.cases import activations, autofit, balance, demo, optim, scale, tokens, tokens_head, tokens_quality  # noqa: F401
+from benchmarks.cases import (  # noqa: F401
+    activations,
+    autofit,
+    balance,
+    demo,
+    optim,
+    scale,
+    tokens,
+    tokens_head,
+    tokens_quality,
+    tokens_step,
+)

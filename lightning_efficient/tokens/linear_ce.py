@@ -157,33 +157,35 @@ def set_compile(compile: bool | None) -> None:
 
 class _ChunkStep:
     """Which chunk step runs, chosen once per process: the compiled one is tried on first use and,
-    on any failure, the eager one runs from then on. Each choice is said once."""
+    on any failure, the eager one runs from then on. Each choice is said once per path (the
+    function whose chunk step it is: ``linear_cross_entropy`` or ``streaming_cross_entropy``)."""
 
     def __init__(self) -> None:
         self.failed: str | None = None  # why compiling failed, once it has
         self._compiled: dict[str, object] = {}
-        self._said: set[str] = set()
+        self._said: set[tuple[str, str]] = set()
 
-    def _say(self, what: str) -> None:
-        if what not in self._said:
-            self._said.add(what)
-            rank_zero_info(f"linear_cross_entropy: the chunk step runs {what}")
+    def _say(self, what: str, path: str) -> None:
+        if (path, what) not in self._said:
+            self._said.add((path, what))
+            rank_zero_info(f"{path}: the chunk step runs {what}")
 
-    def use_compiled(self, compile: bool | None, n_logits: int) -> bool:
-        """Whether this call runs the compiled step (False once compiling has failed)."""
+    def use_compiled(self, compile: bool | None, n_logits: int, path: str = "linear_cross_entropy") -> bool:
+        """Whether this call of ``path`` runs the compiled step (False once compiling has failed)."""
         if compile is None:
             compile = _COMPILE_DEFAULT
         if compile is None:
             compile = n_logits >= _AUTO_COMPILE_MIN_LOGITS
         if compile and self.failed is None:
             return True
-        self._say("eager" + (" (compiling failed)" if compile else ""))
+        self._say("eager" + (" (compiling failed)" if compile else ""), path)
         return False
 
-    def run(self, name: str, fused, args: tuple, rows: tuple[int, ...], fallback):
+    def run(self, name: str, fused, args: tuple, rows: tuple[int, ...], fallback, path: str = "linear_cross_entropy"):
         """``fused(*args)`` compiled or, once compiling has failed, ``fallback()`` (the eager step).
         ``rows`` are the positions of the tensors in ``args`` whose first dimension is the chunk's
-        rows: it is marked dynamic, so one graph serves every chunk length."""
+        rows: it is marked dynamic, so one graph serves every chunk length. ``path`` is the function
+        the step belongs to, as the log line names it."""
         if self.failed is None:
             try:
                 for index in rows:
@@ -191,13 +193,13 @@ class _ChunkStep:
                 if name not in self._compiled:
                     self._compiled[name] = torch.compile(fused, fullgraph=True)
                 out = self._compiled[name](*args)
-                self._say("compiled (torch.compile)")
+                self._say("compiled (torch.compile)", path)
                 return out
             except Exception as error:  # noqa: BLE001 - whatever the compiler raises, the eager step runs
                 message = str(error).strip().splitlines()
                 self.failed = type(error).__name__ + (f": {message[0]}" if message else "")
                 rank_zero_warn(
-                    f"linear_cross_entropy: compiling the chunk step failed ({self.failed}); "
+                    f"{path}: compiling the chunk step failed ({self.failed}); "
                     "the eager step runs from now on in this process."
                 )
         return fallback()
@@ -418,7 +420,8 @@ def linear_cross_entropy(
             default) follows :func:`set_compile`, initially: compiled when ``tokens * vocab`` is at
             least ``2**25``. The first compiled call compiles (seconds); should compiling fail,
             the eager step runs from then on in the process, with one warning. Which step runs is
-            logged once.
+            logged once (``"linear_cross_entropy: the chunk step runs ..."``; the streaming head's
+            calls say theirs under ``streaming_cross_entropy``).
 
     Returns:
         The losses (float32, or float64 for float64 inputs), and the entropies when asked.

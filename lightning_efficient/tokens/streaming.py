@@ -43,6 +43,8 @@ from lightning_efficient.tokens.linear_ce import (
 )
 
 StreamScore = Literal["loss", "entropy", "excess"]
+#: how the chunk step's log line names this path
+_PATH = "streaming_cross_entropy"
 STREAM_SCORES = ("loss", "entropy", "excess")
 
 
@@ -186,7 +188,7 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
                     need_scores)
             chunk_losses, chunk_lse, chunk_scores, chunk_keep = linear_ce._CHUNK_STEP.run(
                 "stream_scores", _fused_stream_scores, args, _row_args(args, (0, 2, 3, 4, 6)),
-                functools.partial(_fused_stream_scores, *args))
+                functools.partial(_fused_stream_scores, *args), path=_PATH)
         else:
             logits = _chunk_logits(h, weight, bias, acc)
             chunk_lse = torch.logsumexp(logits, dim=1)
@@ -222,7 +224,7 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
                 filled = _flush(grad_buffer, filled, pending, hidden, weight, grads)
             args = (mm, bias, index, chunk_lse, chunk_labels, acc, hidden.dtype, grad_buffer[filled : filled + n_kept])
             linear_ce._CHUNK_STEP.run("stream_grad", _fused_stream_grad, args, _row_args(args, (0, 2, 3, 4, 7)),
-                                      functools.partial(_fused_stream_grad, *args))
+                                      functools.partial(_fused_stream_grad, *args), path=_PATH)
             pending.append(index + start)
             filled += n_kept
             continue
@@ -231,7 +233,7 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
             args = (mm, bias, index, chunk_lse, chunk_labels, acc, hidden.dtype,
                     mm if everything and mm.dtype == hidden.dtype else None)
             grad = linear_ce._CHUNK_STEP.run("stream_grad", _fused_stream_grad, args, _row_args(args, (0, 2, 3, 4, 7)),
-                                             functools.partial(_fused_stream_grad, *args))
+                                             functools.partial(_fused_stream_grad, *args), path=_PATH)
         else:
             grad = _eager_grad(logits if everything else logits.index_select(0, index),
                                chunk_lse if everything else chunk_lse.index_select(0, index),
@@ -308,7 +310,8 @@ def streaming_cross_entropy(
             (False, the reference), exactly as :func:`~lightning_efficient.tokens.linear_cross_entropy`'s
             ``compile``: None follows :func:`~lightning_efficient.tokens.linear_ce.set_compile`
             (initially: compiled when ``tokens * vocab`` is at least ``2**25``); the choice, and a
-            failure to compile (the eager step from then on), are said once per process.
+            failure to compile (the eager step from then on), are said once per process, in lines
+            that name ``streaming_cross_entropy``.
 
     Returns:
         A :class:`StreamedLoss`: the differentiable kept sum, and the detached losses, keep mask
@@ -336,7 +339,7 @@ def streaming_cross_entropy(
                 f"a tensor of the labels' shape {tuple(labels.shape)}")
         reference = reference_losses.detach().reshape(-1).to(labels.device)
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    compiled = linear_ce._CHUNK_STEP.use_compiled(compile, flat_hidden.shape[0] * weight.shape[0])
+    compiled = linear_ce._CHUNK_STEP.use_compiled(compile, flat_hidden.shape[0] * weight.shape[0], path=_PATH)
     chunk = chunk_size or auto_chunk_size(weight.shape[0], fused=compiled)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         kept_sum, losses, kept, scores = _StreamingCrossEntropy.apply(

@@ -9,6 +9,7 @@ Axes (each value meets every plugin at least once, see :func:`cases`): precision
 epoch end, mid-epoch), scheduler, loop (plain, accumulation, clipping, validation), a fit that raises
 then a second fit, and strategy (one device, ddp, hetero_ddp, a resume on a different number of
 processes, fsdp: FSDP2 through Lightning's ``ModelParallelStrategy`` with ``fully_shard`` per block).
+After them, :data:`STREAMING_CASES`: SelectiveTokenLoss's streaming threshold on the fused head.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
-from lightning_efficient import TokenLosses
+from lightning_efficient import FusedTokenLoss, TokenLosses
 from lightning_efficient.resumable import ResumableDataLoader
 
 VOCAB, D_MODEL, SEQ, N_SAMPLES, N_VAL = 64, 16, 8, 24, 8
@@ -55,9 +56,16 @@ MULTI_PROCESS = ("ddp", "hetero_ddp", "resize", *SHARDED_STRATEGIES)
 EIGHT_BIT_SHARDED = True
 ACTIVATION_POLICIES = ("checkpoint", "selective", "disk", "offload", "auto")
 
+# SelectiveTokenLoss on the fused head (the model returns FusedTokenLoss) with the streaming threshold:
+# not in PLUGINS (whose covering draws every other cell); its cells, STREAMING_CASES, come after all the others
+STREAMING = "tokens_stream"
+# its schedule: the full loss at steps 0 and 1 (the warm-up, then the ramp's start), keep 0.75 at step 2,
+# STREAMING_KEEP from step 3 on; step 1's scores give step 2 its threshold, so every step streams
+STREAMING_KEEP, STREAMING_WARMUP, STREAMING_RAMP = 0.7, 1, 2
+
 # plugins whose step loss is the mean over all valid tokens of the step (global, all micro-batches):
 # their reference is plain Lightning on one device with the step's samples in one batch
-TOKEN_NORMALISED = ("tokens", "tokens_select", "hetero", "all")
+TOKEN_NORMALISED = ("tokens", "tokens_select", "hetero", "all", STREAMING)
 
 
 # -- model and data ----------------------------------------------------------------------------------
@@ -120,10 +128,11 @@ def _warmup(step: int) -> float:
 
 
 class TinyLM(LightningModule):
-    """A 2-block transformer returning :class:`TokenLosses`; it records what each training step saw."""
+    """A 2-block transformer returning :class:`TokenLosses` (``fused``: :class:`FusedTokenLoss`, the head's
+    input, weight and bias); it records what each training step saw."""
 
     def __init__(self, scheduler: str, total_steps: int, batch_size: int, rank_split: bool = True,
-                 optimizer: str = "adamw") -> None:
+                 optimizer: str = "adamw", fused: bool = False) -> None:
         super().__init__()
         generator_state = torch.get_rng_state()
         torch.manual_seed(1234)
@@ -134,6 +143,7 @@ class TinyLM(LightningModule):
         torch.set_rng_state(generator_state)
         self.scheduler_name, self.total_steps, self.batch_size, self.rank_split = scheduler, total_steps, batch_size, rank_split
         self.optimizer_name = optimizer
+        self.fused = fused  # training_step returns FusedTokenLoss (hidden states, head, labels)
         self.last_record: tuple[list[int], float, int] | None = None
 
     def configure_model(self) -> None:
@@ -148,18 +158,31 @@ class TinyLM(LightningModule):
             fully_shard(block, mesh=mesh)
         fully_shard(self, mesh=mesh)
 
-    def forward(self, inputs: Tensor) -> Tensor:
+    def hidden(self, inputs: Tensor) -> Tensor:
+        """The head's input: the final normalised hidden states."""
         x = self.embed(inputs)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        return self.head(self.hidden(inputs))
 
     def _token_losses(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         logits = self(batch["inputs"])
         losses = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none", ignore_index=-100)
         return losses.view_as(batch["labels"]), batch["labels"] != -100
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> TokenLosses:
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> TokenLosses | FusedTokenLoss:
+        if self.fused:
+            hidden = self.hidden(batch["inputs"])
+            with torch.no_grad():  # the recorded losses, as the unfused model computes them
+                logits = self.head(hidden)
+                losses = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none", ignore_index=-100)
+            mask = batch["labels"] != -100
+            total = float(torch.where(mask, losses.view_as(mask).double(), 0.0).sum())
+            self.last_record = (batch["ids"].tolist(), total, int(mask.sum()))
+            return FusedTokenLoss(hidden, self.head.weight, batch["labels"], bias=self.head.bias)
         losses, mask = self._token_losses(batch)
         total = float(torch.where(mask, losses.detach().double(), 0.0).sum())
         self.last_record = (batch["ids"].tolist(), total, int(mask.sum()))
@@ -226,12 +249,14 @@ class Case:
     activation_policy: str = "checkpoint"
     single_batch: bool = False
     optimizer: str = "adamw"
+    scope: str = "batch"  # SelectiveTokenLoss's scope in the streaming cells
 
     @property
     def name(self) -> str:
         extra = f"-{self.activation_policy}" if self.plugin in ("activations", "all") else ""
         flags = ("-raise" if self.raises else "") + ("-onebatch" if self.single_batch else "")
         flags += "-sgd" if self.optimizer == "sgd" else ""
+        flags += "-global" if self.scope == "global" else ""
         return (f"{self.plugin}{extra}-{self.strategy}-{self.precision}-{self.scheduler}-{self.loop}"
                 f"-resume_{self.resume}{flags}")
 
@@ -256,7 +281,7 @@ class Case:
         """The same fit in plain Lightning: same strategy for plugins that keep Lightning's loss, one
         device with each step's samples in one batch for those that take the step's token mean."""
         token_mean = self.plugin in TOKEN_NORMALISED or self.hetero
-        plain = replace(self, plugin="plain", activation_policy="checkpoint")
+        plain = replace(self, plugin="plain", activation_policy="checkpoint", scope="batch")
         if token_mean and (self.multi_process or self.loop == "accumulate"):
             return replace(plain, strategy="single", single_batch=True)
         return plain
@@ -343,7 +368,20 @@ def cases() -> list[Case]:
         for plugin in PLUGINS:
             if _allowed(plugin, strategy):
                 add(best_row({"plugin": plugin, "strategy": strategy}))
-    return out
+    return out + list(STREAMING_CASES)
+
+
+# The streaming threshold on the fused head, after every other cell (so none of those changes), picked by
+# hand: one device 32-true (a raised fit first, validation twice an epoch, resumed mid-epoch) and bf16-mixed
+# (accumulation, resumed mid-epoch); ddp with each rank's own estimate (scope "batch": every rank's is in
+# the checkpoint) under 16-mixed, clipping, resumed mid-epoch; hetero_ddp with one estimate from both ranks
+# (scope "global") under bf16-true and accumulation, resumed at an epoch end
+STREAMING_CASES = (
+    Case(STREAMING, "32-true", "mid", "lambda", "validate", raises=True),
+    Case(STREAMING, "bf16-mixed", "mid", "onecycle", "accumulate"),
+    Case(STREAMING, "16-mixed", "mid", "chained", "clip", strategy="ddp"),
+    Case(STREAMING, "bf16-true", "epoch", "sequential", "accumulate", strategy="hetero_ddp", scope="global"),
+)
 
 
 # Combinations that cannot work: refused before the first step, with the reason (the test asserts the
@@ -364,7 +402,8 @@ def resume_step(case: Case) -> int:
 # -- recording ---------------------------------------------------------------------------------------
 class Recorder(Callback):
     """Records, per optimizer step, lr and momentum/betas of ``trainer.optimizers[0]`` as it is stepped,
-    and per training batch the sample ids and token-loss sum/count the module saw."""
+    and per training batch the sample ids and token-loss sum/count the module saw; in the streaming
+    cells also what SelectiveTokenLoss selected (:func:`selection_record`)."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
@@ -378,6 +417,8 @@ class Recorder(Callback):
         ids, total, count = pl_module.last_record
         self.micro.append({"epoch": trainer.current_epoch, "ids": ids, "sum": total, "count": count,
                            "step": self._step})
+        if pl_module.fused:
+            self.micro[-1]["selection"] = [selection_record(trainer, outputs)]
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         group = trainer.optimizers[0].param_groups[0]
@@ -388,6 +429,16 @@ class Recorder(Callback):
             momentum, betas = betas[0], None
         self.steps.append({"step": trainer.global_step, "lr": float(group["lr"]), "betas": betas, "momentum": momentum,
                            "optimizer": type(trainer.optimizers[0]).__name__})
+
+
+def selection_record(trainer: Trainer, outputs: dict[str, Any]) -> dict[str, Any]:
+    """What SelectiveTokenLoss kept of this rank's micro-batch (its output's ``keep`` and ``mask``) and
+    what it logged for it (the ``selection/`` metrics: ``trainer.callback_metrics`` holds this
+    micro-batch's values, logged on step, this rank's own)."""
+    logged = {k.removeprefix("selection/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("selection/")}
+    keep, valid = outputs["keep"], outputs["mask"]
+    return {"kept_positions": keep.flatten().nonzero().flatten().tolist(), "kept": int(keep.sum()),
+            "valid": int(valid.sum()), "logged": logged}
 
 
 class RaiseAt(Callback):
@@ -441,6 +492,8 @@ def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
         "plain": [], "hetero": [],
         "tokens": [SelectiveTokenLoss(method="none")],
         "tokens_select": [SelectiveTokenLoss(method="eslm", keep_ratio=0.5, warmup_steps=1, ramp_steps=2)],
+        STREAMING: [SelectiveTokenLoss(method="eslm", keep_ratio=STREAMING_KEEP, warmup_steps=STREAMING_WARMUP,
+                                       ramp_steps=STREAMING_RAMP, threshold="streaming", scope=case.scope)],
         "activations": [activations()],
         "eightbit": [EightBitOptimizer(min_8bit_size=512)],
         "report": [MemoryReport(every_n_steps=2, log=False, print_table=False)],
@@ -503,7 +556,8 @@ def make_module(case: Case, world: int) -> TinyLM:
     else:
         batch = MICRO_BATCH // world
     # under hetero_ddp the strategy slices global batches itself; the loader's batch size only sets the default
-    return TinyLM(case.scheduler, EPOCHS * steps_per_epoch(case), batch, optimizer=case.optimizer)
+    return TinyLM(case.scheduler, EPOCHS * steps_per_epoch(case), batch, optimizer=case.optimizer,
+                  fused=case.plugin == STREAMING)
 
 
 # -- the runner --------------------------------------------------------------------------------------
@@ -596,6 +650,8 @@ def merge_ranks(fits: list[dict[str, Any]]) -> dict[str, Any]:
         micro.append({"epoch": entries[0]["epoch"], "step": entries[0]["step"],
                       "ids": [i for e in entries for i in e["ids"]],
                       "sum": sum(e["sum"] for e in entries), "count": sum(e["count"] for e in entries)})
+        if "selection" in entries[0]:  # one record per rank, in rank order
+            micro[-1]["selection"] = [s for e in entries for s in e["selection"]]
     return {**first, "micro": micro}
 
 

@@ -169,7 +169,7 @@ def test_a_failing_compiler_streams_on_the_eager_step_and_says_so_once(monkeypat
     for got in (first, second):  # the eager step's arithmetic: equal to float32 rounding, the same kept set
         _assert_same_stream(got, eager)
     said = [r.getMessage() for r in caplog.records if "the chunk step runs" in r.getMessage()]
-    assert said == ["linear_cross_entropy: the chunk step runs eager (compiling failed)"]
+    assert said == ["streaming_cross_entropy: the chunk step runs eager (compiling failed)"]
 
 
 def test_streaming_follows_the_process_compile_default(monkeypatch):
