@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import lightning
@@ -162,24 +161,19 @@ def test_wrong_arguments_are_refused_at_construction(kwargs, message):
         AutoFit(**kwargs)
 
 
+def _config(path, data_kwargs, **trainer):
+    """A LightningCLI config of the tiny demo GPT on the small corpus, two steps, with ``trainer`` settings added."""
+    path.write_text(yaml.safe_dump({
+        "trainer": {"accelerator": "cpu", "max_steps": 2, "logger": False, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "limit_val_batches": 0, **trainer},
+        "model": {"class_path": "lightning_efficient.DemoGPT", "init_args": tiny_gpt_kwargs()},
+        "data": {"class_path": "lightning_efficient.CorpusDataModule", "init_args": data_kwargs},
+    }))
+    return path
+
+
 def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_training(small_datamodule_kwargs, tmp_path):
-    config = tmp_path / "run.yaml"
-    config.write_text(textwrap.dedent(f"""\
-        trainer:
-          accelerator: cpu
-          max_steps: 2
-          accumulate_grad_batches: 2
-          logger: false
-          enable_checkpointing: false
-          enable_progress_bar: false
-          limit_val_batches: 0
-        model:
-          class_path: lightning_efficient.DemoGPT
-          init_args: {json.dumps(tiny_gpt_kwargs())}
-        data:
-          class_path: lightning_efficient.CorpusDataModule
-          init_args: {json.dumps(small_datamodule_kwargs)}
-        """))
+    config = _config(tmp_path / "run.yaml", small_datamodule_kwargs, accumulate_grad_batches=2)
     done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "2GiB"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -243,24 +237,7 @@ def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_
 
 
 def test_the_plan_command_under_ddp_plans_on_both_ranks_and_prints_once(small_datamodule_kwargs, tmp_path):
-    config = tmp_path / "ddp.yaml"
-    config.write_text(textwrap.dedent(f"""\
-        trainer:
-          accelerator: cpu
-          devices: 2
-          strategy: ddp
-          max_steps: 2
-          logger: false
-          enable_checkpointing: false
-          enable_progress_bar: false
-          limit_val_batches: 0
-        model:
-          class_path: lightning_efficient.DemoGPT
-          init_args: {json.dumps(tiny_gpt_kwargs())}
-        data:
-          class_path: lightning_efficient.CorpusDataModule
-          init_args: {json.dumps(small_datamodule_kwargs)}
-        """))
+    config = _config(tmp_path / "ddp.yaml", small_datamodule_kwargs, devices=2, strategy="ddp")
     done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "[1GiB, 1GiB]"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
