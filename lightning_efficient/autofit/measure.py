@@ -146,10 +146,8 @@ def measure_rank(
                 (again1, retime1), (again2, retime2) = timed(m1), timed(m2)
                 peak1, time1, peak2, time2 = max(peak1, again1), min(time1, retime1), max(peak2, again2), min(time2, retime2)
             profiles: list[BlockProfile] = []
-            if blocks and fixed_policies is None and len(policies) > 1:
-                profiles = _profile_blocks(strategy, batches, m2, blocks, exclude, policies, min_offload_bytes, offload_dir)
-            elif blocks:
-                wanted = tuple(dict.fromkeys(("keep", *(fixed_policies or ()))))
+            if blocks:  # every allowed policy, or only keep and the ones the user fixed
+                wanted = policies if fixed_policies is None else tuple(dict.fromkeys(("keep", *fixed_policies)))
                 profiles = _profile_blocks(strategy, batches, m2, blocks, exclude, wanted, min_offload_bytes, offload_dir)
             measured = [_measure_option(spec, meter, device, 0 if spec.own else run_state) for spec in options]
         finally:
