@@ -63,7 +63,9 @@ def test_autofit_report_sets_autofit_beside_the_fastest_grid_point_within_each_b
     medium = {"budget_bytes": 60 * mib, "tokens_per_s": 870.0, "step_time_s": 2.0, "peak_bytes": 55 * mib,
               "micro_batch": 8, "accumulation": 2, "optimizer": "32-bit", "policies": "4 keep",
               "grid_point": "mb8-32bit-keep", "predicted_peak_bytes": 50 * mib, "measured_peak_bytes": 55 * mib,
-              "planning_peak_bytes": 100 * mib, "planning_s": 6.0, "planning_steps": 3.0}
+              "planning_peak_bytes": 100 * mib, "planning_s": 6.0, "planning_steps": 3.0,
+              "picks": ["mb8x2 32-bit 4 keep", "mb4x4 32-bit 4 keep"], "runs_tokens_per_s": [870.0, 850.0],
+              "best_again_tokens_per_s": [880.0, 840.0]}
     tight = {"budget_bytes": 20 * mib, "infeasible": "AutoFit: no configuration fits"}
     results = {"demo/grid": {"points": points}, "demo/autofit": {"budgets": {"medium": medium, "tight": tight}}}
     rows: dict[tuple[str, str], list[str]] = {}  # the first table's (the finder's follows, with the same first cells)
@@ -73,7 +75,10 @@ def test_autofit_report_sets_autofit_beside_the_fastest_grid_point_within_each_b
             rows.setdefault((cells[0], cells[1]), cells)
     row = rows[("demo", "medium")]
     assert row[3:6] == ["`mb8-32bit-keep`", "900", "60.0"]
-    assert row[7:13] == ["870", f"{870 / 900:.3f}", "1.000", "50.0", "55.0", f"{-5 / 55:+.1%}"]
-    assert row[13] == "yes" and row[14] == "100.0 (over)" and row[16] == "3.0"
+    assert row[7:10] == ["870", f"{870 / 900:.3f}", "1.000"]
+    # AutoFit's runs against the best grid point fitted again beside them: medians 860 and 860
+    assert row[10:13] == ["mb8x2 32-bit 4 keep; mb4x4 32-bit 4 keep; 870, 850", "880, 840", "1.000"]
+    assert row[13:16] == ["50.0", "55.0", f"{-5 / 55:+.1%}"]
+    assert row[16] == "yes" and row[17] == "100.0 (over)" and row[19] == "3.0"
     tight = rows[("demo", "tight")]
     assert tight[3] == "none fits" and tight[6].startswith("AutoFit: no configuration fits") and len(tight) == len(row)

@@ -28,7 +28,7 @@ from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
 from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_peak, measure_rank, sample_batch
-from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, plan_table, replan, search
+from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, divisors, plan_table, replan, search
 from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, release_free_memory
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
@@ -329,9 +329,13 @@ class AutoFit(Callback):
             m2 = min(max(batch_size, 2), per_rank)
             sizes = (max(1, m2 // 2), m2)
             micro_batches = None
+            # the smaller candidates are timed too: a CPU's time per sample is not a line in the micro-batch
+            candidates = [2**k for k in range(per_rank.bit_length())] if heterogeneous else divisors(per_rank)
+            ladder = tuple(m for m in candidates if m < sizes[0])
         else:
             sizes = (batch_size, batch_size)
             micro_batches = [batch_size]
+            ladder = ()
         first = None if resizable else strategy.batch_to_device(next(iter(loader)))
 
         def batches(size: int) -> Any:
@@ -345,7 +349,7 @@ class AutoFit(Callback):
         try:
             budget = rank_budget(self.budget, rank, world, pl_module.device, max(1, trainer.num_devices))
             measured = measure_rank(strategy, batches, sizes, meter=self._meter, options=options, blocks=blocks, exclude=exclude,
-                                    policies=policies, budget_bytes=budget, fixed_policies=fixed)
+                                    policies=policies, budget_bytes=budget, fixed_policies=fixed, ladder=ladder)
             measured.unmeasured_bytes = _ddp_bucket_bytes(strategy)
             profile = measured.to_dict()
         except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
@@ -393,7 +397,8 @@ class AutoFit(Callback):
             p0, p1 = p.line(p.peak_bytes)
             if size > p.sizes[1] and peak > p0 + p1 * size:
                 moved = True
-                p = replace(p, sizes=(p.sizes[1], size), peak_bytes=(p.peak_bytes[1], peak), step_s=(p.step_s[1], seconds))
+                p = replace(p, sizes=(p.sizes[1], size), peak_bytes=(p.peak_bytes[1], peak), step_s=(p.step_s[1], seconds),
+                            times=[*p.times, (p.sizes[0], p.step_s[0])])
             updated.append(p)
         if not moved:
             return plan

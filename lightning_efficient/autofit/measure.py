@@ -1,6 +1,6 @@
 """What AutoFit plans from, measured on real training steps of the run: a forward and backward at two
-micro-batch sizes (peak memory and time), the blocks' profile, and each optimizer option's state bytes,
-step time and step peak. Parameters, buffers, optimizer states and random streams are put back
+micro-batch sizes (peak memory and time) and at a ladder of smaller ones (time), the blocks' profile, and
+each optimizer option's state bytes, step time and step peak. Parameters, buffers, optimizer states and random streams are put back
 afterwards, so measuring changes nothing in the run.
 
 The steps run the class's ``training_step`` in the precision plugin's context, outside the loop (as the
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ def measure_rank(
     fixed_policies: list[str] | None = None,
     min_offload_bytes: int = 2**16,
     offload_dir: str | None = None,
+    ladder: tuple[int, ...] = (),
+    option_steps: int = 3,
 ) -> RankProfile:
     """Measure this rank (see the module description).
 
@@ -99,6 +102,8 @@ def measure_rank(
         fixed_policies: the block policies the user fixed (carried in the profile).
         min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory` (what offload leaves on the device).
         offload_dir: where the disk policy's bandwidth is measured.
+        ladder: more micro-batch sizes to time (those below the smaller measured size; each twice, the least kept).
+        option_steps: optimizer steps timed per option (the least kept).
     """
     module = strategy.lightning_module
     device = strategy.root_device
@@ -141,15 +146,19 @@ def measure_rank(
                 peak1, time1 = timed(m1)
             if (m1, m2) == sizes:
                 peak2, time2 = timed(m2)
-            # each size twice, interleaved: the least time and the larger peak (one reading is at the mercy of the machine)
+            # each size twice, interleaved with the ladder's: the least time and the larger peak (one reading is at the
+            # mercy of the machine)
+            smaller = sorted({size for size in ladder if 0 < size < m1})
+            times = [(size, timed(size)[1]) for size in smaller]
             if m1 != m2:
                 (again1, retime1), (again2, retime2) = timed(m1), timed(m2)
                 peak1, time1, peak2, time2 = max(peak1, again1), min(time1, retime1), max(peak2, again2), min(time2, retime2)
+            times += [(size, timed(size)[1]) for size in smaller]
             profiles: list[BlockProfile] = []
             if blocks:  # every allowed policy, or only keep and the ones the user fixed
                 wanted = policies if fixed_policies is None else tuple(dict.fromkeys(("keep", *fixed_policies)))
                 profiles = _profile_blocks(strategy, batches, m2, blocks, exclude, wanted, min_offload_bytes, offload_dir)
-            measured = [_measure_option(spec, meter, device, 0 if spec.own else run_state) for spec in options]
+            measured = [_measure_option(spec, meter, device, 0 if spec.own else run_state, option_steps) for spec in options]
         finally:
             for optimizer, state in zip(strategy.optimizers, saved_states):
                 if state is not None:
@@ -158,7 +167,7 @@ def measure_rank(
     return RankProfile(
         sizes=(m1, m2), peak_bytes=(peak1, peak2), step_s=(time1, time2), run_state_bytes=run_state,
         blocks=profiles, blocks_size=m2, options=measured, budget_bytes=budget_bytes,
-        tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies,
+        tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies, times=times,
     )
 
 
@@ -238,9 +247,10 @@ def _profile_blocks(strategy, batches, size, blocks, exclude, policies, min_offl
                           min_offload_bytes=min_offload_bytes, policies=policies, offload_dir=offload_dir)
 
 
-def _measure_option(spec: OptimizerSpec, meter: PeakMemory, device: torch.device, others_bytes: int) -> OptimizerOption:
-    """Step the option's optimizers twice (the first creates their states) and measure the second;
-    ``others_bytes`` (the run's own states, held meanwhile but not under this option) are not counted."""
+def _measure_option(spec: OptimizerSpec, meter: PeakMemory, device: torch.device, others_bytes: int, steps: int) -> OptimizerOption:
+    """Step the option's optimizers (once first where that creates their states) and time ``steps`` more: the least
+    time, the largest peak; ``others_bytes`` (the run's own states, held meanwhile but not under this option) are
+    not counted."""
     optimizers: list[torch.optim.Optimizer] = []
     fresh: list[torch.optim.Optimizer] = []
     try:
@@ -249,12 +259,14 @@ def _measure_option(spec: OptimizerSpec, meter: PeakMemory, device: torch.device
         for optimizer in fresh:
             optimizer.step()
         meter.reset()
-        synchronize(device)
-        start = time.perf_counter()
-        for optimizer in optimizers:
-            optimizer.step()
-        synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = math.inf
+        for _ in range(max(1, steps)):
+            synchronize(device)
+            start = time.perf_counter()
+            for optimizer in optimizers:
+                optimizer.step()
+            synchronize(device)
+            elapsed = min(elapsed, time.perf_counter() - start)
         peak = max(0, meter.read() - others_bytes)
         state = sum(device_state_bytes(o, device) for o in optimizers)
     finally:

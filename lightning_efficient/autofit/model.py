@@ -10,8 +10,11 @@ profiles. The model, per rank, for micro-batch ``m``, a policy per block and an 
   its policies free, adds the largest block a recomputed policy re-materialises in backward, and the
   option's optimizer-state bytes replace the run's own;
 * the optimizer step's peak is measured per option (gradients and states held, no activations);
-* time: ``t(m) = t0 + t1 * m`` per micro-step fitted the same way, plus the plan's recompute or
-  transfer time (scaled with ``m``), times the number of micro-steps, plus the option's step time.
+* time per micro-step: piecewise linear between the micro-batch sizes timed (every block kept: the two
+  sizes above and a ladder of smaller ones, each timed twice and the least kept; a CPU's time per sample
+  is not a line in the micro-batch), extended beyond the largest by the line through the last two; plus
+  the plan's recompute or transfer time (scaled with ``m``); times the number of micro-steps, plus the
+  option's step time (the least of several steps).
 
 The search keeps the global batch: under data parallelism (``uniform``) every rank runs the same
 micro-batch, a divisor of the per-rank batch, with gradient accumulation making up the rest; under the
@@ -22,6 +25,7 @@ every rank is at most ``budget x (1 - margin)``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -51,7 +55,7 @@ class OptimizerOption:
     Attributes:
         name: ``"32-bit"``, ``"8-bit"``, ``"8-bit paged"``, ``"8-bit offload"`` or ``"as set"``.
         state_bytes: the device bytes its states hold between steps.
-        step_s: seconds of one optimizer step (the second one: the first creates the states).
+        step_s: seconds of one optimizer step (the least of those after the first, which creates the states).
         step_peak_bytes: peak memory during its step (gradients and states held, no activations).
     """
 
@@ -78,6 +82,8 @@ class RankProfile:
         fixed_policies: a policy per block the user set (None: AutoFit chooses).
         unmeasured_bytes: held during training but not while measuring (DDP's gradient buckets: the measured
             steps run outside DDP's forward, which allocates them); added to every prediction.
+        times: ``(micro-batch, seconds)`` of a forward and backward at more sizes (every block kept, timed
+            only); with ``sizes`` and ``step_s`` they make the time model (:meth:`micro_step_seconds`).
     """
 
     sizes: tuple[int, int]
@@ -91,6 +97,32 @@ class RankProfile:
     tokens_per_sample: float = 1.0
     fixed_policies: list[str] | None = None
     unmeasured_bytes: int = 0
+    times: list[tuple[int, float]] = field(default_factory=list)
+
+    def time_points(self) -> list[tuple[int, float]]:
+        """Every timed micro-batch size with its least reading, in increasing size."""
+        least: dict[int, float] = {}
+        for size, seconds in [*zip(self.sizes, self.step_s), *self.times]:
+            least[int(size)] = min(float(seconds), least.get(int(size), math.inf))
+        return sorted(least.items())
+
+    def micro_step_seconds(self, micro: int) -> float:
+        """Predicted seconds of a forward and backward at ``micro`` samples, every block kept: linear between the
+        timed sizes around it; beyond the largest, the line through the last two (never decreasing); below the
+        smallest, the line through the first two (never below 0); one timed size: its reading."""
+        points = self.time_points()
+        if len(points) == 1:
+            return points[0][1]
+        if micro >= points[-1][0]:
+            (m1, t1), (m2, t2) = points[-2:]
+            return t2 + max(0.0, (t2 - t1) / (m2 - m1)) * (micro - m2)
+        if micro <= points[0][0]:
+            (m1, t1), (m2, t2) = points[:2]
+            return max(0.0, t1 - (t2 - t1) / (m2 - m1) * (m1 - micro))
+        for (m1, t1), (m2, t2) in itertools.pairwise(points):
+            if m1 <= micro <= m2:
+                return t1 + (t2 - t1) * (micro - m1) / (m2 - m1)
+        raise AssertionError("unreachable: micro lies between the first and last timed sizes")
 
     def line(self, values: tuple[float, float]) -> tuple[float, float]:
         """``(intercept, slope)`` through ``values`` at :attr:`sizes`, never below either reading: with one size, or a
@@ -115,6 +147,7 @@ class RankProfile:
         data["blocks"] = [BlockProfile(**b) for b in data["blocks"]]
         data["options"] = [OptimizerOption(**o) for o in data["options"]]
         data["sizes"], data["peak_bytes"], data["step_s"] = tuple(data["sizes"]), tuple(data["peak_bytes"]), tuple(data["step_s"])
+        data["times"] = [(int(m), float(t)) for m, t in data.get("times", [])]
         return cls(**data)
 
 
@@ -189,12 +222,11 @@ def _rematerialised(blocks: list[BlockProfile], policies: list[str]) -> int:
 def _predict(profile: RankProfile, blocks: list[BlockProfile], policies: list[str], micro: int, option: OptimizerOption) -> tuple[int, float]:
     """(predicted peak bytes, predicted micro-step seconds) on this rank."""
     p0, p1 = profile.line(profile.peak_bytes)
-    t0, t1 = profile.line(profile.step_s)
     kept = sum(b.held_bytes["keep"] for b in blocks)
     held = sum(b.held_bytes[p] for b, p in zip(blocks, policies))
     forward_backward = p0 + p1 * micro - kept + held + _rematerialised(blocks, policies) + option.state_bytes - profile.run_state_bytes
     cost = sum(b.cost_s[p] for b, p in zip(blocks, policies))
-    return int(max(forward_backward, option.step_peak_bytes) + profile.unmeasured_bytes), t0 + t1 * micro + cost
+    return int(max(forward_backward, option.step_peak_bytes) + profile.unmeasured_bytes), profile.micro_step_seconds(micro) + cost
 
 
 def choose_rank(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...], margin: float) -> RankChoice | None:

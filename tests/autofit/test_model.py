@@ -82,6 +82,34 @@ def test_a_line_through_two_sizes_never_predicts_below_either_reading():
     assert p.line(p.step_s) == (pytest.approx(0.5), 0.0)
 
 
+def test_time_is_piecewise_linear_between_timed_sizes_and_the_least_reading_counts():
+    p = profile(10**9)  # sizes 4 and 8: 0.13 s and 0.21 s
+    p.times = [(1, 0.09), (2, 0.08), (2, 0.10), (1, 0.07)]  # each ladder size twice: the least reading counts
+    assert p.time_points() == [(1, 0.07), (2, 0.08), (4, pytest.approx(0.13)), (8, pytest.approx(0.21))]
+    assert p.micro_step_seconds(2) == pytest.approx(0.08)
+    assert p.micro_step_seconds(3) == pytest.approx((0.08 + 0.13) / 2)
+    assert p.micro_step_seconds(6) == pytest.approx((0.13 + 0.21) / 2)
+    assert p.micro_step_seconds(16) == pytest.approx(0.21 + 0.02 * 8)  # beyond: the line through the last two
+    p.step_s = (0.13, 0.12)  # noise: slower at the smaller size, never extrapolated downwards
+    assert p.micro_step_seconds(16) == pytest.approx(0.12)
+    again = RankProfile.from_dict(p.to_dict())
+    assert again.time_points() == p.time_points()
+
+
+def test_a_middle_micro_batch_that_times_fastest_per_sample_is_picked():
+    """CPU times are not a line in the micro-batch: the line through 8 and 16 alone would pick 16; the ladder's
+    readings show 4 is faster per sample, and the search takes it."""
+    p = profile(10**9, blocks=0)
+    p.sizes, p.step_s = (8, 16), (0.40, 0.80)
+    p.peak_bytes = (20 * MiB + 8 * 16 * MiB, 20 * MiB + 16 * 16 * MiB)
+    plain = search([p], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert plain.micro_batches == [16]  # every size equally fast per sample: the largest
+    p.times = [(1, 0.06), (2, 0.11), (4, 0.16)]  # 0.04 s per sample at 4 against 0.05 elsewhere
+    picked = search([p], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert picked.micro_batches == [4] and picked.accumulation == 4
+    assert picked.step_s == pytest.approx(4 * 0.16 + p.options[0].step_s)
+
+
 def test_near_equal_plans_go_to_the_largest_micro_batch_but_never_beyond_the_tolerance_of_the_fastest():
     def plan(step_s, micro):
         return FitPlan("32-bit", [RankChoice(micro, [], 0, step_s, step_s)], 16 // micro, step_s, 1.0, 16, 0.1, [1])
