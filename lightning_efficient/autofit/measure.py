@@ -85,7 +85,7 @@ def measure_rank(
     min_offload_bytes: int = 2**16,
     offload_dir: str | None = None,
     ladder: tuple[int, ...] = (),
-    option_steps: int = 3,
+    option_steps: int = 2,
 ) -> RankProfile:
     """Measure this rank (see the module description).
 
@@ -102,7 +102,8 @@ def measure_rank(
         fixed_policies: the block policies the user fixed (carried in the profile).
         min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory` (what offload leaves on the device).
         offload_dir: where the disk policy's bandwidth is measured.
-        ladder: more micro-batch sizes to time (those below the smaller measured size; each twice, the least kept).
+        ladder: more micro-batch sizes to time (those below the smaller measured size; each twice, the least kept);
+            the smallest is also the warm-up's size.
         option_steps: optimizer steps timed per option (the least kept).
     """
     module = strategy.lightning_module
@@ -129,9 +130,10 @@ def measure_rank(
         return peak, elapsed
 
     m1, m2 = sizes
+    smaller = sorted({size for size in ladder if 0 < size < m1})
     with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, device)):
         try:
-            forward_backward(m1)  # warm-up (lazy initialisation, compilation) at the smaller size, then the run's states
+            forward_backward(smaller[0] if smaller else m1)  # warm-up (lazy initialisation, compilation), then the run's states
             for optimizer in strategy.optimizers:
                 if len(optimizer.state) == 0:
                     optimizer.step()
@@ -146,13 +148,17 @@ def measure_rank(
                 peak1, time1 = timed(m1)
             if (m1, m2) == sizes:
                 peak2, time2 = timed(m2)
-            # each size twice, interleaved with the ladder's: the least time and the larger peak (one reading is at the
-            # mercy of the machine)
-            smaller = sorted({size for size in ladder if 0 < size < m1})
+            # each smaller size twice, interleaved: the least time and the larger peak (one reading is at the mercy of
+            # the machine); the largest once on a CPU (it costs the most, and its time per sample varies the least),
+            # twice on CUDA (its first reading pays the caching allocator's first cudaMalloc of its size)
+            smaller = [size for size in smaller if size < m1]
             times = [(size, timed(size)[1]) for size in smaller]
             if m1 != m2:
-                (again1, retime1), (again2, retime2) = timed(m1), timed(m2)
-                peak1, time1, peak2, time2 = max(peak1, again1), min(time1, retime1), max(peak2, again2), min(time2, retime2)
+                again1, retime1 = timed(m1)
+                peak1, time1 = max(peak1, again1), min(time1, retime1)
+                if device.type == "cuda":
+                    again2, retime2 = timed(m2)
+                    peak2, time2 = max(peak2, again2), min(time2, retime2)
             times += [(size, timed(size)[1]) for size in smaller]
             profiles: list[BlockProfile] = []
             if blocks:  # every allowed policy, or only keep and the ones the user fixed
