@@ -15,18 +15,20 @@ Each runs, on a tiny demo GPT (4 optimizer steps of a global batch of 16, 2 epoc
 3. ``autofit``: AutoFit with budget ``[512 MiB, that]``: the plan as applied and at the end, each rank's
    settings during the fit (micro-batch, accumulation or caps, its ActivationMemory policies, the
    optimizer class) and after it, every micro-batch's size and loss, AutoFit's measured figures (under
-   ``ddp`` also a checkpoint at the end of epoch 0);
+   ``ddp`` and ``fsdp2`` also a checkpoint at the end of epoch 0);
 4. ``reference``: a plain Lightning fit of the same strategy with the plan's settings set by hand
    (micro-batch and accumulation, or the caps; ``ActivationMemory(policy=[...])`` of this rank's
    policies; ``EightBitOptimizer(bits=8)`` when the plan chose 8-bit states): each micro-batch's loss;
-5. ``resumed`` (``ddp`` only): a fresh AutoFit with the same settings resumed from the epoch-0
-   checkpoint (its profiles, plan, info lines and losses), and the plain fit resumed the same way.
+5. ``resumed`` (``ddp`` and ``fsdp2``): a fresh AutoFit with the same settings resumed from the epoch-0
+   checkpoint (its profiles, plan, settings, info lines, Lightning's warnings of checkpointed callbacks
+   missing, and losses), and the plain fit resumed the same way.
 
 Mode ``replan`` (DDP): a measured peak above the prediction on one rank (see :func:`run_replan`).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
@@ -81,6 +83,7 @@ GLOBAL_BATCH, LOADER_BATCH, ACCUMULATE, STEPS = 16, 4, 2, 4  # uniform: 2 ranks 
 BIG = 512 * 2**20
 POLICIES = ["keep", "selective", "checkpoint"]
 REPLAN_MODEL = {"vocab_size": 512, "n_layers": 4, "d_model": 64, "n_heads": 2, "seq_len": SEQ}  # the blocks hold most activations
+RESUMED = ("ddp", "fsdp2")  # the modes also resumed from a checkpoint (a file under DDP, a directory under FSDP2)
 TIMEOUT = timedelta(seconds=90)  # a rank left alone in a collective fails instead of hanging
 
 
@@ -130,6 +133,7 @@ class Record(lightning.Callback):
         self.micro: list[list[Any]] = []
         self.during: dict[str, Any] = {}
         self.lines: list[str] = []  # AutoFit's info lines (rank 0) and warnings
+        self.missing: list[str] = []  # callbacks the checkpoint holds state for that are not there (Lightning's warning)
 
     def on_train_start(self, trainer, pl_module):
         strategy = trainer.strategy
@@ -225,6 +229,9 @@ def fit(mode: str, callbacks: list, *, batch_size: int = LOADER_BATCH, accumulat
         except ValueError as raised:
             error = raised
     record.lines = [line for line in LINES.lines[start:] + [str(w.message) for w in caught] if "AutoFit" in line]
+    record.missing = [key for w in caught if "callbacks used to create the checkpoint" in str(w.message)
+                      for key in ast.literal_eval(str(w.message).split("following callbacks: ", 1)[1].rstrip("."))
+                      if not key.startswith("ModelCheckpoint")]  # a resumed fit saves no checkpoints of its own
     return trainer, module, record, error
 
 
@@ -303,7 +310,7 @@ def run_mode(mode: str, out: Path, rank: int) -> dict[str, Any]:
     result["budget"] = budget
     # 3. AutoFit
     callback = autofit(budget)
-    trainer, module, record, error = fit(mode, [callback], ckpt_dir=out / "ckpt" if mode == "ddp" else None)
+    trainer, module, record, error = fit(mode, [callback], ckpt_dir=out / "ckpt" if mode in RESUMED else None)
     if error is not None:
         raise error
     strategy = trainer.strategy
@@ -317,14 +324,14 @@ def run_mode(mode: str, out: Path, rank: int) -> dict[str, Any]:
     }
     # 4. the same fit in plain Lightning with the settings of the plan as applied (before any re-plan) set by hand
     plan = FitPlan.from_dict(record.during["plan"])
-    _, _, reference, error = fit(mode, by_hand(plan, rank, callback.min_8bit_size), ckpt_dir=out / "ckpt_ref" if mode == "ddp" else None,
+    _, _, reference, error = fit(mode, by_hand(plan, rank, callback.min_8bit_size), ckpt_dir=out / "ckpt_ref" if mode in RESUMED else None,
                                  **settings_by_hand(mode, plan, rank))
     if error is not None:
         raise error
     result["reference"] = {"micro": reference.micro, "during": reference.during}
     # 5. resumed from the end of epoch 0 with the same settings: the plan comes from the checkpoint; and
     # the plain fit resumed the same way
-    if mode == "ddp":
+    if mode in RESUMED:
         callback = autofit(budget)
         _, _, resumed, error = fit(mode, [callback], ckpt_path=out / "ckpt" / "epoch0.ckpt")
         if error is not None:
@@ -334,7 +341,8 @@ def run_mode(mode: str, out: Path, rank: int) -> dict[str, Any]:
         if error is not None:
             raise error
         result["resumed"] = {"profiles": len(callback.profiles), "plan": callback.plan.to_dict(), "micro": resumed.micro,
-                             "lines": resumed.lines, "reference_micro": reference_resumed.micro}
+                             "lines": resumed.lines, "missing": resumed.missing, "during": resumed.during,
+                             "reference_micro": reference_resumed.micro}
     return result
 
 

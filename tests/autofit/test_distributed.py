@@ -3,7 +3,7 @@
 Each strategy runs a tiny demo GPT with budget ``[512 MiB, B]``, ``B`` being what rank 1's leanest
 block policies are predicted to need at micro-batch 4 (from what AutoFit measured in an infeasible
 fit just before, budget ``[512 MiB, 64 KiB]``), and the same fit in plain Lightning with the plan set
-by hand; under DDP also a resume. Memory is each process's peak RSS above its RSS when the fit started
+by hand; under DDP and FSDP2 also a resume. Memory is each process's peak RSS above its RSS when the fit started
 (what AutoFit plans for on CPU), with glibc made to hand freed memory back (one arena, large blocks
 mapped). The ``replan`` case: a measured peak above the prediction on one rank.
 """
@@ -21,6 +21,7 @@ from tests.ddp import run_script
 
 HERE = Path(__file__).parent
 MODES = ("ddp", "hetero_ddp", "fsdp2", "hetero_fsdp")
+RESUMED = ("ddp", "fsdp2")  # as in ddp_run.py
 GLOBAL_BATCH, LOADER_BATCH, ACCUMULATE, STEPS = 16, 4, 2, 4  # as in ddp_run.py
 BIG, TINY = 512 * 2**20, 64 * 2**10
 PREDICTION_TOLERANCE = 0.10  # |measured - predicted| peak <= this fraction of the prediction + 1 MiB (see the test)
@@ -134,15 +135,24 @@ def test_a_budget_infeasible_on_one_rank_fails_on_every_rank_before_the_first_st
         assert error["batch_size_after"] == LOADER_BATCH and error["max_micro_batch_after"] is None
 
 
-def test_a_resume_under_ddp_reuses_the_checkpoint_plan_and_continues_the_run(results):
-    ranks = results["ddp"]
+@pytest.mark.parametrize("mode", RESUMED)
+def test_a_resume_reuses_the_checkpoint_plan_and_continues_the_run(results, mode):
+    # DDP resumes from a checkpoint file, restored before on_fit_start; FSDP2 (ModelParallelStrategy) from a
+    # distributed-checkpoint directory, restored after it, where AutoFit reads its plan from the directory itself
+    ranks = results[mode]
     for rank in ranks:
         resumed, straight = rank["resumed"], rank["autofit"]
         assert resumed["profiles"] == 0  # not measured again
         assert resumed["plan"] == straight["during"]["plan"]  # saved at step 2, before the measured figures (step 3)
+        # the same settings applied: micro-batch and accumulation, this rank's block policies, the optimizer states
+        settings = ("plan", "batch_size", "accumulate_grad_batches", "policies", "eight_bit")
+        assert {k: resumed["during"][k] for k in settings} == {k: straight["during"][k] for k in settings}
+        # Lightning found every callback the checkpoint holds state for (the ActivationMemory AutoFit adds included)
+        assert resumed["missing"] == []
         # the end of epoch 0 is step 2: the resumed fit trains steps 2 and 3 as plain Lightning resumed from the
         # same moment of the plain fit does (plain Lightning's resume from that checkpoint does not draw the
-        # uninterrupted run's samples for step 3 under DDP, with or without AutoFit)
+        # uninterrupted run's samples for step 3 under DDP, with or without AutoFit), bitwise; its first
+        # micro-batch is the uninterrupted run's
         assert resumed["micro"] == resumed["reference_micro"]
         assert resumed["micro"][0] == next(entry for entry in straight["micro"] if entry[0] == 2)
     assert any("the checkpoint's plan is reused" in line for line in ranks[0]["resumed"]["lines"])
