@@ -92,7 +92,7 @@ def test_every_optimizer_step_trains_the_global_batch(results, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_each_rank_measured_peak_is_within_its_budget_and_near_the_prediction(results, mode):
     ranks = results[mode]
-    # Measured after 3 optimizer steps: each process's peak RSS above its RSS at the start of fit. At these
+    # Measured after 2 optimizer steps: each process's peak RSS above its RSS at the start of fit. At these
     # sizes (a few MiB) what the loop, the collectives and the allocator add outside the measured steps
     # weighs: the prediction is held to 10% + 1 MiB either way (the benchmark reports the error on
     # realistic sizes). Under hetero a rank whose share splits into micro-batches below its cap runs
@@ -143,10 +143,12 @@ def test_a_resume_reuses_the_checkpoint_plan_and_continues_the_run(results, mode
     for rank in ranks:
         resumed, straight = rank["resumed"], rank["autofit"]
         assert resumed["profiles"] == 0  # not measured again
-        assert resumed["plan"] == straight["during"]["plan"]  # saved at step 2, before the measured figures (step 3)
+        # saved at the end of step 2, after the measured figures (and any re-plan they led to): the plan in force then
+        assert resumed["plan"] == resumed["during"]["plan"] == straight["plan"]
         # the same settings applied: micro-batch and accumulation, this rank's block policies, the optimizer states
-        settings = ("plan", "batch_size", "accumulate_grad_batches", "policies", "eight_bit")
+        settings = ("batch_size", "accumulate_grad_batches", "eight_bit")
         assert {k: resumed["during"][k] for k in settings} == {k: straight["during"][k] for k in settings}
+        assert resumed["during"]["policies"] == straight["during"]["policies_at_end"]
         # Lightning found every callback the checkpoint holds state for (the ActivationMemory AutoFit adds included)
         assert resumed["missing"] == []
         # the end of epoch 0 is step 2: the resumed fit trains steps 2 and 3 as plain Lightning resumed from the
