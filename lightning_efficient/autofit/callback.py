@@ -306,8 +306,15 @@ class AutoFit(Callback):
         plan = self._reusable(restored, trainer)
         if plan is None:
             saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
-            with _random_streams_restored(pl_module.device):  # measuring draws nothing the run would have drawn
-                plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
+            try:
+                with _random_streams_restored(pl_module.device):  # measuring draws nothing the run would have drawn
+                    plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
+            finally:
+                # measuring can leave gradients (zeros) on FSDP2's sharded parameters (those of a module a
+                # forward-only pass left unsharded are out of reach when the run's state is put back); the fit starts
+                # without any, as plain Lightning's does: torch's distributed checkpoint (ModelParallelStrategy's
+                # resume, after this hook) loads no optimizer states into an optimizer whose parameters hold gradients
+                pl_module.zero_grad(set_to_none=True)
         self.planning_s = time.perf_counter() - started
         self._plan = plan
         rank_zero_info(plan_table(plan) + f"\n  planned in {self.planning_s:.2f} s")

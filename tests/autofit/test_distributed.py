@@ -160,8 +160,19 @@ def test_a_resume_reuses_the_checkpoint_plan_and_continues_the_run(results, mode
     assert any("the checkpoint's plan is reused" in line for line in ranks[0]["resumed"]["lines"])
 
 
+def test_an_fsdp2_resume_with_other_settings_measures_again_and_continues_as_plain_lightning(results):
+    # FSDP2 loads the checkpoint after on_fit_start, where AutoFit measures: measuring must leave nothing the load
+    # trips on (gradients left on the sharded parameters made torch's distributed checkpoint skip the optimizer
+    # states: the resumed fit restarted Adam from nothing)
+    for rank in results["fsdp2"]:
+        resumed = rank["measured_resume"]
+        assert resumed["profiles"] == 2  # measured again (another margin)
+        assert resumed["plan"]["margin"] == 0.15
+        assert resumed["micro"] == resumed["reference_micro"]  # each micro-batch's step, size and loss, bitwise
+
+
 def test_a_measured_peak_above_the_prediction_on_one_rank_re_plans_the_block_policies_on_every_rank(results):
-    # DDP, every block kept at micro-batch 8 within the budget; rank 1 then holds a tenth of its budget
+    # DDP, every block kept at micro-batch 8 within the budget; rank 1 then holds 15% of its budget
     # more during every micro-step than AutoFit measured: after 3 steps the block policies are planned
     # again with a wider margin, the same plan on every rank, each rank switching to its own part
     ranks = results["replan"]
