@@ -5,6 +5,8 @@ states' precision for the most tokens per second that fit."""
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
 import random
 import statistics
 import time
@@ -63,6 +65,34 @@ def _loader_batch_size(loader: Any) -> int:
         return int(size)
     first = next(iter(sampler), None) if sampler is not None else None
     return max(1, len(first)) if first is not None else 1
+
+
+def _fit_checkpoint_path(trainer: Trainer) -> Any:
+    """The checkpoint this ``fit`` restores (None: none), from ``setup`` on.
+
+    Lightning sets ``trainer.ckpt_path`` only when it loads the checkpoint: after ``setup`` always, and after
+    ``on_fit_start`` where the strategy restores after setup (``ModelParallelStrategy``, ``hetero_fsdp``); until
+    then (and after a fit, where it keeps the last fit's) the path lives only in ``Trainer._run``'s arguments,
+    read here from its frame."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+                return frame.f_locals.get("ckpt_path")
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+def _checkpoint_callback_states(path: Any) -> dict[str, Any]:
+    """The callbacks' states a local checkpoint (a file or a distributed-checkpoint directory) holds, read
+    without loading its tensors; empty for a remote path (Lightning loads those itself, later)."""
+    if path is None or not os.path.exists(path):
+        return {}
+    from lightning_efficient.optim.sharded import checkpoint_layouts
+
+    return dict(checkpoint_layouts(path)[2] or {})
 
 
 def _ddp_bucket_bytes(strategy: Any) -> int:
@@ -180,6 +210,7 @@ class AutoFit(Callback):
         self._plan: FitPlan | None = None
         self._profiles: list[RankProfile] = []
         self._restored: dict[str, Any] | None = None
+        self._checkpoint_states: dict[str, Any] = {}  # the callbacks' states in the checkpoint this fit resumes from
         self._undo_settings: list[Any] = []
         self._meter: PeakMemory | None = None
         self._start_rss = 0
@@ -213,6 +244,9 @@ class AutoFit(Callback):
                 "ActivationMemory(policy='auto') beside AutoFit: AutoFit plans the block policies itself, within its own "
                 "budget; drop ActivationMemory, or give it a fixed policy for AutoFit to keep"
             )
+        # read before the start is: what reading maps is handed back by then
+        self._checkpoint_states = _checkpoint_callback_states(_fit_checkpoint_path(trainer))
+        self._adopt_activations(trainer, self._checkpoint_states)
         wants_8bit = any(o != "32-bit" for o in self.optimizer_options)
         if wants_8bit or self._user_optimizer is not None:
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
@@ -226,6 +260,19 @@ class AutoFit(Callback):
                 self._optimizer = EightBitOptimizer(bits=32, min_8bit_size=self.min_8bit_size)
             if self._optimizer not in callbacks:
                 callbacks.insert(callbacks.index(self) + 1, self._optimizer)
+
+    def _adopt_activations(self, trainer: Trainer, states: dict[str, Any]) -> None:
+        """Add this AutoFit's :class:`ActivationMemory` now when the checkpoint holds the state of one and the user
+        set none (it is the one AutoFit added to the checkpointed fit): Lightning then hands it that state, rather than
+        warning that the checkpoint's callback is missing (asking for one, which AutoFit would then keep as the
+        user's) and dropping its state. :meth:`_apply` sets its policies in ``on_fit_start``."""
+        if self._user_activations is not None or any(isinstance(c, ActivationMemory) for c in trainer.callbacks):
+            return
+        candidate = self._activations or ActivationMemory(policy="keep", blocks=self.blocks)
+        if candidate.state_key not in states:
+            return
+        self._activations = candidate
+        trainer.callbacks.insert(trainer.callbacks.index(self) + 1, candidate)
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -250,18 +297,24 @@ class AutoFit(Callback):
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
-        if restored is None and trainer.ckpt_path and getattr(trainer.strategy, "restore_checkpoint_after_setup", False):
-            # ModelParallelStrategy / hetero_fsdp load checkpoints after on_fit_start: read this callback's part now
-            from lightning_efficient.optim.sharded import checkpoint_layouts
-
-            saved = (checkpoint_layouts(trainer.ckpt_path)[2] or {}).get(self.state_key)
+        states, self._checkpoint_states = self._checkpoint_states, {}
+        if restored is None and getattr(trainer.strategy, "restore_checkpoint_after_setup", False):
+            # ModelParallelStrategy / hetero_fsdp load checkpoints after on_fit_start: this callback's part as read in setup
+            saved = states.get(self.state_key)
             restored = dict(saved) if saved else None
         started = time.perf_counter()
         plan = self._reusable(restored, trainer)
         if plan is None:
             saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
-            with _random_streams_restored(pl_module.device):  # measuring draws nothing the run would have drawn
-                plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
+            try:
+                with _random_streams_restored(pl_module.device):  # measuring draws nothing the run would have drawn
+                    plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
+            finally:
+                # measuring can leave gradients (zeros) on FSDP2's sharded parameters (those of a module a
+                # forward-only pass left unsharded are out of reach when the run's state is put back); the fit starts
+                # without any, as plain Lightning's does: torch's distributed checkpoint (ModelParallelStrategy's
+                # resume, after this hook) loads no optimizer states into an optimizer whose parameters hold gradients
+                pl_module.zero_grad(set_to_none=True)
         self.planning_s = time.perf_counter() - started
         self._plan = plan
         rank_zero_info(plan_table(plan) + f"\n  planned in {self.planning_s:.2f} s")
@@ -597,12 +650,12 @@ class AutoFit(Callback):
     # -- clean-up -------------------------------------------------------------------------------
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._restored = None  # a checkpoint's plan belongs to its own fit
+        self._restored, self._checkpoint_states = None, {}  # a checkpoint's plan belongs to its own fit
         self._undo(pl_module)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._restored = None
+        self._restored, self._checkpoint_states = None, {}
         self._undo(pl_module)  # Lightning skips teardown when fit raises
 
     def memory_figures(self) -> dict[str, int]:

@@ -323,3 +323,44 @@ def test_a_dataloader_with_its_own_batch_sampler_keeps_its_batch_and_the_global_
     assert fit.plan.samples_per_step == 8 and fit.plan.micro_batches == [4]
     assert any("batch_sampler" in note for note in fit.plan.notes)
     assert record.samples == [8, 8] and data.batch_size == 4
+
+
+def test_a_resume_hands_the_checkpoint_state_of_the_activation_memory_autofit_added_to_the_one_it_adds(
+        small_datamodule_kwargs, tmp_path, recwarn, monkeypatch):
+    # the first fit's block policies are planned again after step 2 (a measured peak above its prediction), so
+    # AutoFit adds an ActivationMemory and the checkpoint holds its state; the resumed fit reuses the plan and
+    # AutoFit adds its ActivationMemory before Lightning hands callbacks their states: Lightning finds an owner
+    # for that state (no "Please add the following callbacks" warning, which would have the user add an
+    # ActivationMemory that AutoFit then keeps as user-set) and the ActivationMemory gets it
+    def fit(callbacks, steps, ckpt_path=None):
+        lightning.seed_everything(0)
+        model = DemoGPT(vocab_size=512, n_layers=2, d_model=256, n_heads=2, seq_len=256)
+        data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256})
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                                    enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return trainer
+
+    first = AutoFit(budget="1GiB", optimizer_options=["32-bit"], report_after_steps=2)
+    fit([Mispredict(first, at_step=2, shed=30 * MiB), first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=3)
+    policies = first.plan.ranks[0].policies
+    assert any(p != "keep" for p in policies)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]["ActivationMemory"]
+    assert saved["plan"] == policies
+    recwarn.clear()
+    resumed = AutoFit(budget="1GiB", optimizer_options=["32-bit"], report_after_steps=2)
+    handed: list[dict] = []
+    original = ActivationMemory.load_state_dict
+
+    def load_state_dict(self, state_dict):  # a spy: records what Lightning hands an ActivationMemory, then loads it
+        handed.append(dict(state_dict))
+        original(self, state_dict)
+
+    monkeypatch.setattr(ActivationMemory, "load_state_dict", load_state_dict)
+    trainer = fit([resumed], steps=4, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.profiles == [] and resumed.plan == first.plan  # reused, not measured
+    memory = [c for c in trainer.callbacks if isinstance(c, ActivationMemory)]
+    assert len(memory) == 1 and memory[0].plan == policies
+    missing = [str(w.message) for w in recwarn if "callbacks used to create the checkpoint" in str(w.message)]
+    assert missing == []
+    assert [state["plan"] for state in handed] == [policies]
