@@ -1,7 +1,8 @@
 """Chunked linear cross-entropy: per-token losses of ``hidden @ weight.T + bias`` without the full logits.
 
-The forward pass walks the tokens in chunks, holding one chunk's logits at a time, and keeps
-only each token's log-sum-exp. For ``reduction="none"`` the backward pass recomputes a chunk's
+The forward pass walks the tokens in chunks, holding one chunk's logits at a time (the eager step:
+the logits and their ``log_softmax`` in two ``[chunk, vocab]`` buffers reused by every chunk; the
+compiled step keeps each token's log-sum-exp). For ``reduction="none"`` the backward pass recomputes a chunk's
 logits *only for the tokens whose incoming gradient is nonzero*, so a loss that keeps a subset of
 tokens (selection) pays the head's backward in proportion to the kept tokens: 1 + 3k matmul
 passes at keep ratio k against 3 for full logits. For ``"mean"``/``"sum"`` every token's gradient is
