@@ -10,10 +10,16 @@ and caches settle); the figure is the median wall time of the next ``STEPS`` ste
 ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step), as
 ``tokens_quality``'s ``step_time_s``. Variants: the streaming and the batch-exact threshold on the fused
 head, the per-token path (full logits, ``fused_loss=False``) and ``random`` on the streaming path.
+
+``head_time_s`` is the median time per step spent in the fused head's calls (``FusedTokenLoss``'s
+``linear_cross_entropy`` or ``streaming_cross_entropy``; their backward passes only scale gradients
+computed there, except the exact threshold's, whose recomputation in backward is not counted), and
+``head_fraction`` its share of the step: what selection can save is at most that share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -48,11 +54,13 @@ class StepClock(lightning.Callback):
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
+        self.head_seconds: list[float] = []  # filled by _head_clock
         self.kept: list[float] = []
         self.streamed: list[float] = []
         self._start = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.head_seconds.append(0.0)
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -61,6 +69,33 @@ class StepClock(lightning.Callback):
         if "selection/kept_fraction" in metrics:
             self.kept.append(float(metrics["selection/kept_fraction"]))
             self.streamed.append(float(metrics.get("selection/streamed", 0.0)))
+
+
+@contextlib.contextmanager
+def _head_clock(seconds: list[float]):
+    """Adds the wall time of every fused-head call (``FusedTokenLoss``'s losses) to ``seconds[-1]``."""
+    from lightning_efficient.tokens.output import FusedTokenLoss
+
+    originals = {name: getattr(FusedTokenLoss, name) for name in ("_cross_entropy", "streamed_losses")}
+
+    def timed(method):
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if seconds:
+                    seconds[-1] += time.perf_counter() - start
+        return call
+
+    for name, method in originals.items():
+        setattr(FusedTokenLoss, name, timed(method))
+    try:
+        yield
+    finally:
+        for name, method in originals.items():
+            setattr(FusedTokenLoss, name, method)
 
 
 def step_time(variant: str, quick: bool) -> dict[str, float]:
@@ -80,10 +115,15 @@ def step_time(variant: str, quick: bool) -> dict[str, float]:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(model, datamodule=_data(_sizes(quick), 0.0))
+    with _head_clock(clock.head_seconds):
+        trainer.fit(model, datamodule=_data(_sizes(quick), 0.0))
     steps = clock.seconds[warmup:]
     out = {"step_time_s": statistics.median(steps), "mean_step_time_s": statistics.fmean(steps),
            "measured_steps": len(steps)}
+    if fused:
+        heads = clock.head_seconds[warmup:]
+        out["head_time_s"] = statistics.median(heads)
+        out["head_fraction"] = statistics.median(h / s for h, s in zip(heads, steps))
     if clock.kept:  # the measured steps' realised keep ratio and share of steps on the streaming path
         out["kept_fraction"] = statistics.fmean(clock.kept[warmup:])
         out["streamed_fraction"] = statistics.fmean(clock.streamed[warmup:])
@@ -94,15 +134,17 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
     """The goal's ratio, and every variant's median step time against the baseline's."""
     base = results.get("baseline", {}).get("step_time_s")
     lines = [f"## Step time at keep {KEEP_RATIO} (median of {_steps(quick)[1]} steps after {_steps(quick)[0]})", "",
-             "| variant | step time | / baseline | kept fraction | streamed steps |", "|---|---|---|---|---|"]
+             "| variant | step time | / baseline | head time (share of the step) | kept fraction | streamed steps |",
+             "|---|---|---|---|---|---|"]
     for label, run in results.items():
         if "step_time_s" not in run:
-            lines.append(f"| {label} | {run.get('error', '-')} | | | |")
+            lines.append(f"| {label} | {run.get('error', '-')} | | | | |")
             continue
         ratio = f"{run['step_time_s'] / base:.3f}x" if base else "-"
         kept = f"{run['kept_fraction']:.3f}" if "kept_fraction" in run else "-"
         streamed = f"{run['streamed_fraction']:.2f}" if "streamed_fraction" in run else "-"
-        lines.append(f"| {label} | {run['step_time_s'] * 1e3:.1f} ms | {ratio} | {kept} | {streamed} |")
+        head = f"{run['head_time_s'] * 1e3:.1f} ms ({run['head_fraction']:.2f})" if "head_time_s" in run else "-"
+        lines.append(f"| {label} | {run['step_time_s'] * 1e3:.1f} ms | {ratio} | {head} | {kept} | {streamed} |")
     eslm = results.get("eslm_streaming", {}).get("step_time_s")
     if base and eslm:
         verdict = "met" if eslm / base <= GOAL else "not met"

@@ -1,7 +1,8 @@
 """Chunked linear cross-entropy: per-token losses of ``hidden @ weight.T + bias`` without the full logits.
 
-The forward pass walks the tokens in chunks, holding one chunk's logits at a time, and keeps
-only each token's log-sum-exp. For ``reduction="none"`` the backward pass recomputes a chunk's
+The forward pass walks the tokens in chunks, holding one chunk's logits at a time (the eager step:
+the logits and their ``log_softmax`` in two ``[chunk, vocab]`` buffers reused by every chunk; the
+compiled step keeps each token's log-sum-exp). For ``reduction="none"`` the backward pass recomputes a chunk's
 logits *only for the tokens whose incoming gradient is nonzero*, so a loss that keeps a subset of
 tokens (selection) pays the head's backward in proportion to the kept tokens: 1 + 3k matmul
 passes at keep ratio k against 3 for full logits. For ``"mean"``/``"sum"`` every token's gradient is
@@ -26,6 +27,12 @@ from torch import Tensor
 from lightning_efficient._validation import require, require_choice
 
 _CHUNK_LOGITS_BYTES = 32 * 2**20
+# the eager step's passes over a chunk's logits run in cache when the chunk is small: on the demo's
+# head (vocabulary 8k, hidden 128, 2,048 tokens, one CPU thread) a mean's forward + backward took
+# 164 ms at 256 rows (8 MiB) against 212 ms at 1,024 (32 MiB); but each chunk reads the weight (and
+# reads and writes its gradient) once per matmul, so a chunk keeps at least 2 x hidden rows: at
+# vocabulary 32k, hidden 512, 64 rows (8 MiB) took 1.6x the time of 256 (32 MiB)
+_SMALL_CHUNK_LOGITS_BYTES = 8 * 2**20
 # the compiled step streams each row through cache once, whatever the chunk's length, so its chunks
 # are longer: fewer passes of the weight and its gradient through memory. Measured at vocabulary
 # 32k, hidden 512, 8k tokens: 512 rows (64 MiB) at 0.05x of full logits' peak memory; 1,024 rows
@@ -33,27 +40,90 @@ _CHUNK_LOGITS_BYTES = 32 * 2**20
 _FUSED_CHUNK_LOGITS_BYTES = 64 * 2**20
 
 
-def auto_chunk_size(vocab_size: int, fused: bool = False) -> int:
-    """Rows per chunk so one chunk's float32 logits take about 32 MiB (64 MiB for the compiled step)."""
-    return max(16, (_FUSED_CHUNK_LOGITS_BYTES if fused else _CHUNK_LOGITS_BYTES) // (4 * vocab_size))
+def auto_chunk_size(vocab_size: int, fused: bool = False, hidden_size: int | None = None) -> int:
+    """Rows per chunk: for the compiled step, about 64 MiB of float32 logits; for the eager step,
+    about 8 MiB but at least ``2 * hidden_size`` rows, and at most 32 MiB (at least 16 rows always)."""
+    if fused:
+        return max(16, _FUSED_CHUNK_LOGITS_BYTES // (4 * vocab_size))
+    rows = max(_SMALL_CHUNK_LOGITS_BYTES // (4 * vocab_size), 2 * (hidden_size or 0))
+    return max(16, min(rows, _CHUNK_LOGITS_BYTES // (4 * vocab_size)))
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, acc: torch.dtype) -> Tensor:
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, acc: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """The chunk's logits in ``acc``, written into ``out`` (a reused ``[rows, vocab]`` buffer) where the
+    matmul may write there (one dtype, no autocast); the same values either way."""
+    if out is not None and out.dtype == acc and _plain_matmuls(out, hidden, weight):
+        logits = torch.mm(hidden, weight.t(), out=out[: len(hidden)])
+        return logits if bias is None else logits.add_(bias)
     logits = hidden @ weight.t()
     if bias is not None:
         logits = logits + bias
     return logits.to(acc)
 
 
-def _softmax_grad(logits: Tensor, lse: Tensor, labels: Tensor, scale: Tensor) -> Tensor:
-    """``scale * (softmax(logits) - onehot(labels))`` in place of ``logits``."""
-    grad = logits.sub_(lse.unsqueeze(1)).exp_()
-    grad[torch.arange(len(labels), device=labels.device), labels] -= 1.0
-    return grad.mul_(scale.unsqueeze(1))
+class _Workspace:
+    """The eager chunk step's two ``[rows, vocab]`` buffers for one call, reused by every chunk: the
+    logits (then the probabilities or the kept rows' gradient) and the log-probabilities.
+
+    Fresh ``[chunk, vocab]`` tensors per chunk cost more than the arithmetic on them on CPU, where
+    torch has no caching allocator: at 32 MiB each (1,024 rows at vocabulary 8k) every one was a new
+    memory mapping, page-faulted in and unmapped again (about 24 ms per tensor on the shared 2-core
+    machine, against 3.5 ms for an ``exp`` over it)."""
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = (rows, vocab), dtype, device
+        self._logits: Tensor | None = None
+        self._logp: Tensor | None = None
+
+    @property
+    def logits(self) -> Tensor:
+        if self._logits is None:
+            self._logits = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self._logits
+
+    @property
+    def logp(self) -> Tensor:
+        if self._logp is None:
+            self._logp = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self._logp
+
+
+def _log_probs(logits: Tensor, out: Tensor | None) -> Tensor:
+    """``log_softmax(logits)`` over the vocabulary (one fused pass per row), into ``out`` when given."""
+    if out is None or out.dtype != logits.dtype:
+        return torch.log_softmax(logits, dim=1)
+    return torch.log_softmax(logits, dim=1, out=out[: len(logits)])
+
+
+def _token_losses(logp: Tensor, labels: Tensor, valid: Tensor) -> Tensor:
+    """``-logp[label]`` per valid row, 0 elsewhere (``F.cross_entropy``'s arithmetic)."""
+    losses = logp.gather(1, labels.unsqueeze(1)).squeeze(1).neg()
+    return torch.where(valid, losses, torch.zeros_like(losses))
+
+
+def _probs(logp: Tensor, out: Tensor | None) -> Tensor:
+    """``exp(logp)``, into ``out`` when given (a buffer other than ``logp``'s)."""
+    if out is None or out.dtype != logp.dtype:
+        return torch.exp(logp)
+    return torch.exp(logp, out=out[: len(logp)])
+
+
+def _probs_and_entropy(logp: Tensor, valid: Tensor, out: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The probabilities (into ``out``) and the entropies ``-sum(p * logp)`` (0 where not valid);
+    ``logp`` is overwritten."""
+    probs = _probs(logp, out)
+    entropy = logp.mul_(probs).sum(1).neg()
+    return probs, torch.where(valid, entropy, torch.zeros_like(entropy))
+
+
+def _minus_onehot(probs: Tensor, labels: Tensor, scale: Tensor | None = None) -> Tensor:
+    """``scale * (probs - onehot(labels))`` in place of ``probs``: the logits' gradient."""
+    probs[torch.arange(len(labels), device=labels.device), labels] -= 1.0
+    return probs if scale is None else probs.mul_(scale.unsqueeze(1))
 
 
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
@@ -69,28 +139,34 @@ def _autocast_as(state: tuple[str, bool, torch.dtype]) -> contextlib.AbstractCon
 # --- the chunk step: eager (the reference) and fused (the same arithmetic, for torch.compile) ---
 
 
-def _eager_chunk_forward(h, weight, bias, labels, valid, scale, acc, grad_dtype, with_entropy):
+def _eager_chunk_forward(h, weight, bias, labels, valid, scale, acc, grad_dtype, with_entropy, work=None):
     """One chunk of the forward pass, op by op: ``(losses, lse, entropy or None, grad or None)``.
 
     ``grad`` (when ``grad_dtype`` is given) is ``scale * (softmax - onehot(labels))`` in
-    ``grad_dtype``, the chunk's logits gradient for a reduced loss.
+    ``grad_dtype``, the chunk's logits gradient for a reduced loss (in ``work``'s buffer when the
+    dtypes agree: use it before the next chunk). ``lse`` is None: the eager backward recomputes
+    the log-probabilities instead. Losses are ``-log_softmax[label]`` as ``F.cross_entropy``'s.
     """
-    logits = _chunk_logits(h, weight, bias, acc)
-    lse = torch.logsumexp(logits, dim=1)
-    zero = torch.zeros_like(lse)
-    target = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
-    losses = torch.where(valid, lse - target, zero)
-    entropy = None
+    logits = _chunk_logits(h, weight, bias, acc, None if work is None else work.logits)
+    logp = _log_probs(logits, None if work is None else work.logp)
+    losses = _token_losses(logp, labels, valid)
+    probs = entropy = None
     if with_entropy:
-        probs = torch.softmax(logits, dim=1)
-        entropy = torch.where(valid, lse - (probs * logits).sum(1), zero)
-    grad = None if grad_dtype is None else _softmax_grad(logits, lse, labels, scale).to(grad_dtype)
-    return losses, lse, entropy, grad
+        probs, entropy = _probs_and_entropy(logp, valid, None if work is None else work.logits)
+    grad = None
+    if grad_dtype is not None:
+        if probs is None:
+            probs = _probs(logp, None if work is None else work.logits)
+        grad = _minus_onehot(probs, labels, scale).to(grad_dtype)
+    return losses, None, entropy, grad
 
 
-def _eager_chunk_grad(h, weight, bias, lse, labels, scale, acc, grad_dtype):
-    """One chunk of the ``reduction="none"`` backward: ``scale * (softmax - onehot)`` in ``grad_dtype``."""
-    return _softmax_grad(_chunk_logits(h, weight, bias, acc), lse, labels, scale).to(grad_dtype)
+def _eager_chunk_grad(h, weight, bias, lse, labels, scale, acc, grad_dtype, work=None):
+    """One chunk of the ``reduction="none"`` backward: ``scale * (softmax - onehot)`` in ``grad_dtype``,
+    from the recomputed logits' log-probabilities (``lse``, the compiled step's, is not needed)."""
+    logits = _chunk_logits(h, weight, bias, acc, None if work is None else work.logits)
+    logp = _log_probs(logits, None if work is None else work.logp)
+    return _minus_onehot(_probs(logp, None if work is None else work.logits), labels, scale).to(grad_dtype)
 
 
 def _fused_logits(mm: Tensor, bias: Tensor | None, acc: torch.dtype) -> Tensor:
@@ -223,21 +299,23 @@ def _chunk_buffer(compiled: bool, hidden: Tensor, weight: Tensor, rows: int) -> 
     return torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
 
 
-def _chunk_forward(compiled, h, weight, bias, labels, valid, scale, acc, grad_dtype, with_entropy, buffer=None):
-    """One forward chunk, compiled or eager: ``(losses, lse, entropy or None, grad or None)``."""
+def _chunk_forward(compiled, h, weight, bias, labels, valid, scale, acc, grad_dtype, with_entropy, buffer=None, work=None):
+    """One forward chunk, compiled (into ``buffer``) or eager (in ``work``): ``(losses, lse or None,
+    entropy or None, grad or None)``."""
     eager_args = (h, weight, bias, labels, valid, scale, acc, grad_dtype, with_entropy)
     if not compiled:
-        return _eager_chunk_forward(*eager_args)
+        return _eager_chunk_forward(*eager_args, work)
     args = (_head_matmul(h, weight, buffer), bias, labels, valid, scale, acc, grad_dtype, with_entropy)
     rows = (0, 2, 3) if scale is None else (0, 2, 3, 4)
     return _CHUNK_STEP.run("forward", _fused_chunk_forward, args, rows, lambda: _eager_chunk_forward(*eager_args))
 
 
-def _chunk_grad(compiled, h, weight, bias, lse, labels, scale, acc, grad_dtype, buffer=None):
-    """One backward chunk of ``reduction="none"``, compiled or eager: the logits' gradient."""
+def _chunk_grad(compiled, h, weight, bias, lse, labels, scale, acc, grad_dtype, buffer=None, work=None):
+    """One backward chunk of ``reduction="none"``, compiled (into ``buffer``) or eager (in ``work``):
+    the logits' gradient."""
     eager_args = (h, weight, bias, lse, labels, scale, acc, grad_dtype)
     if not compiled:
-        return _eager_chunk_grad(*eager_args)
+        return _eager_chunk_grad(*eager_args, work)
     args = (_head_matmul(h, weight, buffer), bias, lse, labels, scale, acc, grad_dtype)
     return _CHUNK_STEP.run("grad", _fused_chunk_grad, args, (0, 2, 3, 4), lambda: _eager_chunk_grad(*eager_args))
 
@@ -285,15 +363,16 @@ def _forward(hidden, weight, bias, labels, ignore_index, chunk_size, reduction, 
         grad_weight = torch.zeros_like(weight, dtype=acc) if needs_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and needs_grad[2] else None
     buffer = _chunk_buffer(compile, hidden, weight, min(chunk_size, n_tokens))
+    work = None if compile else _Workspace(min(chunk_size, n_tokens), weight.shape[0], acc, hidden.device)
     for start in range(0, n_tokens, chunk_size):
         rows = slice(start, start + chunk_size)
         h = hidden[rows]
         chunk_losses, chunk_lse, chunk_entropy, grad = _chunk_forward(
             compile, h, weight, bias, safe_labels[rows], valid[rows], None if scale is None else scale[rows],
-            acc, hidden.dtype if eager else None, with_entropy, buffer,
+            acc, hidden.dtype if eager else None, with_entropy, buffer, work,
         )
         losses[rows] = chunk_losses
-        if lse is not None:
+        if lse is not None and chunk_lse is not None:  # (the compiled step's: its backward reads it)
             lse[rows] = chunk_lse
         if with_entropy:
             entropy[rows] = chunk_entropy
@@ -357,11 +436,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias and bias is not None else None
         with _autocast_as(ctx.autocast):  # the forward's logits, bit for bit
             buffer = _chunk_buffer(ctx.compiled, hidden, weight, min(ctx.chunk_size, len(kept)))
+            work = None if ctx.compiled else _Workspace(min(ctx.chunk_size, len(kept)), weight.shape[0], acc, hidden.device)
             for start in range(0, len(kept), ctx.chunk_size):
                 index = kept[start : start + ctx.chunk_size]
                 h = hidden.index_select(0, index)
                 grad = _chunk_grad(
-                    ctx.compiled, h, weight, bias, lse[index], labels[index], grad_out[index], acc, hidden.dtype, buffer
+                    ctx.compiled, h, weight, bias, lse[index], labels[index], grad_out[index], acc, hidden.dtype, buffer,
+                    work,
                 )
                 if grad_hidden is not None:
                     grad_hidden.index_copy_(0, index, (grad @ weight).to(grad_hidden.dtype))
@@ -410,8 +491,8 @@ def linear_cross_entropy(
         labels: ``[...]`` target ids; ``ignore_index`` marks positions that do not count.
         bias: optional ``[vocab]`` head bias.
         ignore_index: the label of ignored positions (loss 0, no gradient).
-        chunk_size: tokens per chunk; None picks about 32 MiB of float32 logits per chunk (64 MiB
-            when the step runs compiled).
+        chunk_size: tokens per chunk; None picks :func:`auto_chunk_size`'s: about 8 MiB of float32
+            logits per chunk, at least ``2 * d`` rows and at most 32 MiB (64 MiB when the step runs compiled).
         reduction: ``"none"`` (per-token losses, shape of ``labels``; the backward pass works only on
             tokens with a nonzero incoming gradient), ``"mean"`` (over valid tokens) or ``"sum"``.
         return_entropy: also return each token's predictive entropy (no gradient; 0 where ignored).
@@ -437,7 +518,7 @@ def linear_cross_entropy(
     check_head_inputs(hidden, weight, labels, bias)
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     compiled = _CHUNK_STEP.use_compiled(compile, flat_hidden.shape[0] * weight.shape[0])
-    chunk = chunk_size or auto_chunk_size(weight.shape[0], fused=compiled)
+    chunk = chunk_size or auto_chunk_size(weight.shape[0], fused=compiled, hidden_size=weight.shape[1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         outputs = _LinearCrossEntropy.apply(
             flat_hidden, weight, bias, flat_labels, ignore_index, chunk, reduction, return_entropy, compiled

@@ -107,7 +107,7 @@ class FusedTokenLoss(dict):
         labels: ``[batch, seq]`` target ids; ``ignore_index`` marks invalid positions.
         bias: optional ``[vocab]`` head bias.
         ignore_index: the label of ignored positions.
-        chunk_size: tokens per chunk of logits (None: about 32 MiB of logits).
+        chunk_size: tokens per chunk of logits (None: :func:`~lightning_efficient.tokens.linear_ce.auto_chunk_size`'s).
         **extra: further outputs to carry along.
 
     Raises:

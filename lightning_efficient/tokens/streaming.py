@@ -37,7 +37,13 @@ from lightning_efficient.tokens.linear_ce import (
     _chunk_logits,
     _fused_logits,
     _head_matmul,
+    _log_probs,
     _matmul_into,
+    _minus_onehot,
+    _probs,
+    _probs_and_entropy,
+    _token_losses,
+    _Workspace,
     auto_chunk_size,
     check_head_inputs,
 )
@@ -70,22 +76,48 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _eager_grad(logits: Tensor, lse: Tensor, labels: Tensor) -> Tensor:
-    """``softmax(logits) - onehot(labels)`` in place of ``logits`` (no scale: the backward pass scales)."""
-    grad = logits.sub_(lse.unsqueeze(1)).exp_()
-    grad[torch.arange(len(labels), device=labels.device), labels] -= 1.0
-    return grad
+def _excess(chunk_losses: Tensor, valid: Tensor, reference: Tensor) -> Tensor:
+    return torch.where(valid, chunk_losses - reference.to(chunk_losses.dtype), torch.zeros_like(chunk_losses))
 
 
-def _chunk_scores(logits, lse, chunk_losses, valid, reference, score, fused):
-    """The chunk's scores, as :func:`linear_cross_entropy`'s eager (``fused`` False) or compiled
-    step computes its entropies."""
+def _chunk_scores(logits, lse, chunk_losses, valid, reference, score):
+    """The compiled step's chunk scores, as :func:`linear_cross_entropy`'s compiled step computes its
+    entropies."""
     if score == "entropy":
-        probs = torch.exp(logits - lse.unsqueeze(1)) if fused else torch.softmax(logits, dim=1)
+        probs = torch.exp(logits - lse.unsqueeze(1))
         return torch.where(valid, lse - (probs * logits).sum(1), torch.zeros_like(lse))
     if score == "excess":
-        return torch.where(valid, chunk_losses - reference.to(lse.dtype), torch.zeros_like(lse))
+        return _excess(chunk_losses, valid, reference)
     return chunk_losses
+
+
+def _eager_stream_chunk(h, weight, bias, labels, valid, reference, score, need_scores, acc, work):
+    """One chunk's forward, op by op, as :func:`linear_cross_entropy`'s eager step computes it (bit for
+    bit: the same losses and entropies): ``(losses, scores or None, logp, probs or None)``. ``probs``
+    (in ``work.logits``) is computed only for entropy scores, which overwrite ``logp``; otherwise
+    ``work.logits`` is free for the kept rows' gradient."""
+    logits = _chunk_logits(h, weight, bias, acc, work.logits)
+    logp = _log_probs(logits, work.logp)
+    losses = _token_losses(logp, labels, valid)
+    scores = probs = None
+    if need_scores and score == "entropy":
+        probs, scores = _probs_and_entropy(logp, valid, work.logits)
+    elif need_scores:
+        scores = _excess(losses, valid, reference) if score == "excess" else losses
+    return losses, scores, logp, probs
+
+
+def _eager_kept_grad(logp, probs, index, labels, work):
+    """``softmax - onehot`` of the kept rows ``index`` (every row when None), in a workspace buffer: the
+    kept rows of ``probs`` when the entropy computed them, else ``exp`` of the kept log-probabilities."""
+    if index is None:
+        grad = probs if probs is not None else _probs(logp, work.logits)
+        return _minus_onehot(grad, labels)
+    if probs is not None:  # logp was overwritten by the entropy: its buffer is free
+        grad = torch.index_select(probs, 0, index, out=work.logp[: len(index)])
+    else:
+        grad = torch.index_select(logp, 0, index, out=work.logits[: len(index)]).exp_()
+    return _minus_onehot(grad, labels.index_select(0, index))
 
 
 # --- the compiled step: the same arithmetic, out of place, for torch.compile (see linear_ce) ---
@@ -101,7 +133,7 @@ def _fused_stream_scores(mm, bias, labels, valid, keep_given, threshold, referen
     losses = torch.where(valid, lse - target, torch.zeros_like(lse))
     scores = None
     if want_scores or keep_given is None:
-        scores = _chunk_scores(logits, lse, losses, valid, reference, score, fused=True)
+        scores = _chunk_scores(logits, lse, losses, valid, reference, score)
     keep = valid & keep_given if keep_given is not None else valid & (scores.float() >= threshold)
     return losses, lse, scores, keep
 
@@ -174,6 +206,7 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
     rows_max = min(chunk_size, n_tokens)
     buffer = _chunk_buffer(compiled, hidden, weight, rows_max)  # the chunk's matmul, reused
     grad_buffer = _chunk_buffer(compiled and any_grad, hidden, weight, rows_max)  # the kept rows' gradients
+    work = None if compiled else _Workspace(rows_max, weight.shape[0], acc, device)  # the eager step's buffers
     pending: list[Tensor] = []  # the token rows of the gradients waiting in grad_buffer[:filled]
     filled = 0
     for start in range(0, n_tokens, chunk_size):
@@ -189,15 +222,9 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
             chunk_losses, chunk_lse, chunk_scores, chunk_keep = linear_ce._CHUNK_STEP.run(
                 "stream_scores", _fused_stream_scores, args, _row_args(args, (0, 2, 3, 4, 6)),
                 functools.partial(_fused_stream_scores, *args), path=_PATH)
-        else:
-            logits = _chunk_logits(h, weight, bias, acc)
-            chunk_lse = torch.logsumexp(logits, dim=1)
-            target = logits.gather(1, chunk_labels.unsqueeze(1)).squeeze(1)
-            chunk_losses = torch.where(chunk_valid, chunk_lse - target, torch.zeros_like(chunk_lse))
-            chunk_scores = None
-            if need_scores:  # entropy as linear_cross_entropy computes it, bit for bit
-                chunk_scores = _chunk_scores(logits, chunk_lse, chunk_losses, chunk_valid, chunk_reference, score,
-                                             fused=False)
+        else:  # losses and entropies as linear_cross_entropy computes them, bit for bit
+            chunk_losses, chunk_scores, logp, probs = _eager_stream_chunk(
+                h, weight, bias, chunk_labels, chunk_valid, chunk_reference, score, need_scores, acc, work)
             if chunk_given is not None:
                 chunk_keep = chunk_given & chunk_valid
             else:
@@ -235,9 +262,7 @@ def _streamed_forward(hidden, weight, bias, labels, keep_given, threshold, refer
             grad = linear_ce._CHUNK_STEP.run("stream_grad", _fused_stream_grad, args, _row_args(args, (0, 2, 3, 4, 7)),
                                              functools.partial(_fused_stream_grad, *args), path=_PATH)
         else:
-            grad = _eager_grad(logits if everything else logits.index_select(0, index),
-                               chunk_lse if everything else chunk_lse.index_select(0, index),
-                               chunk_labels if everything else chunk_labels.index_select(0, index)).to(hidden.dtype)
+            grad = _eager_kept_grad(logp, probs, index, chunk_labels, work).to(hidden.dtype)
         _apply_grad(grad, kept_h, rows if everything else index + start, weight, grads)
     if filled:
         _flush(grad_buffer, filled, pending, hidden, weight, grads)
@@ -340,7 +365,7 @@ def streaming_cross_entropy(
         reference = reference_losses.detach().reshape(-1).to(labels.device)
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     compiled = linear_ce._CHUNK_STEP.use_compiled(compile, flat_hidden.shape[0] * weight.shape[0], path=_PATH)
-    chunk = chunk_size or auto_chunk_size(weight.shape[0], fused=compiled)
+    chunk = chunk_size or auto_chunk_size(weight.shape[0], fused=compiled, hidden_size=weight.shape[1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         kept_sum, losses, kept, scores = _StreamingCrossEntropy.apply(
             flat_hidden, weight, bias, flat_labels, keep, threshold, reference, ignore_index, chunk, score, return_scores,
