@@ -386,21 +386,22 @@ def autofit(model: str, quick: bool) -> dict[str, Any]:
     for name in _budget_names(quick):
         budget = _budget(model, name, quick)
         best = best_within(grid_points_measured, budget)
-        again, tokens = [], []
+        again, tokens, picks, first = [], [], [], None
         for index in range(QUICK_RUNS if quick else RUNS):
             print(f"[autofit] {model}/autofit/{name} run {index + 1} ...", file=sys.stderr, flush=True)
             run = _child("autofit_main", model, budget, quick)
-            runs.setdefault(name, {"budget_bytes": budget, **run})
+            if first is None or ("tokens_per_s" in run and "tokens_per_s" not in first):  # the first that trained
+                first = run
             if "tokens_per_s" in run:
                 tokens.append(run["tokens_per_s"])
-                runs[name].setdefault("picks", []).append(
-                    f"mb{run['micro_batch']}x{run['accumulation']} {run['optimizer']} {run['policies']}")
+                picks.append(f"mb{run['micro_batch']}x{run['accumulation']} {run['optimizer']} {run['policies']}")
             if best is not None:
                 micro, optimizer, policy = _parse_point(best[0])
                 measured = _child("point_main", model, micro, optimizer, policy, quick)
                 if "tokens_per_s" in measured:
                     again.append(measured["tokens_per_s"])
-        runs[name].update(runs_tokens_per_s=tokens, best_again_tokens_per_s=again, best_point=best[0] if best else None)
+        runs[name] = {"budget_bytes": budget, **(first or {}), "picks": picks, "runs_tokens_per_s": tokens,
+                      "best_again_tokens_per_s": again, "best_point": best[0] if best else None}
     figures: dict[str, Any] = {"budgets": runs}
     for name, run in runs.items():
         for key in ("tokens_per_s", "predicted_peak_bytes", "measured_peak_bytes", "planning_steps", "error", "infeasible"):

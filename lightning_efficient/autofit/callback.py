@@ -30,7 +30,7 @@ from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
 from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_peak, measure_rank, sample_batch
-from lightning_efficient.autofit.model import BudgetTooSmall, FitPlan, RankProfile, divisors, plan_table, replan, search
+from lightning_efficient.autofit.model import CLOSE, BudgetTooSmall, FitPlan, RankProfile, divisors, plan_table, replan, search
 from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, release_free_memory
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
@@ -67,32 +67,53 @@ def _loader_batch_size(loader: Any) -> int:
     return max(1, len(first)) if first is not None else 1
 
 
-def _fit_checkpoint_path(trainer: Trainer) -> Any:
-    """The checkpoint this ``fit`` restores (None: none), from ``setup`` on.
+def _fit_checkpoint_path(trainer: Trainer) -> tuple[Any, bool | None]:
+    """The checkpoint this ``fit`` restores (None: none) and the ``weights_only`` it is loaded with, from ``setup`` on.
 
     Lightning sets ``trainer.ckpt_path`` only when it loads the checkpoint: after ``setup`` always, and after
     ``on_fit_start`` where the strategy restores after setup (``ModelParallelStrategy``, ``hetero_fsdp``); until
     then (and after a fit, where it keeps the last fit's) the path lives only in ``Trainer._run``'s arguments,
-    read here from its frame."""
+    read here from its frame (a Lightning that names them otherwise gives None: the resume measures again)."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
             if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
-                return frame.f_locals.get("ckpt_path")
+                return frame.f_locals.get("ckpt_path"), frame.f_locals.get("weights_only")
             frame = frame.f_back
     finally:
         del frame
-    return None
+    return None, None
 
 
-def _checkpoint_callback_states(path: Any) -> dict[str, Any]:
+def _checkpoint_callback_states(path: Any, weights_only: bool | None) -> dict[str, Any]:
     """The callbacks' states a local checkpoint (a file or a distributed-checkpoint directory) holds, read
-    without loading its tensors; empty for a remote path (Lightning loads those itself, later)."""
+    without loading its tensors, with the fit's ``weights_only``; empty for a remote path (Lightning loads those
+    itself, later) and for one that cannot be read this way (said once; Lightning's own load decides)."""
     if path is None or not os.path.exists(path):
         return {}
     from lightning_efficient.optim.sharded import checkpoint_layouts
 
-    return dict(checkpoint_layouts(path)[2] or {})
+    try:
+        return dict(checkpoint_layouts(path, weights_only=weights_only)[2] or {})
+    except Exception as error:  # noqa: BLE001 - a format this read does not know: Lightning loads it later
+        rank_zero_info(f"AutoFit: the checkpoint's callback states could not be read before Lightning loads it "
+                       f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); a plan in it is reused only where "
+                       "Lightning restores before AutoFit plans (not under the sharded strategies)")
+        return {}
+
+
+def _ladder(candidates: list[int], below: int, most: int = 3) -> tuple[int, ...]:
+    """Up to ``most`` of ``candidates`` under ``below``, geometrically spaced (each at most half the one above it),
+    none under 2."""
+    chosen: list[int] = []
+    limit = below // 2
+    while len(chosen) < most:
+        fitting = [m for m in candidates if 2 <= m <= limit]
+        if not fitting:
+            break
+        chosen.append(max(fitting))
+        limit = chosen[-1] // 2
+    return tuple(sorted(chosen))
 
 
 def _ddp_bucket_bytes(strategy: Any) -> int:
@@ -244,8 +265,12 @@ class AutoFit(Callback):
                 "ActivationMemory(policy='auto') beside AutoFit: AutoFit plans the block policies itself, within its own "
                 "budget; drop ActivationMemory, or give it a fixed policy for AutoFit to keep"
             )
-        # read before the start is: what reading maps is handed back by then
-        self._checkpoint_states = _checkpoint_callback_states(_fit_checkpoint_path(trainer))
+        # read before the start is (what reading maps is handed back by then), and only where it is needed: the
+        # strategy restores after AutoFit plans, or an ActivationMemory of AutoFit's may have to be there for its state
+        self._checkpoint_states = {}
+        if getattr(trainer.strategy, "restore_checkpoint_after_setup", False) or (
+                self._user_activations is None and not any(isinstance(c, ActivationMemory) for c in callbacks)):
+            self._checkpoint_states = _checkpoint_callback_states(*_fit_checkpoint_path(trainer))
         self._adopt_activations(trainer, self._checkpoint_states)
         wants_8bit = any(o != "32-bit" for o in self.optimizer_options)
         if wants_8bit or self._user_optimizer is not None:
@@ -382,9 +407,11 @@ class AutoFit(Callback):
             m2 = min(max(batch_size, 2), per_rank)
             sizes = (max(1, m2 // 2), m2)
             micro_batches = None
-            # the smaller candidates are timed too: a CPU's time per sample is not a line in the micro-batch
+            # smaller candidates are timed too (a CPU's time per sample is not a line in the micro-batch): up to three,
+            # each at most half the one above, none below 2 (a model may not train on one sample); none on a resume
+            # that keeps the checkpoint's micro-batch
             candidates = [2**k for k in range(per_rank.bit_length())] if heterogeneous else divisors(per_rank)
-            ladder = tuple(m for m in candidates if m < sizes[0])
+            ladder = _ladder(candidates, sizes[0]) if keep_micro_batch is None else ()
         else:
             sizes = (batch_size, batch_size)
             micro_batches = [batch_size]
@@ -434,8 +461,10 @@ class AutoFit(Callback):
 
     def _confirmed(self, plan: FitPlan, profiles: list[RankProfile], strategy: Any, batches: Any, notes: list[str],
                    again: Any) -> FitPlan:
-        """A micro-batch beyond the measured sizes is measured too (every block kept): where it reads above the line,
-        the line is fitted through it and the larger measured size, and the search runs again."""
+        """A micro-batch beyond the measured sizes is measured too (every block kept): where its peak reads above the
+        line, the line is fitted through it and the larger measured size; its time joins the timed sizes; where either
+        reads above the prediction (the time by more than :data:`~lightning_efficient.autofit.model.CLOSE`), the
+        search runs again."""
         rank = strategy.global_rank
         mine, profile = plan.ranks[rank], profiles[rank]
         reading, failure = None, None
@@ -445,18 +474,26 @@ class AutoFit(Callback):
         except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
             failure = error
         readings = gather_or_raise_together(reading, failure, "AutoFit could not measure its pick")
-        updated, moved = [], False
+        updated: list[RankProfile] = []
+        peak_moved = time_moved = False
         for (size, peak, seconds), p in zip(readings, profiles):
+            if size <= p.sizes[1]:
+                updated.append(p)
+                continue
             p0, p1 = p.line(p.peak_bytes)
-            if size > p.sizes[1] and peak > p0 + p1 * size:
-                moved = True
+            time_moved |= seconds > p.micro_step_seconds(size) * (1 + CLOSE)
+            if peak > p0 + p1 * size:
+                peak_moved = True
                 p = replace(p, sizes=(p.sizes[1], size), peak_bytes=(p.peak_bytes[1], peak), step_s=(p.step_s[1], seconds),
                             times=[*p.times, (p.sizes[0], p.step_s[0])])
+            else:
+                p = replace(p, times=[*p.times, (size, seconds)])
             updated.append(p)
-        if not moved:
-            return plan
         self._profiles = updated
-        notes.append("the pick's micro-batch read above the fitted line: fitted again through it and planned again")
+        if not (peak_moved or time_moved):
+            return plan
+        notes.append(f"the pick's micro-batch read above its predicted {' and '.join(w for w, m in (('peak', peak_moved), ('time', time_moved)) if m)}"
+                     ": planned again with its reading")
         return again(updated)
 
     def _blocks(self, pl_module: LightningModule, notes: list[str]) -> tuple[list, list[str] | None, tuple[str, ...]]:

@@ -148,22 +148,20 @@ def measure_rank(
                 peak1, time1 = timed(m1)
             if (m1, m2) == sizes:
                 peak2, time2 = timed(m2)
-            # each smaller size twice, interleaved: the least time and the larger peak (one reading is at the mercy of
-            # the machine); the largest once on a CPU (it costs the most, and its time per sample varies the least),
-            # twice on CUDA (its first reading pays the caching allocator's first cudaMalloc of its size)
+            # each size twice, interleaved: the least time and the larger peak (one reading is at the mercy of the
+            # machine, and a size's first pays for memory the heap or the caching allocator has not held yet)
             smaller = [size for size in smaller if size < m1]
             times = [(size, timed(size)[1]) for size in smaller]
             if m1 != m2:
-                again1, retime1 = timed(m1)
-                peak1, time1 = max(peak1, again1), min(time1, retime1)
-                if device.type == "cuda":
-                    again2, retime2 = timed(m2)
-                    peak2, time2 = max(peak2, again2), min(time2, retime2)
+                (again1, retime1), (again2, retime2) = timed(m1), timed(m2)
+                peak1, time1, peak2, time2 = max(peak1, again1), min(time1, retime1), max(peak2, again2), min(time2, retime2)
             times += [(size, timed(size)[1]) for size in smaller]
             profiles: list[BlockProfile] = []
             if blocks:  # every allowed policy, or only keep and the ones the user fixed
                 wanted = policies if fixed_policies is None else tuple(dict.fromkeys(("keep", *fixed_policies)))
-                profiles = _profile_blocks(strategy, batches, m2, blocks, exclude, wanted, min_offload_bytes, offload_dir)
+                # at the smaller size: half the cost, and within the budget where the larger may not be (held bytes and
+                # costs scale with the micro-batch)
+                profiles = _profile_blocks(strategy, batches, m1, blocks, exclude, wanted, min_offload_bytes, offload_dir)
             measured = [_measure_option(spec, meter, device, 0 if spec.own else run_state, option_steps) for spec in options]
         finally:
             for optimizer, state in zip(strategy.optimizers, saved_states):
@@ -172,7 +170,7 @@ def measure_rank(
     release_free_memory(device)
     return RankProfile(
         sizes=(m1, m2), peak_bytes=(peak1, peak2), step_s=(time1, time2), run_state_bytes=run_state,
-        blocks=profiles, blocks_size=m2, options=measured, budget_bytes=budget_bytes,
+        blocks=profiles, blocks_size=m1, options=measured, budget_bytes=budget_bytes,
         tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies, times=times,
     )
 

@@ -108,17 +108,22 @@ class RankProfile:
 
     def micro_step_seconds(self, micro: int) -> float:
         """Predicted seconds of a forward and backward at ``micro`` samples, every block kept: linear between the
-        timed sizes around it; beyond the largest, the line through the last two (never decreasing); below the
-        smallest, the line through the first two (never below 0); one timed size: its reading."""
+        timed sizes around it; beyond the largest, the steeper of the line through the last two and the chord from
+        the smallest (one noisy segment does not make larger sizes free), or time proportional to the micro-batch
+        where both are flat; below the smallest, the line through the first two, never below time proportional to
+        the micro-batch; one timed size: proportional to it."""
         points = self.time_points()
+        first_m, first_t = points[0]
+        last_m, last_t = points[-1]
         if len(points) == 1:
-            return points[0][1]
-        if micro >= points[-1][0]:
-            (m1, t1), (m2, t2) = points[-2:]
-            return t2 + max(0.0, (t2 - t1) / (m2 - m1)) * (micro - m2)
-        if micro <= points[0][0]:
-            (m1, t1), (m2, t2) = points[:2]
-            return max(0.0, t1 - (t2 - t1) / (m2 - m1) * (m1 - micro))
+            return last_t * micro / last_m
+        if micro >= last_m:
+            (m1, t1) = points[-2]
+            slope = max((last_t - t1) / (last_m - m1), (last_t - first_t) / (last_m - first_m))
+            return last_t + (slope if slope > 0 else last_t / last_m) * (micro - last_m)
+        if micro <= first_m:
+            m2, t2 = points[1]
+            return max(first_t * micro / first_m, first_t - (t2 - first_t) / (m2 - first_m) * (first_m - micro))
         for (m1, t1), (m2, t2) in itertools.pairwise(points):
             if m1 <= micro <= m2:
                 return t1 + (t2 - t1) * (micro - m1) / (m2 - m1)

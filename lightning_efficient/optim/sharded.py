@@ -371,11 +371,12 @@ def install_layout_hooks(
     return expect
 
 
-def checkpoint_layouts(path: Any) -> tuple[list[set[str]], list[list[set[str]]], dict | None]:
+def checkpoint_layouts(path: Any, weights_only: bool | None = False) -> tuple[list[set[str]], list[list[set[str]]], dict | None]:
     """What a Lightning checkpoint (a file or a distributed-checkpoint directory) holds, per optimizer
     index: its optimizer-state layouts and its param groups' keys; and the checkpoint's callback states.
 
-    Reads only metadata for a directory; a file is memory-mapped.
+    Reads only metadata for a directory; a file is memory-mapped. ``weights_only`` is passed to ``torch.load``
+    (None: torch's default, as Lightning does).
     """
     from pathlib import Path
 
@@ -403,9 +404,9 @@ def checkpoint_layouts(path: Any) -> tuple[list[set[str]], list[list[set[str]]],
             elif leaf == "state1":
                 layouts.setdefault(index, set()).add(BNB_BLOCKWISE)
         meta_path = path / "meta.pt"
-        meta = torch.load(meta_path, map_location="cpu", weights_only=False) if meta_path.is_file() else {}
+        meta = torch.load(meta_path, map_location="cpu", weights_only=weights_only) if meta_path.is_file() else {}
     else:
-        meta = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        meta = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
         for index, optimizer_state in enumerate(meta.get("optimizer_states", [])):
             layouts[index] = {param_state_layout(s) for s in optimizer_state.get("state", {}).values()} - {None}
             group_keys[index] = {g: set(group) - {"params"} for g, group in enumerate(optimizer_state.get("param_groups", []))}

@@ -365,7 +365,7 @@ def streaming_cross_entropy(
         reference = reference_losses.detach().reshape(-1).to(labels.device)
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     compiled = linear_ce._CHUNK_STEP.use_compiled(compile, flat_hidden.shape[0] * weight.shape[0], path=_PATH)
-    chunk = chunk_size or auto_chunk_size(weight.shape[0], fused=compiled, hidden_size=weight.shape[1])
+    chunk = chunk_size or auto_chunk_size(weight.shape[0], fused=compiled, hidden_size=weight.shape[1], device=weight.device)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         kept_sum, losses, kept, scores = _StreamingCrossEntropy.apply(
             flat_hidden, weight, bias, flat_labels, keep, threshold, reference, ignore_index, chunk, score, return_scores,

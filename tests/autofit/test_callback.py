@@ -122,6 +122,12 @@ def test_the_plan_is_saved_in_checkpoints_and_a_resume_with_the_same_budget_reus
     trainer, _, _ = _fit(small_datamodule_kwargs, [resumed, record], steps=4, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.profiles == [] and resumed.plan == first.plan
     assert len(record.samples) == 2 and trainer.global_step == 4
+    # torch's legacy (not zip) format cannot be memory-mapped by AutoFit's early read: Lightning's load alone serves
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save(torch.load(tmp_path / "last.ckpt", weights_only=False), legacy, _use_new_zipfile_serialization=False)
+    again = AutoFit(budget="512MB", optimizer_options=["32-bit", "8-bit"])
+    _fit(small_datamodule_kwargs, [again], steps=3, root=str(tmp_path / "legacy"), ckpt_path=str(legacy))
+    assert again.profiles == [] and again.plan == first.plan
     other = AutoFit(budget="600MB", optimizer_options=["32-bit", "8-bit"])
     _fit(small_datamodule_kwargs, [other], steps=5, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
     assert other.profiles  # another budget: measured again

@@ -79,7 +79,9 @@ def test_the_plan_is_the_same_on_every_rank_and_each_rank_applies_its_own_part(r
             assert during["policies"] is None
         assert during["eight_bit"] == [plan["optimizer"] == "8-bit"]
     if mode.startswith("hetero"):
-        assert caps[1] < caps[0], caps  # rank 1's budget holds about 4 samples; rank 0's the whole global batch
+        # rank 1's budget holds about 4 samples, rank 0's the whole global batch: rank 1's cap is budget-bound, rank 0's
+        # is its fastest per sample (which the timed sizes decide: on a CPU not always the largest)
+        assert caps[1] < GLOBAL_BATCH and plan["ranks"][1]["peak_bytes"] <= plan["budgets"][1] * (1 - plan["margin"]), caps
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -90,8 +90,16 @@ def test_time_is_piecewise_linear_between_timed_sizes_and_the_least_reading_coun
     assert p.micro_step_seconds(3) == pytest.approx((0.08 + 0.13) / 2)
     assert p.micro_step_seconds(6) == pytest.approx((0.13 + 0.21) / 2)
     assert p.micro_step_seconds(16) == pytest.approx(0.21 + 0.02 * 8)  # beyond: the line through the last two
-    p.step_s = (0.13, 0.12)  # noise: slower at the smaller size, never extrapolated downwards
-    assert p.micro_step_seconds(16) == pytest.approx(0.12)
+    p.step_s = (0.13, 0.12)  # noise: slower at the smaller size; beyond, the chord from the smallest (1, 0.07)
+    assert p.micro_step_seconds(16) == pytest.approx(0.12 + (0.12 - 0.07) / 7 * 8)
+    p.times, p.step_s = [], (0.13, 0.12)  # every slope flat or negative: time proportional to the micro-batch beyond
+    assert p.micro_step_seconds(16) == pytest.approx(0.12 * 2)
+    assert p.micro_step_seconds(2) == pytest.approx(0.13 + 0.0025 * 2)  # below: the line through the first two
+    p.step_s = (0.05, 0.45)  # steep: the line would reach 0 at 3; proportional time is the floor
+    assert p.micro_step_seconds(1) == pytest.approx(0.05 / 4)
+    p.sizes, p.step_s = (8, 8), (0.4, 0.4)  # one timed size: proportional to it
+    assert p.micro_step_seconds(4) == pytest.approx(0.2) and p.micro_step_seconds(8) == pytest.approx(0.4)
+    p.sizes, p.step_s = (4, 8), (0.13, 0.21)
     again = RankProfile.from_dict(p.to_dict())
     assert again.time_points() == p.time_points()
 
@@ -210,3 +218,13 @@ def test_the_search_fits_the_budget_and_is_as_fast_as_the_exhaustive_grid(budget
     slack = (samples // plan.micro_batches[0]) * max(b.cost_s["checkpoint"] for b in p.blocks) * plan.micro_batches[0] / p.blocks_size
     assert plan.step_s <= (best[0] + slack) * (1 + CLOSE) + 1e-12
     assert math.isclose(plan.tokens_per_s, samples * 128.0 / plan.step_s)
+
+
+def test_the_timed_ladder_is_at_most_three_geometric_sizes_of_at_least_two():
+    from lightning_efficient.autofit.callback import _ladder
+
+    assert _ladder(divisors(16), 8) == (2, 4)  # 1 left out: a model may not train on one sample
+    assert _ladder(divisors(720), 360) == (45, 90, 180)  # not the 20 divisors under 360
+    assert _ladder(divisors(12), 6) == (3,)
+    assert _ladder([2**k for k in range(7)], 32) == (4, 8, 16)
+    assert _ladder(divisors(4), 2) == ()

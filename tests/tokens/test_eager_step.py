@@ -80,6 +80,7 @@ def test_a_small_head_gets_cache_sized_chunks():
     assert auto_chunk_size(32768, hidden_size=512) == 256
     assert auto_chunk_size(8192, hidden_size=256) == 512
     assert auto_chunk_size(32768, fused=True, hidden_size=512) == 512  # the compiled step's 64 MiB
+    assert auto_chunk_size(8192, hidden_size=128, device=torch.device("cuda")) == 1024  # CUDA: fewer launches
 
 
 @pytest.mark.parametrize("chunk_size", [8, 40, None])
