@@ -159,7 +159,8 @@ register(
         description=(
             f"The demo GPT of tokens_quality (2 layers, d_model 128, seq 128, batch 16, vocab 8192, fused loss) with "
             f"SelectiveTokenLoss at keep {KEEP_RATIO} from the first step: the median training step time over 40 steps "
-            "after 5 (the median of 3 rounds, variants interleaved), against no selection (the fused mean); eslm on the streaming and the batch-exact threshold, "
+            "after 5 (the median of 3 rounds, variants interleaved), against no selection (the fused mean); eslm on the "
+            "streaming and the batch-exact threshold, "
             "eslm on the per-token path (full logits), random on the streaming path."
         ),
         baseline="baseline",
