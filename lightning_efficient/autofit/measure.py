@@ -102,8 +102,7 @@ def measure_rank(
         fixed_policies: the block policies the user fixed (carried in the profile).
         min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory` (what offload leaves on the device).
         offload_dir: where the disk policy's bandwidth is measured.
-        ladder: more micro-batch sizes to time (those below the smaller measured size; each twice, the least kept);
-            the smallest is also the warm-up's size.
+        ladder: more micro-batch sizes to time (those below the smaller measured size; each twice, the least kept).
         option_steps: optimizer steps timed per option (the least kept).
     """
     module = strategy.lightning_module
@@ -133,7 +132,9 @@ def measure_rank(
     smaller = sorted({size for size in ladder if 0 < size < m1})
     with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, device)):
         try:
-            forward_backward(smaller[0] if smaller else m1)  # warm-up (lazy initialisation, compilation), then the run's states
+            # warm-up at the smaller measured size (lazy initialisation, compilation, the heap grown to it: a first reading
+            # there would read above the next), then the run's states
+            forward_backward(m1)
             for optimizer in strategy.optimizers:
                 if len(optimizer.state) == 0:
                     optimizer.step()
