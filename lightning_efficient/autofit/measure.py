@@ -129,7 +129,6 @@ def measure_rank(
         return peak, elapsed
 
     m1, m2 = sizes
-    smaller = sorted({size for size in ladder if 0 < size < m1})
     with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, device)):
         try:
             # warm-up at the smaller measured size (lazy initialisation, compilation, the heap grown to it: a first reading
@@ -151,7 +150,7 @@ def measure_rank(
                 peak2, time2 = timed(m2)
             # each size twice, interleaved: the least time and the larger peak (one reading is at the mercy of the
             # machine, and a size's first pays for memory the heap or the caching allocator has not held yet)
-            smaller = [size for size in smaller if size < m1]
+            smaller = sorted({size for size in ladder if 0 < size < m1})  # below the smaller size, once it has moved
             times = [(size, timed(size)[1]) for size in smaller]
             if m1 != m2:
                 (again1, retime1), (again2, retime2) = timed(m1), timed(m2)
