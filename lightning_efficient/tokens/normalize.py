@@ -92,7 +92,10 @@ class StepTokenNormaliser:
     times ``A``: one all-reduce). After the step's last backward, :meth:`normalise_gradients`
     all-reduces the step's local token counts once into ``T`` and multiplies the gradients by
     ``K / T``; then ``K := T``. The step's gradient is then (sum of every token's loss gradient) / T,
-    the same as one big batch, also for a last step with fewer micro-batches than ``A``. Counts are
+    the same as one big batch, also for a last step with fewer micro-batches than ``A``. With one
+    micro-batch a step in one process, ``K`` is that micro-batch's own count (``K = T``: the gradients
+    are not touched again; the single-process callback has already waited for the device in the forward
+    to check the losses are finite). Counts are
     int64 on the device (exact, and available on every backend); the host waits for the device once a
     step, for ``K / T``.
 
@@ -130,7 +133,11 @@ class StepTokenNormaliser:
         """
         device = local_sum.device
         counts = torch.stack([torch.as_tensor(c, device=device).to(torch.int64).reshape(()) for c in (local_count, non_finite)])
-        if self.scale is None:  # the first step: one all-reduce (and one host sync) estimates the step's count
+        if accumulation == 1 and distributed_world_size() == 1:
+            # one micro-batch a step in one process: the step's count is this micro-batch's, known now, so K := T
+            # here and normalise_gradients has no pass over the gradients to make (its one host sync moves here)
+            self.scale = float(max(int(counts[0]), 1))
+        elif self.scale is None:  # the first step: one all-reduce (and one host sync) estimates the step's count
             self.scale = float(max(int(global_sum(counts[:1])) * accumulation, 1))
         self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))

@@ -21,6 +21,7 @@ rank's count) and takes the same order statistic.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,19 +40,41 @@ Gather = Callable[[Tensor], Tensor]
 class Selection:
     """A keep mask and what it was chosen by.
 
+    The summary figures are computed when first read: each is a device sync, and the callback reads
+    them only on the steps it logs.
+
     Attributes:
         keep: bool mask of the tokens the loss keeps (a subset of the valid ones).
         threshold: the score at or above which a valid token is kept (None for ``none``).
-        kept_fraction: kept / valid tokens in this process.
-        kept_mean_score: mean score of the kept tokens (nan when none).
-        dropped_mean_score: mean score of the valid tokens dropped (nan when none).
+        scores: the (detached) scores the mask was chosen by.
+        valid: bool mask of the tokens that count.
     """
 
     keep: Tensor
     threshold: float | None
-    kept_fraction: float
-    kept_mean_score: float
-    dropped_mean_score: float
+    scores: Tensor
+    valid: Tensor
+
+    @functools.cached_property
+    def kept_fraction(self) -> float:
+        """Kept / valid tokens in this process (0 when none is valid)."""
+        n_valid = int(self.valid.sum())
+        return int(self.keep.sum()) / n_valid if n_valid else 0.0
+
+    @functools.cached_property
+    def kept_mean_score(self) -> float:
+        """Mean score of the kept tokens (nan when none)."""
+        return _mean_or_nan(self.scores, self.keep)
+
+    @functools.cached_property
+    def dropped_mean_score(self) -> float:
+        """Mean score of the valid tokens dropped (nan when none)."""
+        return _mean_or_nan(self.scores, self.valid & ~self.keep)
+
+
+def _mean_or_nan(scores: Tensor, where: Tensor) -> float:
+    count = int(where.sum())
+    return float(scores[where].mean()) if count else math.nan
 
 
 def kept_count(n_valid: int, keep_ratio: float) -> int:
@@ -86,13 +109,7 @@ def threshold_keep(scores: Tensor, valid: Tensor, keep_ratio: float, gather: Gat
 
 
 def _summarise(scores: Tensor, valid: Tensor, keep: Tensor, threshold: float | None) -> Selection:
-    scores = scores.detach().float()
-    dropped = valid & ~keep
-    n_valid = int(valid.sum())
-    n_kept = int(keep.sum())
-    kept_mean = float(scores[keep].mean()) if n_kept else math.nan
-    dropped_mean = float(scores[dropped].mean()) if n_valid > n_kept else math.nan
-    return Selection(keep, threshold, n_kept / n_valid if n_valid else 0.0, kept_mean, dropped_mean)
+    return Selection(keep, threshold, scores.detach().float(), valid)
 
 
 def summarise_selection(scores: Tensor, valid: Tensor, keep: Tensor, threshold: float | None) -> Selection:

@@ -544,7 +544,7 @@ def make_trainer(case: Case, world: int, callbacks: list[Callback]) -> Trainer:
         max_epochs=EPOCHS, accumulate_grad_batches=accumulate,
         gradient_clip_val=0.5 if case.loop == "clip" else None, gradient_clip_algorithm="norm",
         val_check_interval=0.5 if case.loop == "validate" else 1.0, limit_val_batches=1.0 if validate else 0,
-        num_sanity_val_steps=0, callbacks=callbacks, logger=False, enable_checkpointing=False,
+        num_sanity_val_steps=0, callbacks=callbacks, logger=False, log_every_n_steps=1, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         default_root_dir=None,
     )

@@ -26,7 +26,7 @@ class Record(lightning.Callback):
 if __name__ == "__main__":
     lightning.seed_everything(0)
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", precision="64-true", max_steps=3, logger=False,
+        accelerator="cpu", devices=2, strategy="ddp", precision="64-true", max_steps=3, logger=False, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[SelectiveTokenLoss(method="eslm", keep_ratio=0.5, scope="global"), Record(sys.argv[1])],
     )

@@ -65,3 +65,23 @@ def test_ddp_with_accumulation_equals_one_batch_over_its_tokens(tmp_path):
         # rank r reads samples r, r + 2, ...: a micro-step covers 4 consecutive samples
         micro = [list(range(8 * step, 8 * step + 4)), list(range(8 * step + 4, 8 * step + 8))]
         _assert_equal(grads, reference_step_grads(saved["init"], method, micro))
+
+
+def test_one_micro_batch_a_step_is_divided_by_its_own_count_and_its_gradients_are_left_alone():
+    """One process, no accumulation: each step's loss is its kept sum over its own count (float64, exact), and
+    ``normalise_gradients`` has nothing left to multiply, also when the count changes from step to step."""
+    from lightning_efficient.tokens.normalize import StepTokenNormaliser
+
+    normaliser = StepTokenNormaliser()
+    weight = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    for count in (5, 7, 3):
+        optimizer.zero_grad()
+        kept_sum = (weight * 3.0).sum() * count
+        loss = normaliser.micro_batch_loss(kept_sum, torch.tensor(count), accumulation=1)
+        assert loss.item() == kept_sum.item() / count
+        loss.backward()
+        before = weight.grad.clone()
+        normaliser.normalise_gradients(optimizer)
+        assert torch.equal(weight.grad, before)
+        assert torch.equal(weight.grad, torch.full((2,), 3.0, dtype=torch.float64))

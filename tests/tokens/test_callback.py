@@ -11,8 +11,8 @@ from tests.conftest import tiny_gpt_kwargs
 
 def _trainer(callbacks, steps=3, **kwargs):
     return lightning.Trainer(
-        accelerator="cpu", max_steps=steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=callbacks, **{"enable_checkpointing": False, **kwargs},
+        accelerator="cpu", max_steps=steps, limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks, **{"enable_checkpointing": False, "logger": False, "log_every_n_steps": 1, **kwargs},
     )
 
 
@@ -191,3 +191,31 @@ def test_fused_output_without_callback_trains_on_the_plain_mean():
     logits = model(batch["input_ids"])
     reference = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
     torch.testing.assert_close(out["loss"], reference, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_selection_figures_are_logged_on_the_steps_lightning_logs(fused, small_datamodule_kwargs, tmp_path):
+    """The ``selection/`` figures reach the logger at the Trainer's ``log_every_n_steps`` steps, the same
+    steps as a metric the module logs on every step, and are not computed on the others."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    class EveryStep(lightning.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pl_module.log("probe", float(batch_idx))
+
+    callback = SelectiveTokenLoss(method="eslm", keep_ratio=0.6, threshold="exact")
+    computed = []
+    figures = callback._stats
+    callback._stats = lambda *args, **kwargs: computed.append(1) or figures(*args, **kwargs)
+    trainer = _trainer([callback, EveryStep()], steps=7, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=3)
+    trainer.fit(DemoGPT(**tiny_gpt_kwargs(), fused_loss=fused), datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    probe_steps = [int(row["step"]) for row in rows if row.get("probe")]
+    selection_steps = [int(row["step"]) for row in rows if row.get("selection/kept_fraction")]
+    assert probe_steps == [2, 5]
+    assert selection_steps == probe_steps
+    assert len(computed) == 2
+    assert 0.6 <= float(trainer.callback_metrics["selection/kept_fraction"]) < 0.65

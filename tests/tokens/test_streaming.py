@@ -231,7 +231,7 @@ def test_the_estimate_round_trips_through_its_state_dict():
 # -- through SelectiveTokenLoss ---------------------------------------------------------------------
 def _trainer(callbacks, steps=3, **kwargs):
     return lightning.Trainer(
-        accelerator="cpu", max_steps=steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        accelerator="cpu", max_steps=steps, limit_val_batches=0, logger=False, log_every_n_steps=1, enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, **{"enable_checkpointing": False, **kwargs},
     )
 
@@ -353,6 +353,7 @@ def test_accumulation_equals_one_big_batch_at_the_same_streamed_threshold():
         callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5, warmup_steps=1)
         lightning.Trainer(
             accelerator="cpu", precision="64-true", max_steps=2, accumulate_grad_batches=accumulate, logger=False,
+            log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[grads, callback, record],
         ).fit(_Batches(batch_size))
         runs.append((grads, record.metrics))
@@ -379,7 +380,7 @@ def test_a_resumed_fit_streams_at_the_uninterrupted_runs_thresholds(tmp_path):
         record = _Record()
         model = Learning(2, samples=4)
         trainer = lightning.Trainer(
-            accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
+            accelerator="cpu", max_epochs=epochs, logger=False, log_every_n_steps=1, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False,
             callbacks=[SelectiveTokenLoss(method="eslm", keep_ratio=0.5), record],
         )
@@ -428,6 +429,7 @@ def test_scores_of_a_training_step_run_outside_the_loop_are_not_estimated_from()
         record = _Record()
         lightning.Trainer(
             accelerator="cpu", precision="64-true", max_steps=3, accumulate_grad_batches=2, logger=False,
+            log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[SelectiveTokenLoss(method="topk", keep_ratio=0.5), record, *extra],
         ).fit(_Batches(2, samples=12))
