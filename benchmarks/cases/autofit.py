@@ -341,14 +341,17 @@ def autofit_main(model: str, budget: int, quick: bool) -> None:
                      report_after_steps=warmup + timed)  # measured over the same window as the grid's peak
     global_batch = _global_batch(quick)
     data = _data(quick, global_batch)
+    trained = _plan_at_start(fitter)
     with tempfile.TemporaryDirectory() as root:
-        trainer = _trainer(warmup + timed, root, [meter, fitter])
+        trainer = _trainer(warmup + timed, root, [meter, fitter, trained])
         try:
             trainer.fit(_module(model, quick), datamodule=data)
         except BudgetTooSmall as error:
             _print_result({"infeasible": str(error)[:400]})
             return
-    plan, measured = fitter.plan, fitter.measured
+    # the figures are the plan the measured steps ran: a re-plan after them (a measured peak above its prediction)
+    # changes the plan the fit goes on with, reported beside it
+    plan, measured, final = trained.plan, fitter.measured, fitter.plan
     mine = plan.ranks[0]
     figures = _measured(meter, global_batch, quick)
     policies = list(mine.policies) or ["keep"]  # no block planned: every block kept
@@ -366,8 +369,23 @@ def autofit_main(model: str, budget: int, quick: bool) -> None:
         "planning_peak_bytes": meter.before_training_peak,
         "planning_s": fitter.planning_s,
         "planning_steps": fitter.planning_s / figures["step_time_s"],
-        "notes": "; ".join(plan.notes),
+        "notes": "; ".join(final.notes),
+        "replanned_policies": _counts(list(final.ranks[0].policies)) if final is not plan else "",
     })
+
+
+def _plan_at_start(fitter):
+    """A callback recording AutoFit's plan when training starts: the one the measured steps run (built here so
+    Lightning is imported only in a worker)."""
+    from lightning.pytorch import Callback
+
+    class PlanAtStart(Callback):
+        plan = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.plan = fitter.plan
+
+    return PlanAtStart()
 
 
 def _grid_points_of_this_run(model: str, quick: bool) -> dict[str, dict[str, Any]]:
@@ -556,6 +574,8 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
                              + f" | {why[:160]} |" + " |" * 13)
                 continue
             pick = (f"mb{run['micro_batch']}x{run['accumulation']} {run['optimizer']} {run['policies']}")
+            if run.get("replanned_policies"):  # planned again after the measured steps: what the fit went on with
+                pick += f" (then {run['replanned_policies']})"
             ratio = run["tokens_per_s"] / best[1]["tokens_per_s"] if best else None
             at_pick = points.get(run.get("grid_point") or "")
             pick_ratio = at_pick["tokens_per_s"] / best[1]["tokens_per_s"] if best and at_pick else None

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
+from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._validation import require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
@@ -235,6 +236,7 @@ class AutoFit(Callback):
         self._undo_settings: list[Any] = []
         self._meter: PeakMemory | None = None
         self._start_rss = 0
+        self._code_pages = CodePages()  # off CUDA: the library code measuring touched is handed back after it
         self._step_started: float | None = None
         self._step_times: list[float] = []
         self._measured: list[dict[str, float]] | None = None
@@ -277,6 +279,8 @@ class AutoFit(Callback):
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
         release_free_memory()  # what earlier work freed is not counted in the start
         self._start_rss = current_rss_bytes()
+        if trainer.strategy.root_device.type != "cuda":
+            self._code_pages.snapshot()
         self._precision = str(trainer.precision)
         if self._user_optimizer is None and wants_8bit:
             # added now, not when planning: it must exist when a checkpoint is loaded (it converts states); the
@@ -340,6 +344,10 @@ class AutoFit(Callback):
                 # without any, as plain Lightning's does: torch's distributed checkpoint (ModelParallelStrategy's
                 # resume, after this hook) loads no optimizer states into an optimizer whose parameters hold gradients
                 pl_module.zero_grad(set_to_none=True)
+        # on CPU the fit's memory is its RSS: the library code only measuring ran (every policy, every optimizer option)
+        # would stay resident and read as training memory; it is unmapped (the fit faults back in the pages it runs)
+        self._code_pages.release_touched()
+        release_free_memory(pl_module.device)
         self.planning_s = time.perf_counter() - started
         self._plan = plan
         rank_zero_info(plan_table(plan) + f"\n  planned in {self.planning_s:.2f} s")
