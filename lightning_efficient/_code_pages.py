@@ -8,21 +8,22 @@ clean copies of files: unmapping them loses nothing (they stay in the page cache
 runs again faults back in from it), so :meth:`CodePages.release_touched` unmaps the ones touched since
 :meth:`CodePages.snapshot`.
 
-Only private executable mappings of files that hold no anonymous (copied-on-write) page are touched:
-their contents are exactly the file's. Elsewhere than Linux, or where ``/proc/self/pagemap`` cannot
+Only pages of private executable file mappings that hold no anonymous (copied-on-write) page are
+unmapped, and only pages that are the file's own (pagemap's file-page bit): their contents are exactly
+the file's. Elsewhere than Linux, or where ``/proc/self/pagemap`` cannot
 be read, nothing is done.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 
 import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_MADV_DONTNEED = 4
 
 
 def _code_mappings() -> list[tuple[int, int]]:
@@ -43,11 +44,18 @@ def _code_mappings() -> list[tuple[int, int]]:
     return mappings
 
 
+_PRESENT = -(2**63)  # pagemap's bit 63 (the sign bit of an int64): the page is mapped into this process
+_FILE_PAGE = 2**61  # bit 61: a page of the file (or shared); clear for a page copied on write into anonymous memory
+
+
 def _present(pagemap: int, low: int, high: int) -> torch.Tensor:
-    """One bool per page of ``[low, high)``: mapped into this process now (pagemap's bit 63)."""
+    """One bool per page of ``[low, high)``: mapped into this process now, as a page of the file."""
     pages = (high - low) // _PAGE
     raw = os.pread(pagemap, 8 * pages, 8 * (low // _PAGE))
-    return torch.frombuffer(bytearray(raw), dtype=torch.int64) < 0  # bit 63 set: the sign bit
+    if len(raw) != 8 * pages:
+        raise ValueError(f"short pagemap read: {len(raw)} of {8 * pages} bytes")
+    entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    return ((entries & _PRESENT) != 0) & ((entries & _FILE_PAGE) != 0)
 
 
 class CodePages:
@@ -62,24 +70,30 @@ class CodePages:
 
     def release_touched(self) -> int:
         """Unmap the code pages present now that were not at :meth:`snapshot`; returns their bytes (0 without
-        a snapshot, or where the system cannot say)."""
+        a snapshot, or where the system cannot say). Never raises: handing memory back is not worth a fit."""
         before, self._before = self._before, None
         if before is None:
             return 0
-        now = _read_present()
-        if now is None:
+        try:
+            return _release(before)
+        except Exception:  # noqa: BLE001 - an unexpected /proc format or libc: nothing released
             return 0
-        madvise = _madvise()
-        if madvise is None:
-            return 0
-        released = 0
-        for (low, high), present in now.items():
-            earlier = before.get((low, high))
-            touched = present if earlier is None else present & ~earlier
-            for first, last in _runs(touched):
-                if madvise(low + first * _PAGE, (last - first) * _PAGE, _MADV_DONTNEED) == 0:
-                    released += (last - first) * _PAGE
-        return released
+
+
+def _release(before: dict[tuple[int, int], torch.Tensor]) -> int:
+    """Unmap the file pages of the code mappings present now and not in ``before``; their bytes."""
+    now = _read_present()
+    madvise = _madvise()
+    if now is None or madvise is None:
+        return 0
+    released = 0
+    for (low, high), present in now.items():
+        earlier = before.get((low, high))
+        touched = present if earlier is None else present & ~earlier
+        for first, last in _runs(touched):
+            if madvise(low + first * _PAGE, (last - first) * _PAGE, mmap.MADV_DONTNEED) == 0:
+                released += (last - first) * _PAGE
+    return released
 
 
 def _read_present() -> dict[tuple[int, int], torch.Tensor] | None:

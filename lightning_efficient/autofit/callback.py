@@ -11,7 +11,7 @@ import random
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -28,11 +28,22 @@ from lightning_efficient._distributed import gather_objects, gather_or_raise_tog
 from lightning_efficient._validation import require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks
+from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
-from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_peak, measure_rank, sample_batch
-from lightning_efficient.autofit.model import CLOSE, BudgetTooSmall, FitPlan, RankProfile, divisors, plan_table, replan, search
-from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, release_free_memory
+from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_blocks, measure_peak, measure_rank, sample_batch
+from lightning_efficient.autofit.model import (
+    CLOSE,
+    BudgetTooSmall,
+    FitPlan,
+    RankProfile,
+    blocks_matter,
+    divisors,
+    plan_table,
+    replan,
+    search,
+)
+from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, is_fsdp2, release_free_memory
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.sharded import has_sharded_params
@@ -143,6 +154,20 @@ def _cannot_build(name: str, optimizers: list[torch.optim.Optimizer]) -> str | N
     return None
 
 
+#: the plan's note when the blocks were not profiled before the first step
+NOT_PROFILED = "blocks not profiled: the fastest plan fits with every block kept"
+
+
+@dataclass
+class _Unprofiled:
+    """What profiling the blocks later needs: the batch source, the blocks and the policies allowed (each rank profiles
+    them at its profile's ``blocks_size``, its smaller measured size)."""
+
+    batches: Any
+    blocks: list
+    policies: tuple[str, ...]
+
+
 class AutoFit(Callback):
     """Chooses micro-batch, per-block activation policy and optimizer-state precision for the most
     tokens per second whose predicted peak memory fits the budget, from measured steps of this run.
@@ -236,6 +261,7 @@ class AutoFit(Callback):
         self._undo_settings: list[Any] = []
         self._meter: PeakMemory | None = None
         self._start_rss = 0
+        self._unprofiled: _Unprofiled | None = None  # the blocks left unprofiled before the first step
         self._code_pages = CodePages()  # off CUDA: the library code measuring touched is handed back after it
         self._step_started: float | None = None
         self._step_times: list[float] = []
@@ -277,10 +303,10 @@ class AutoFit(Callback):
         wants_8bit = any(o != "32-bit" for o in self.optimizer_options)
         if wants_8bit or self._user_optimizer is not None:
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
+        if trainer.strategy.root_device.type != "cuda":
+            self._code_pages.snapshot()  # (before the start is read: its own few bytes are not the fit's)
         release_free_memory()  # what earlier work freed is not counted in the start
         self._start_rss = current_rss_bytes()
-        if trainer.strategy.root_device.type != "cuda":
-            self._code_pages.snapshot()
         self._precision = str(trainer.precision)
         if self._user_optimizer is None and wants_8bit:
             # added now, not when planning: it must exist when a checkpoint is loaded (it converts states); the
@@ -323,6 +349,7 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._measured, self._step_times, self._step_started = None, [], None
+        self._unprofiled = None
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
@@ -436,8 +463,11 @@ class AutoFit(Callback):
         exclude = ParameterStorages(pl_module).track()
         try:
             budget = rank_budget(self.budget, rank, world, pl_module.device, max(1, trainer.num_devices))
-            measured = measure_rank(strategy, batches, sizes, meter=self._meter, options=options, blocks=blocks, exclude=exclude,
-                                    policies=policies, budget_bytes=budget, fixed_policies=fixed, ladder=ladder)
+            # the blocks the user fixed policies for are profiled now (their peak depends on them); the others once the
+            # search shows that their policies matter
+            measured = measure_rank(strategy, batches, sizes, meter=self._meter, options=options, exclude=exclude,
+                                    blocks=blocks if fixed is not None else [], policies=policies, budget_bytes=budget,
+                                    fixed_policies=fixed, ladder=ladder)
             measured.unmeasured_bytes = _ddp_bucket_bytes(strategy)
             profile = measured.to_dict()
         except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
@@ -445,6 +475,18 @@ class AutoFit(Callback):
         finally:
             exclude.stop()
         profiles = [RankProfile.from_dict(p) for p in gather_or_raise_together(profile, failure, "AutoFit could not measure")]
+        if blocks and fixed is None:
+            unprofiled = _Unprofiled(batches, blocks, policies)
+            # every rank decides alike (from the gathered profiles); profiled now on a resume (its micro-batch must be kept,
+            # which the block policies may be what makes fit) and under FSDP2 (profiling mid-fit would leave gradients on
+            # FSDP2's unsharded parameters, as measuring does before the first step, where they are cleared)
+            later = keep_micro_batch is None and not any(is_fsdp2(m) for m in pl_module.modules()) and not blocks_matter(
+                profiles, samples_per_step=samples, heterogeneous=heterogeneous, margin=self.margin, micro_batches=micro_batches)
+            if later:  # profiled only if the pick's reading or a measured peak asks for a re-plan
+                notes.append(NOT_PROFILED)
+                self._unprofiled = unprofiled
+            else:
+                profiles = self._with_blocks(profiles, strategy, unprofiled)
         self._profiles = profiles
         plan = None
         saved = keep_micro_batch
@@ -461,11 +503,44 @@ class AutoFit(Callback):
         # measured where it is safe to: every block kept at the pick is predicted within the budget
         if searched and any(r.micro_batch > p.sizes[1] and sum(p.line(p.peak_bytes)[k] * r.micro_batch ** k for k in (0, 1))
                             <= p.budget_bytes for r, p in zip(plan.ranks, profiles)):
-            plan = self._confirmed(plan, profiles, strategy, batches, notes,
-                                   lambda found: search(found, samples_per_step=samples, heterogeneous=heterogeneous,
-                                                        margin=self.margin, policies=policies, micro_batches=micro_batches))
+            def again(found: list[RankProfile]) -> FitPlan:
+                settings = {"samples_per_step": samples, "heterogeneous": heterogeneous, "margin": self.margin,
+                            "micro_batches": micro_batches}
+                if self._unprofiled is not None and blocks_matter(found, **settings):  # the pick's reading moved the line
+                    found = self._with_blocks(found, strategy, self._unprofiled)
+                    self._unprofiled, self._profiles = None, found
+                    notes.remove(NOT_PROFILED)
+                return search(found, policies=policies, **settings)
+
+            plan = self._confirmed(plan, profiles, strategy, batches, notes, again)
         plan.notes.extend(notes)
         return plan
+
+    def _with_blocks(self, profiles: list[RankProfile], strategy: Any, unprofiled: _Unprofiled, *,
+                     mid_fit: bool = False) -> list[RankProfile] | None:
+        """``profiles`` with every rank's blocks profiled (every rank together, each at the smaller size it measured).
+        Before the first step a failure on any rank raises on every rank; ``mid_fit``, every rank gets None instead
+        (the fit goes on as it is)."""
+        started = time.perf_counter()
+        mine, failure = None, None
+        exclude = ParameterStorages(strategy.lightning_module).track()
+        try:
+            size = profiles[strategy.global_rank].blocks_size
+            mine = [asdict(b) for b in measure_blocks(strategy, unprofiled.batches, size, blocks=unprofiled.blocks,
+                                                      exclude=exclude, policies=unprofiled.policies)]
+        except Exception as error:  # noqa: BLE001 - every rank learns of it (and raises it together before the first step)
+            failure = error
+        finally:
+            exclude.stop()
+        if mid_fit:
+            gathered = gather_objects(None if failure is not None else mine)
+            if any(g is None for g in gathered):
+                rank_zero_warn(f"AutoFit: profiling the blocks failed on a rank ({failure!r} here): the plan stays as it is")
+                return None
+        else:
+            gathered = gather_or_raise_together(mine, failure, "AutoFit could not profile the blocks")
+        self.planning_s += time.perf_counter() - started  # measuring, wherever it happens
+        return [replace(p, blocks=[BlockProfile(**b) for b in g]) for p, g in zip(profiles, gathered)]
 
     def _confirmed(self, plan: FitPlan, profiles: list[RankProfile], strategy: Any, batches: Any, notes: list[str],
                    again: Any) -> FitPlan:
@@ -648,11 +723,21 @@ class AutoFit(Callback):
         its own blocks (an :class:`ActivationMemory` is added on a rank that had none)."""
         plan, measured = self._plan, self._measured
         assert plan is not None and measured is not None
+        unprofiled, self._unprofiled = self._unprofiled, None  # needed by this re-plan only (it holds a batch source)
         over = max((m["peak_bytes"] - r.peak_bytes) / b for m, r, b in zip(measured, plan.ranks, plan.budgets))
         if over <= 0:
             return
         margin = min(0.95, plan.margin + over)
         above_usable = any(m["peak_bytes"] > b * (1 - plan.margin) for m, b in zip(measured, plan.budgets))
+        if unprofiled is not None and self._profiles:
+            rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction: profiling the blocks "
+                           "(not needed before the first step)")
+            with _random_streams_restored(pl_module.device):
+                profiled = self._with_blocks(self._profiles, trainer.strategy, unprofiled, mid_fit=True)
+            if profiled is None:
+                return
+            self._profiles = profiled
+            plan.notes = [n for n in plan.notes if n != NOT_PROFILED]
         if not self._profiles or self._user_activations is not None or not self._profiles[0].blocks:
             say = rank_zero_warn if above_usable else rank_zero_info
             say(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; nothing AutoFit can change "
@@ -696,11 +781,12 @@ class AutoFit(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._restored, self._checkpoint_states = None, {}  # a checkpoint's plan belongs to its own fit
+        self._unprofiled = None  # (its batches hold the fit's DataLoader)
         self._undo(pl_module)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._restored, self._checkpoint_states = None, {}
+        self._restored, self._checkpoint_states, self._unprofiled = None, {}, None
         self._undo(pl_module)  # Lightning skips teardown when fit raises
 
     def memory_figures(self) -> dict[str, int]:

@@ -157,11 +157,9 @@ def measure_rank(
                 peak1, time1, peak2, time2 = max(peak1, again1), min(time1, retime1), max(peak2, again2), min(time2, retime2)
             times += [(size, timed(size)[1]) for size in smaller]
             profiles: list[BlockProfile] = []
-            if blocks:  # every allowed policy, or only keep and the ones the user fixed
-                wanted = policies if fixed_policies is None else tuple(dict.fromkeys(("keep", *fixed_policies)))
-                # at the smaller size: half the cost, and within the budget where the larger may not be (held bytes and
-                # costs scale with the micro-batch)
-                profiles = _profile_blocks(strategy, batches, m1, blocks, exclude, wanted, min_offload_bytes, offload_dir)
+            if blocks:
+                profiles = _profile_blocks(strategy, batches, m1, blocks, exclude, _profiled_policies(policies, fixed_policies),
+                                           min_offload_bytes, offload_dir)
             measured = [_measure_option(spec, meter, device, 0 if spec.own else run_state, option_steps) for spec in options]
         finally:
             for optimizer, state in zip(strategy.optimizers, saved_states):
@@ -231,6 +229,45 @@ def _sync_off(strategy: Any) -> Callable[[], Any]:
     if any(is_fsdp2(m) for m in strategy.lightning_module.modules()):
         return contextlib.nullcontext
     return getattr(strategy, "gradient_sync_off", contextlib.nullcontext)
+
+
+def _profiled_policies(policies: tuple[str, ...], fixed_policies: list[str] | None) -> tuple[str, ...]:
+    """Every allowed policy, or only keep and the ones the user fixed."""
+    return policies if fixed_policies is None else tuple(dict.fromkeys(("keep", *fixed_policies)))
+
+
+def measure_blocks(
+    strategy: Any,
+    batches: Callable[[int], Any],
+    size: int,
+    *,
+    blocks: list[tuple[str, nn.Module]],
+    exclude: Callable[[torch.Tensor], bool],
+    policies: tuple[str, ...],
+    fixed_policies: list[str] | None = None,
+    min_offload_bytes: int = 2**16,
+    offload_dir: str | None = None,
+) -> list[BlockProfile]:
+    """Profile the blocks at ``size`` samples, the run's state put back afterwards: for a :class:`RankProfile` measured
+    without them (``measure_rank(blocks=[])``), when the search finds that the block policies matter after all.
+
+    Args:
+        strategy: the trainer's strategy, set up.
+        batches: ``size -> batch on the device``.
+        size: the profile's smaller measured size (as ``measure_rank`` profiles them: half the cost, and within the budget
+            where the larger size may not be; held bytes and costs scale with the micro-batch).
+        blocks: the blocks to profile.
+        exclude: what is not an activation (the parameters' storages).
+        policies: the activation policies allowed (every one is profiled, or keep and ``fixed_policies``).
+        fixed_policies: the block policies the user fixed, if any.
+        min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory`.
+        offload_dir: where the disk policy's files go.
+    """
+    with restored_run_state(strategy):
+        profiles = _profile_blocks(strategy, batches, size, blocks, exclude, _profiled_policies(policies, fixed_policies),
+                                   min_offload_bytes, offload_dir)
+    release_free_memory(strategy.root_device)
+    return profiles
 
 
 def _profile_blocks(strategy, batches, size, blocks, exclude, policies, min_offload_bytes, offload_dir) -> list[BlockProfile]:

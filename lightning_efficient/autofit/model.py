@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_efficient.activations.planner import BlockProfile, plan_blocks
@@ -320,6 +320,29 @@ def search(
     if best is None:
         raise BudgetTooSmall(_infeasible_message(profiles, micro_batches, margin, policies))
     return best
+
+
+def blocks_matter(profiles: list[RankProfile], *, samples_per_step: int, heterogeneous: bool, margin: float,
+                  micro_batches: list[int] | None = None) -> bool:
+    """Whether a block policy other than keep could make the plan faster, from profiles measured without the blocks:
+    a policy other than keep only adds time (recomputation, copies), so it can only pay where it lets a faster micro-batch
+    or optimizer option fit. False when the fastest plan with no memory limit fits every budget with every block kept.
+
+    Args:
+        profiles: one per rank, in rank order (their blocks are not looked at).
+        samples_per_step: the global batch (all ranks, one optimizer step).
+        heterogeneous: as for :func:`search`.
+        margin: the fraction of each budget kept free.
+        micro_batches: the micro-batch sizes allowed (as for :func:`search`).
+    """
+    settings = {"samples_per_step": samples_per_step, "heterogeneous": heterogeneous, "margin": margin,
+                "policies": ("keep",), "micro_batches": micro_batches}
+    unlimited = search([replace(p, budget_bytes=2**62) for p in profiles], **settings)
+    try:
+        kept = search(profiles, **settings)
+    except BudgetTooSmall:
+        return True
+    return kept.step_s > unlimited.step_s
 
 
 def replan(plan: FitPlan, profiles: list[RankProfile], *, margin: float, policies: tuple[str, ...]) -> FitPlan:

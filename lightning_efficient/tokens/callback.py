@@ -124,7 +124,8 @@ class SelectiveTokenLoss(Callback):
     ``selection/threshold_correction`` (the running estimate's feedback correction of the keep ratio).
     They are computed and logged on the steps Lightning writes to its loggers (``Trainer(log_every_n_steps=...)``,
     50 by default), so ``trainer.callback_metrics`` holds the last such step's figures; the steps between
-    pay for neither the logging nor the figures' device syncs. ``log_every_n_steps=1`` logs every step.
+    pay for neither the logging nor the figures' device syncs. ``log_every_n_steps=1`` logs every step, and so
+    does a fit with a callback that monitors one of them (``ModelCheckpoint``/``EarlyStopping(monitor="selection/...")``).
 
     **Streaming threshold** (``threshold="streaming"``, the default): with the fused head
     (:class:`FusedTokenLoss`), the rule's threshold is taken before the forward pass from a running
@@ -237,6 +238,7 @@ class SelectiveTokenLoss(Callback):
         self._wrapped: LightningModule | None = None
         self.normaliser = StepTokenNormaliser()
         self._warned_manual = False
+        self._log_every_step = False  # set in setup: a callback monitors a selection figure
 
     # -- wiring ------------------------------------------------------------------------------
     @override
@@ -256,6 +258,9 @@ class SelectiveTokenLoss(Callback):
                 "(FSDP2 over data_parallel_size ranks)."
             )
         self._rank = trainer.global_rank
+        # a callback that monitors a selection figure (ModelCheckpoint, EarlyStopping) reads callback_metrics whenever it
+        # checks, not on the logging steps only: then every step logs them
+        self._log_every_step = any(str(getattr(c, "monitor", None) or "").startswith("selection/") for c in trainer.callbacks)
         self.normaliser.reset()
         self.running.reset()
         if self.method == "rho1" and self.reference is not None:
@@ -428,7 +433,7 @@ class SelectiveTokenLoss(Callback):
                                  keep_ratio if estimated else None)
             self._observed_step = step
         loss = self._loss(trainer, pl_module, kept_sum, selection.keep, int(batch_idx), non_finite)
-        if _writes_logs(trainer):
+        if self._log_every_step or _writes_logs(trainer):
             pl_module.log_dict(self._stats(losses, valid, keep_ratio, selection, streamed is not None),
                                on_step=True, on_epoch=False, batch_size=int(valid.shape[0]))
         extra = output.extra() if isinstance(output, (TokenLosses, FusedTokenLoss)) else {}

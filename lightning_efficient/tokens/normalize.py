@@ -93,9 +93,8 @@ class StepTokenNormaliser:
     all-reduces the step's local token counts once into ``T`` and multiplies the gradients by
     ``K / T``; then ``K := T``. The step's gradient is then (sum of every token's loss gradient) / T,
     the same as one big batch, also for a last step with fewer micro-batches than ``A``. With one
-    micro-batch a step in one process, ``K`` is that micro-batch's own count (``K = T``: the gradients
-    are not touched again; the single-process callback has already waited for the device in the forward
-    to check the losses are finite). Counts are
+    micro-batch a step in one process, ``K`` is that micro-batch's own count, read then (``K = T``: the
+    gradients are not touched again). Counts are
     int64 on the device (exact, and available on every backend); the host waits for the device once a
     step, for ``K / T``.
 
@@ -107,17 +106,20 @@ class StepTokenNormaliser:
 
     def __init__(self) -> None:
         self.scale: float | None = None  # K: the previous step's global token count
+        self._known: int | None = None  # the non-finite count of a step whose K was its own count (nothing to multiply)
         self.step_tokens: Tensor | None = None  # [tokens, non-finite losses] of this rank's micro-batches so far (int64)
 
     def reset(self) -> None:
         """Forget ``K`` and any step in progress (a new fit starts from its first micro-batch's count)."""
         self.scale = None
         self.step_tokens = None
+        self._known = None
 
     def begin_step(self) -> None:
         """Forget the tokens counted so far in this step (call it at a step's first micro-batch, so that
         a ``training_step`` run outside the loop is not counted)."""
         self.step_tokens = None
+        self._known = None
 
     def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int,
                          non_finite: Tensor | int = 0) -> Tensor:
@@ -135,9 +137,11 @@ class StepTokenNormaliser:
         counts = torch.stack([torch.as_tensor(c, device=device).to(torch.int64).reshape(()) for c in (local_count, non_finite)])
         if accumulation == 1 and distributed_world_size() == 1:
             # one micro-batch a step in one process: the step's count is this micro-batch's, known now, so K := T
-            # here and normalise_gradients has no pass over the gradients to make (its one host sync moves here)
-            self.scale = float(max(int(counts[0]), 1))
-        elif self.scale is None:  # the first step: one all-reduce (and one host sync) estimates the step's count
+            # here and normalise_gradients has no pass over the gradients to make (the step's one host sync moves here)
+            tokens, non_finite_count = counts.tolist()
+            self.scale, self.step_tokens, self._known = float(max(tokens, 1)), None, int(non_finite_count)
+            return local_sum.to(_loss_dtype(local_sum.dtype)) / self.scale
+        if self.scale is None:  # the first step: one all-reduce (and one host sync) estimates the step's count
             self.scale = float(max(int(global_sum(counts[:1])) * accumulation, 1))
         self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
@@ -151,6 +155,9 @@ class StepTokenNormaliser:
         Raises:
             FloatingPointError: on every rank, when any rank had non-finite token losses this step.
         """
+        known, self._known = self._known, None
+        if known:
+            raise FloatingPointError(f"{known} per-token losses are not finite in this step; they are not dropped silently.")
         if self.step_tokens is None:
             return
         tokens, non_finite = (int(c) for c in global_sum(self.step_tokens))  # one host sync a step

@@ -40,6 +40,7 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -74,9 +75,12 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_efficient import ActivationMemory, DemoGPT, EightBitOptimizer, HeterogeneousDDPStrategy
+from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan, RankProfile
+from lightning_efficient.autofit.measure import measure_blocks, sample_batch
 from lightning_efficient.autofit.model import _leanest, _predict, _scaled
 from lightning_efficient.balance.fsdp import HeterogeneousFSDPStrategy
+from lightning_efficient.memory import ParameterStorages
 from lightning_efficient.optim.twins import eight_bit_classes
 
 VOCAB, SEQ, ROWS = 8192, 32, 32  # a large vocabulary: the logits make the memory grow with the micro-batch
@@ -186,7 +190,17 @@ class AimedHog(Hog):
         self.fitter = fitter
 
     def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank != self.rank:
+            return
         plan, profile = self.fitter.plan, self.fitter.profiles[self.rank]
+        if not profile.blocks:  # AutoFit left them unprofiled (every block kept fits): profiled here, as it would
+            exclude = ParameterStorages(pl_module).track()
+            try:
+                blocks = measure_blocks(trainer.strategy, lambda size: sample_batch(trainer.strategy, trainer.train_dataloader, size),
+                                        profile.sizes[0], blocks=find_blocks(pl_module), exclude=exclude, policies=tuple(POLICIES))
+            finally:
+                exclude.stop()
+            profile = replace(profile, blocks=blocks, blocks_size=profile.sizes[0])
         mine, budget = plan.ranks[self.rank], plan.budgets[self.rank]
         option = next(o for o in profile.options if o.name == plan.optimizer)
         lean = _leanest(profile, mine.micro_batch, option, tuple(POLICIES)).peak_bytes

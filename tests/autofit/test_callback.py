@@ -192,15 +192,16 @@ def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_
 
 def test_in_a_fresh_process_the_measured_peak_stays_within_a_budget_that_forces_a_smaller_plan(small_datamodule_kwargs, tmp_path):
     """The honest memory check: a fresh process (RSS means something there) with glibc's mmap threshold fixed, as
-    the benchmarks run; the budget sits between what micro-batch 8 with every block kept needs and the leanest plan."""
+    the benchmarks run; the budget (less the margin) sits at what micro-batch 6 with every block kept is predicted to
+    need: 8 samples at once with every block kept do not fit."""
     script = Path(__file__).with_name("fresh_fit.py")
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     corpus, cache = small_datamodule_kwargs["data_path"], small_datamodule_kwargs["cache_dir"]
     run_script(script, corpus, cache, "8GiB", tmp_path / "loose.json", "plan_only", env=env)
     loose = json.loads((tmp_path / "loose.json").read_text())
+    assert loose["micro_batch"] == 8 and loose["blocks_keep"] == 0  # ample room: every block kept, none profiled
     p0, p1 = loose["line"]
-    all_kept = p0 + 8 * p1
-    budget = int((all_kept - 0.5 * (loose["blocks_keep"] - loose["blocks_leanest"])) / 0.9)  # keep everything at 8: no
+    budget = int((p0 + 6 * p1) / 0.9)
     run_script(script, corpus, cache, str(budget), tmp_path / "tight.json", env=env)
     tight = json.loads((tmp_path / "tight.json").read_text())
     assert tight["micro_batch"] < 8 or any(p != "keep" for p in tight["policies"])
@@ -233,6 +234,10 @@ def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_
                                 enable_model_summary=False, limit_val_batches=0,
                                 callbacks=[Mispredict(fit, at_step=2, shed=60 * MiB), fit, record])
     trainer.fit(model, data)
+    # every block kept fitted at first: the blocks were profiled for the re-plan only, and the plan now says so no more
+    assert "note: blocks not profiled: the fastest plan fits with every block kept" in lightning_caplog.text
+    assert "profiling the blocks (not needed before the first step)" in lightning_caplog.text
+    assert not any("blocks not profiled" in note for note in fit.plan.notes)
     assert "block policies planned again with margin" in lightning_caplog.text
     assert fit.plan.margin > 0.1 and any(p != "keep" for p in fit.plan.ranks[0].policies)
     memory = next(c for c in trainer.callbacks if isinstance(c, ActivationMemory))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ from lightning_efficient.autofit.model import (
     _pick,
     _predict,
     _scaled,
+    blocks_matter,
     divisors,
     search,
 )
@@ -218,6 +220,39 @@ def test_the_search_fits_the_budget_and_is_as_fast_as_the_exhaustive_grid(budget
     slack = (samples // plan.micro_batches[0]) * max(b.cost_s["checkpoint"] for b in p.blocks) * plan.micro_batches[0] / p.blocks_size
     assert plan.step_s <= (best[0] + slack) * (1 + CLOSE) + 1e-12
     assert math.isclose(plan.tokens_per_s, samples * 128.0 / plan.step_s)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    budget_mib=st.integers(20, 600),
+    per_sample_mib=st.integers(1, 40),
+    block_mib=st.integers(1, 12),
+    t0=st.floats(0.0, 0.5),
+    t1=st.floats(0.001, 0.2),
+    margin=st.sampled_from([0.0, 0.1, 0.25]),
+    samples=st.sampled_from([1, 6, 12, 16]),
+)
+def test_the_blocks_are_left_unprofiled_only_where_their_policies_cannot_make_the_plan_faster(
+        budget_mib, per_sample_mib, block_mib, t0, t1, margin, samples):
+    p = profile(budget_mib * MiB, per_sample=max(per_sample_mib, block_mib * 3 // 8 + 1) * MiB, block_bytes=block_mib * MiB, t0=t0, t1=t1)
+    unprofiled = replace(p, blocks=[])
+    if blocks_matter([unprofiled], samples_per_step=samples, heterogeneous=False, margin=margin):
+        return
+    with_blocks = search([p], samples_per_step=samples, heterogeneous=False, margin=margin, policies=POLICIES)
+    without = search([unprofiled], samples_per_step=samples, heterogeneous=False, margin=margin, policies=POLICIES)
+    assert without.step_s <= with_blocks.step_s
+    assert without.ranks[0].peak_bytes <= p.budget_bytes * (1 - margin)
+
+
+def test_blocks_matter_where_keeping_every_block_fits_nowhere_or_only_at_a_slower_micro_batch():
+    settings_ = {"samples_per_step": 16, "heterogeneous": False, "margin": 0.0}
+    roomy = replace(profile(10**12), blocks=[])
+    assert not blocks_matter([roomy], **settings_)
+    # 16 samples at once fit with every block kept only above 20 + 16 x 16 + 8 MiB of states: a budget below it
+    # that fits 8 samples keeps the faster 16 in reach of the block policies
+    middling = replace(profile(200 * MiB), blocks=[])
+    assert blocks_matter([middling], **settings_)
+    assert blocks_matter([replace(profile(10 * MiB), blocks=[])], **settings_)  # nothing fits with every block kept
 
 
 def test_the_timed_ladder_is_at_most_three_geometric_sizes_of_at_least_two():

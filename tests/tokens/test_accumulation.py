@@ -85,3 +85,7 @@ def test_one_micro_batch_a_step_is_divided_by_its_own_count_and_its_gradients_ar
         normaliser.normalise_gradients(optimizer)
         assert torch.equal(weight.grad, before)
         assert torch.equal(weight.grad, torch.full((2,), 3.0, dtype=torch.float64))
+    # non-finite losses in such a step still fail it, after the backward, with their count
+    normaliser.micro_batch_loss((weight * 3.0).sum(), torch.tensor(4), accumulation=1, non_finite=torch.tensor(2))
+    with pytest.raises(FloatingPointError, match="2 per-token losses are not finite"):
+        normaliser.normalise_gradients(optimizer)

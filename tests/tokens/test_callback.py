@@ -219,3 +219,23 @@ def test_selection_figures_are_logged_on_the_steps_lightning_logs(fused, small_d
     assert selection_steps == probe_steps
     assert len(computed) == 2
     assert 0.6 <= float(trainer.callback_metrics["selection/kept_fraction"]) < 0.65
+
+
+def test_a_callback_monitoring_a_selection_figure_sees_it_every_step(small_datamodule_kwargs, tmp_path):
+    """EarlyStopping on ``selection/mean_loss`` checks after every training epoch of 3 steps, far below the
+    default ``log_every_n_steps=50``: the figures are logged every step for it (strict monitoring would raise)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    class Seen(lightning.Callback):
+        def __init__(self) -> None:
+            self.steps = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.steps.append("selection/mean_loss" in trainer.callback_metrics)
+
+    seen = Seen()
+    stop = EarlyStopping(monitor="selection/mean_loss", check_on_train_epoch_end=True, patience=100)
+    trainer = _trainer([SelectiveTokenLoss(method="eslm", keep_ratio=0.6), stop, seen], steps=6, log_every_n_steps=50,
+                       limit_train_batches=3)
+    trainer.fit(DemoGPT(**tiny_gpt_kwargs(), fused_loss=True), datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    assert trainer.global_step == 6 and seen.steps == [True] * 6
