@@ -73,6 +73,18 @@ def exhaustive(profiles: list[RankProfile], samples: int, margin: float) -> tupl
     return best
 
 
+#: the synthetic one-rank runs the property tests draw: budget, activations per sample, block size, time line, margin, batch
+SYNTHETIC_RUNS = {
+    "budget_mib": st.integers(20, 600),
+    "per_sample_mib": st.integers(1, 40),
+    "block_mib": st.integers(1, 12),
+    "t0": st.floats(0.0, 0.5),
+    "t1": st.floats(0.001, 0.2),
+    "margin": st.sampled_from([0.0, 0.1, 0.25]),
+    "samples": st.sampled_from([1, 6, 12, 16]),
+}
+
+
 def test_a_line_through_two_sizes_never_predicts_below_either_reading():
     p = profile(10**9)
     assert p.line(p.peak_bytes) == pytest.approx((20 * MiB, 16 * MiB))
@@ -197,15 +209,7 @@ def test_a_plan_round_trips_through_a_dict():
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    budget_mib=st.integers(20, 600),
-    per_sample_mib=st.integers(1, 40),
-    block_mib=st.integers(1, 12),
-    t0=st.floats(0.0, 0.5),
-    t1=st.floats(0.001, 0.2),
-    margin=st.sampled_from([0.0, 0.1, 0.25]),
-    samples=st.sampled_from([1, 6, 12, 16]),
-)
+@given(**SYNTHETIC_RUNS)
 def test_the_search_fits_the_budget_and_is_as_fast_as_the_exhaustive_grid(budget_mib, per_sample_mib, block_mib, t0, t1, margin, samples):
     p = profile(budget_mib * MiB, per_sample=max(per_sample_mib, block_mib * 3 // 8 + 1) * MiB, block_bytes=block_mib * MiB, t0=t0, t1=t1)
     best = exhaustive([p], samples, margin)
@@ -223,15 +227,7 @@ def test_the_search_fits_the_budget_and_is_as_fast_as_the_exhaustive_grid(budget
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    budget_mib=st.integers(20, 600),
-    per_sample_mib=st.integers(1, 40),
-    block_mib=st.integers(1, 12),
-    t0=st.floats(0.0, 0.5),
-    t1=st.floats(0.001, 0.2),
-    margin=st.sampled_from([0.0, 0.1, 0.25]),
-    samples=st.sampled_from([1, 6, 12, 16]),
-)
+@given(**SYNTHETIC_RUNS)
 def test_the_blocks_are_left_unprofiled_only_where_their_policies_cannot_make_the_plan_faster(
         budget_mib, per_sample_mib, block_mib, t0, t1, margin, samples):
     p = profile(budget_mib * MiB, per_sample=max(per_sample_mib, block_mib * 3 // 8 + 1) * MiB, block_bytes=block_mib * MiB, t0=t0, t1=t1)
