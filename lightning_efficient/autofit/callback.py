@@ -168,6 +168,16 @@ class _Unprofiled:
     policies: tuple[str, ...]
 
 
+def _keep_still_fits(plan: FitPlan, profiles: list[RankProfile], margin: float) -> bool:
+    """Whether every rank's blocks, all kept, are predicted within its budget less ``margin`` (the profiles' blocks
+    not profiled: then a re-plan at that margin would keep them all)."""
+    try:
+        replan(plan, [replace(p, blocks=[]) for p in profiles], margin=margin, policies=("keep",))
+    except BudgetTooSmall:
+        return False
+    return True
+
+
 class AutoFit(Callback):
     """Chooses micro-batch, per-block activation policy and optimizer-state precision for the most
     tokens per second whose predicted peak memory fits the budget, from measured steps of this run.
@@ -729,6 +739,10 @@ class AutoFit(Callback):
             return
         margin = min(0.95, plan.margin + over)
         above_usable = any(m["peak_bytes"] > b * (1 - plan.margin) for m, b in zip(measured, plan.budgets))
+        if unprofiled is not None and self._profiles and _keep_still_fits(plan, self._profiles, margin):
+            rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; with margin "
+                           f"{margin:.2f} every block kept still fits: the plan stays as it is.")
+            return
         if unprofiled is not None and self._profiles:
             rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction: profiling the blocks "
                            "(not needed before the first step)")

@@ -124,8 +124,9 @@ class SelectiveTokenLoss(Callback):
     ``selection/threshold_correction`` (the running estimate's feedback correction of the keep ratio).
     They are computed and logged on the steps Lightning writes to its loggers (``Trainer(log_every_n_steps=...)``,
     50 by default), so ``trainer.callback_metrics`` holds the last such step's figures; the steps between
-    pay for neither the logging nor the figures' device syncs. ``log_every_n_steps=1`` logs every step, and so
-    does a fit with a callback that monitors one of them (``ModelCheckpoint``/``EarlyStopping(monitor="selection/...")``).
+    pay for neither the logging nor the figures' device syncs. ``log_every_n_steps=1`` logs every step; a fit with
+    a callback that monitors one of them (``ModelCheckpoint``/``EarlyStopping(monitor="selection/...")``) computes and
+    logs them every step, so ``callback_metrics`` is current (the loggers still write every ``log_every_n_steps``).
 
     **Streaming threshold** (``threshold="streaming"``, the default): with the fused head
     (:class:`FusedTokenLoss`), the rule's threshold is taken before the forward pass from a running

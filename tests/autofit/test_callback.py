@@ -247,6 +247,23 @@ def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_
         assert "forward" not in vars(block)  # unwrapped when the fit ended
 
 
+def test_a_measured_peak_above_its_prediction_that_keeping_every_block_still_fits_profiles_nothing(
+        small_datamodule_kwargs, lightning_caplog):
+    """A reading above the prediction by less than the widened margin frees: every block kept still fits, so the blocks
+    left unprofiled stay so (profiling them mid-fit costs steps) and the plan stays."""
+    lightning.seed_everything(0)
+    model = DemoGPT(vocab_size=512, n_layers=4, d_model=256, n_heads=2, seq_len=256)
+    data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256})
+    fit = AutoFit(budget="4GiB", optimizer_options=["32-bit"], report_after_steps=2)
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, limit_val_batches=0,
+                                callbacks=[Mispredict(fit, at_step=2, shed=-20 * MiB), fit])
+    trainer.fit(model, data)
+    assert "every block kept still fits: the plan stays as it is" in lightning_caplog.text
+    assert "profiling the blocks" not in lightning_caplog.text
+    assert not any(isinstance(c, ActivationMemory) for c in trainer.callbacks)
+
+
 def test_the_plan_command_under_ddp_plans_on_both_ranks_and_prints_once(small_datamodule_kwargs, tmp_path):
     config = _config(tmp_path / "ddp.yaml", small_datamodule_kwargs, devices=2, strategy="ddp")
     done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "[1GiB, 1GiB]"],
