@@ -739,11 +739,11 @@ class AutoFit(Callback):
             return
         margin = min(0.95, plan.margin + over)
         above_usable = any(m["peak_bytes"] > b * (1 - plan.margin) for m, b in zip(measured, plan.budgets))
-        if unprofiled is not None and self._profiles and _keep_still_fits(plan, self._profiles, margin):
-            rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; with margin "
-                           f"{margin:.2f} every block kept still fits: the plan stays as it is.")
-            return
         if unprofiled is not None and self._profiles:
+            if _keep_still_fits(plan, self._profiles, margin):
+                rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; with margin "
+                               f"{margin:.2f} every block kept still fits: the plan stays as it is.")
+                return
             rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction: profiling the blocks "
                            "(not needed before the first step)")
             with _random_streams_restored(pl_module.device):

@@ -106,20 +106,20 @@ class StepTokenNormaliser:
 
     def __init__(self) -> None:
         self.scale: float | None = None  # K: the previous step's global token count
-        self._known: int | None = None  # the non-finite count of a step whose K was its own count (nothing to multiply)
+        self._known_non_finite: int | None = None  # the non-finite count of a step whose K was its own count (nothing to multiply)
         self.step_tokens: Tensor | None = None  # [tokens, non-finite losses] of this rank's micro-batches so far (int64)
 
     def reset(self) -> None:
         """Forget ``K`` and any step in progress (a new fit starts from its first micro-batch's count)."""
         self.scale = None
         self.step_tokens = None
-        self._known = None
+        self._known_non_finite = None
 
     def begin_step(self) -> None:
         """Forget the tokens counted so far in this step (call it at a step's first micro-batch, so that
         a ``training_step`` run outside the loop is not counted)."""
         self.step_tokens = None
-        self._known = None
+        self._known_non_finite = None
 
     def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int,
                          non_finite: Tensor | int = 0) -> Tensor:
@@ -139,7 +139,7 @@ class StepTokenNormaliser:
             # one micro-batch a step in one process: the step's count is this micro-batch's, known now, so K := T
             # here and normalise_gradients has no pass over the gradients to make (the step's one host sync moves here)
             tokens, non_finite_count = counts.tolist()
-            self.scale, self.step_tokens, self._known = float(max(tokens, 1)), None, int(non_finite_count)
+            self.scale, self.step_tokens, self._known_non_finite = float(max(tokens, 1)), None, int(non_finite_count)
             return local_sum.to(_loss_dtype(local_sum.dtype)) / self.scale
         if self.scale is None:  # the first step: one all-reduce (and one host sync) estimates the step's count
             self.scale = float(max(int(global_sum(counts[:1])) * accumulation, 1))
@@ -155,7 +155,7 @@ class StepTokenNormaliser:
         Raises:
             FloatingPointError: on every rank, when any rank had non-finite token losses this step.
         """
-        known, self._known = self._known, None
+        known, self._known_non_finite = self._known_non_finite, None
         if known:
             raise FloatingPointError(f"{known} per-token losses are not finite in this step; they are not dropped silently.")
         if self.step_tokens is None:
