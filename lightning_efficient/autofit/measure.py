@@ -102,7 +102,8 @@ def measure_rank(
         fixed_policies: the block policies the user fixed (carried in the profile).
         min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory` (what offload leaves on the device).
         offload_dir: where the disk policy's bandwidth is measured.
-        ladder: more micro-batch sizes to time (those below the smaller measured size; each twice, the least kept).
+        ladder: more micro-batch sizes to time (those below the smaller measured size; read again, as the measured sizes
+            are, where :func:`worth_reading_again`; the least kept).
         option_steps: optimizer steps timed per option (the least kept).
     """
     module = strategy.lightning_module
@@ -148,14 +149,19 @@ def measure_rank(
                 peak1, time1 = timed(m1)
             if (m1, m2) == sizes:
                 peak2, time2 = timed(m2)
-            # each size twice, interleaved: the least time and the larger peak (one reading is at the mercy of the
-            # machine, and a size's first pays for memory the heap or the caching allocator has not held yet)
             smaller = sorted({size for size in ladder if 0 < size < m1})  # below the smaller size, once it has moved
             times = [(size, timed(size)[1]) for size in smaller]
-            if m1 != m2:
-                (again1, retime1), (again2, retime2) = timed(m1), timed(m2)
-                peak1, time1, peak2, time2 = max(peak1, again1), min(time1, retime1), max(peak2, again2), min(time2, retime2)
-            times += [(size, timed(size)[1]) for size in smaller]
+            # a second reading, after the first of every size, of the sizes that could be picked: the least time and the
+            # larger peak (one reading is at the mercy of the machine, and a size's first pays for memory the heap or
+            # the caching allocator has not held yet)
+            again = worth_reading_again({m1: time1, m2: time2, **dict(times)}) if m1 != m2 else []
+            if m1 in again:
+                again1, retime1 = timed(m1)
+                peak1, time1 = max(peak1, again1), min(time1, retime1)
+            if m2 in again:
+                again2, retime2 = timed(m2)
+                peak2, time2 = max(peak2, again2), min(time2, retime2)
+            times += [(size, timed(size)[1]) for size in smaller if size in again]
             profiles: list[BlockProfile] = []
             if blocks:
                 profiles = _profile_blocks(strategy, batches, m1, blocks, exclude, _profiled_policies(policies, fixed_policies),
@@ -171,6 +177,17 @@ def measure_rank(
         blocks=profiles, blocks_size=m1, options=measured, budget_bytes=budget_bytes,
         tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies, times=times,
     )
+
+
+#: how far above the best time per sample read once a size's may be and still be read again (it could be picked)
+READ_AGAIN_WITHIN = 0.10
+
+
+def worth_reading_again(seconds_by_size: dict[int, float], within: float = READ_AGAIN_WITHIN) -> list[int]:
+    """The sizes, of ``size -> seconds`` read once each, whose time per sample is within ``within`` of the least: only
+    a size that could be picked needs the second reading that the noise of one calls for (each costs planning time)."""
+    best = min(seconds / size for size, seconds in seconds_by_size.items())
+    return sorted(size for size, seconds in seconds_by_size.items() if seconds / size <= (1 + within) * best)
 
 
 def _backup_bytes(module: nn.Module, device: torch.device) -> int:
