@@ -4,8 +4,9 @@ each optimizer option's state bytes, step time and step peak. Parameters, buffer
 afterwards, so measuring changes nothing in the run.
 
 The steps run the class's ``training_step`` in the precision plugin's context, outside the loop (as the
-micro-batch probe and ``ActivationMemory(policy="auto")`` do): under DDP no collective runs; under
-FSDP2 every rank runs the same sizes in the same order, so its collectives stay in step.
+micro-batch probe and ``ActivationMemory(policy="auto")`` do): under DDP none of DDP's collectives runs;
+under FSDP2, and where a SyncBatchNorm gathers under DDP, every rank runs the same sizes in the same order
+(nothing follows a rank's own readings), so the collectives stay in step.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def measure_rank(
         fixed_policies: the block policies the user fixed (carried in the profile).
         min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory` (what offload leaves on the device).
         offload_dir: where the disk policy's bandwidth is measured.
-        ladder: more micro-batch sizes to time (those below the smaller measured size; read again, as the measured sizes
-            are, where :func:`worth_reading_again`; the least kept).
+        ladder: more micro-batch sizes to time (those below the smaller measured size; read again where
+            :func:`worth_reading_again`, the least kept).
         option_steps: optimizer steps timed per option (the least kept).
     """
     module = strategy.lightning_module
@@ -141,9 +142,12 @@ def measure_rank(
             module.zero_grad(set_to_none=False)
             run_state = sum(device_state_bytes(o, device) for o in strategy.optimizers)
             peak1, time1 = timed(m1)
+            # every rank must run the same steps where a forward or backward runs collectives (FSDP2's, a
+            # SyncBatchNorm's under DDP): then nothing here may follow a rank's own readings
+            lockstep = _in_lockstep(module)
             # a budget the smaller size already misses: the larger one is not run (on a device of that size it would
-            # not fit), both sizes move down; not under FSDP2, where every rank must run the same steps
-            while peak1 > budget_bytes and m1 > 1 and not any(is_fsdp2(m) for m in module.modules()):
+            # not fit), both sizes move down
+            while peak1 > budget_bytes and m1 > 1 and not lockstep:
                 m1, m2 = max(1, m1 // 2), m1
                 peak2, time2 = peak1, time1
                 peak1, time1 = timed(m1)
@@ -151,17 +155,19 @@ def measure_rank(
                 peak2, time2 = timed(m2)
             smaller = sorted({size for size in ladder if 0 < size < m1})  # below the smaller size, once it has moved
             times = [(size, timed(size)[1]) for size in smaller]
-            # a second reading, after the first of every size, of the sizes that could be picked: the least time and the
-            # larger peak (one reading is at the mercy of the machine, and a size's first pays for memory the heap or
-            # the caching allocator has not held yet)
-            again = worth_reading_again({m1: time1, m2: time2, **dict(times)}) if m1 != m2 else []
-            if m1 in again:
+            # a second reading of each, after the first of every size: the least time and the larger peak (one reading
+            # is at the mercy of the machine, and a size's first pays for memory the heap or the caching allocator has
+            # not held yet); not of the larger size where it missed the budget (as above); of the ladder's sizes (timed
+            # only) those that could be picked
+            if m1 != m2:
                 again1, retime1 = timed(m1)
                 peak1, time1 = max(peak1, again1), min(time1, retime1)
-            if m2 in again:
-                again2, retime2 = timed(m2)
-                peak2, time2 = max(peak2, again2), min(time2, retime2)
-            times += [(size, timed(size)[1]) for size in smaller if size in again]
+                if peak2 <= budget_bytes or lockstep:
+                    again2, retime2 = timed(m2)
+                    peak2, time2 = max(peak2, again2), min(time2, retime2)
+            fitting = {m1: time1, **({m2: time2} if peak2 <= budget_bytes else {})}
+            again = worth_reading_again(dict(times), fitting, lockstep=lockstep)
+            times += [(size, timed(size)[1]) for size in again]
             profiles: list[BlockProfile] = []
             if blocks:
                 profiles = _profile_blocks(strategy, batches, m1, blocks, exclude, _profiled_policies(policies, fixed_policies),
@@ -179,15 +185,31 @@ def measure_rank(
     )
 
 
-#: how far above the best time per sample read once a size's may be and still be read again (it could be picked)
+#: how far above the least time per sample a ladder size's first reading may be and still be read again
 READ_AGAIN_WITHIN = 0.10
 
 
-def worth_reading_again(seconds_by_size: dict[int, float], within: float = READ_AGAIN_WITHIN) -> list[int]:
-    """The sizes, of ``size -> seconds`` read once each, whose time per sample is within ``within`` of the least: only
-    a size that could be picked needs the second reading that the noise of one calls for (each costs planning time)."""
-    best = min(seconds / size for size, seconds in seconds_by_size.items())
-    return sorted(size for size, seconds in seconds_by_size.items() if seconds / size <= (1 + within) * best)
+def worth_reading_again(ladder: dict[int, float], fitting: dict[int, float], within: float = READ_AGAIN_WITHIN, *,
+                        lockstep: bool = False) -> list[int]:
+    """The ladder's sizes (``size -> seconds``, read once each) to read a second time: those whose time per sample is
+    within ``within`` of the least, over them and the measured sizes whose peak fits the budget (``fitting``, read
+    twice). Only a size that could be picked needs the second reading that the noise of one calls for, and each
+    costs planning time. A first reading that noise slowed by more than ``within`` leaves its size out, as its
+    second would have had to be that much faster. With ``lockstep`` (every rank must run the same steps, while
+    each rank's readings differ) every size."""
+    if lockstep:
+        return sorted(ladder)
+    best = min(seconds / size for size, seconds in {**ladder, **fitting}.items())
+    return sorted(size for size, seconds in ladder.items() if seconds / size <= (1 + within) * best)
+
+
+def _in_lockstep(module: nn.Module) -> bool:
+    """Whether every rank must run the same forward and backward steps: under FSDP2 (its all-gathers and
+    reduce-scatters) and where a SyncBatchNorm gathers statistics in a distributed run."""
+    if any(is_fsdp2(m) for m in module.modules()):
+        return True
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return distributed and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
 
 
 def _backup_bytes(module: nn.Module, device: torch.device) -> int:

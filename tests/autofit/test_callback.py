@@ -199,7 +199,8 @@ def test_in_a_fresh_process_the_measured_peak_stays_within_a_budget_that_forces_
     corpus, cache = small_datamodule_kwargs["data_path"], small_datamodule_kwargs["cache_dir"]
     run_script(script, corpus, cache, "8GiB", tmp_path / "loose.json", "plan_only", env=env)
     loose = json.loads((tmp_path / "loose.json").read_text())
-    assert loose["micro_batch"] == 8 and loose["blocks_keep"] == 0  # ample room: every block kept, none profiled
+    # ample room: every block kept, none profiled (the micro-batch is the faster per sample of 4 and 8 as timed here)
+    assert loose["blocks_keep"] == 0
     p0, p1 = loose["line"]
     budget = int((p0 + 6 * p1) / 0.9)
     run_script(script, corpus, cache, str(budget), tmp_path / "tight.json", env=env)
@@ -394,50 +395,3 @@ def test_a_resume_hands_the_checkpoint_state_of_the_activation_memory_autofit_ad
     assert missing == []
     assert [state["plan"] for state in handed] == [policies]
 
-
-class SleepyRegression(lightning.LightningModule):
-    """A step whose time is ``overhead_s + per_sample_s * batch`` (sleeps: far above its compute), recording every
-    batch size its ``training_step`` sees."""
-
-    def __init__(self, overhead_s: float, per_sample_s: float, batch_size: int = 16) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(8, 1)
-        self.batch_size, self.overhead_s, self.per_sample_s = batch_size, overhead_s, per_sample_s
-        self.sizes: list[int] = []
-
-    def training_step(self, batch, batch_idx):
-        import time
-
-        x, y = batch
-        self.sizes.append(len(x))
-        time.sleep(self.overhead_s + self.per_sample_s * len(x))
-        return torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), y)
-
-    def train_dataloader(self):
-        data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64))
-        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def test_only_the_sizes_that_could_be_picked_are_read_a_second_time():
-    # per sample: 16 -> 3.9 ms, 8 -> 6.5 ms (67% slower), 4 -> 11.5 ms, 2 -> 21.5 ms: only 16 could be picked
-    module = SleepyRegression(overhead_s=0.04, per_sample_s=0.0015)
-    fit = AutoFit(budget="4GiB", optimizer_options=["32-bit"])
-    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False, callbacks=[fit])
-    trainer.fit(module)
-    planning = module.sizes[:-1]  # the last is the fit's one step
-    # a warm-up at 8, one reading of 8 and 16 and of the ladder below 8, then 16 again
-    assert planning == [8, 8, 16, 2, 4, 16], planning
-    assert fit.plan.ranks[0].micro_batch == 16 and module.sizes[-1] == 16
-
-
-def test_a_size_is_read_again_where_its_time_per_sample_is_within_ten_percent_of_the_least():
-    from lightning_efficient.autofit.measure import worth_reading_again
-
-    assert worth_reading_again({2: 0.2, 4: 0.4, 8: 0.8, 16: 1.6}) == [2, 4, 8, 16]  # flat: any could be picked
-    assert worth_reading_again({2: 0.5, 4: 0.6, 8: 0.85, 16: 1.6}) == [8, 16]  # 8 within 6.25%, 4 at 50% above
-    assert worth_reading_again({2: 0.2, 4: 0.45, 8: 1.0, 16: 2.2}) == [2]  # the smallest fastest per sample
-    assert worth_reading_again({4: 0.44, 8: 0.8}) == [4, 8]  # 10% above: the edge counts

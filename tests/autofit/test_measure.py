@@ -1,0 +1,121 @@
+"""Which micro-batch sizes AutoFit reads a second time: real fits of a module whose step time is set on a fake
+clock (deterministic: no test asserts a real timing) and whose memory grows with the batch."""
+
+from __future__ import annotations
+
+import types
+
+import lightning
+import pytest
+import torch
+
+from lightning_efficient import AutoFit
+from lightning_efficient.autofit import measure
+from lightning_efficient.autofit.measure import worth_reading_again
+
+MiB = 2**20
+
+
+class Clock:
+    """A ``time`` stand-in for the measuring module: its ``perf_counter`` moves only when a step says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class TimedRegression(lightning.LightningModule):
+    """A step that takes ``overhead_s + per_sample_s * batch`` on ``clock`` and holds ``bytes_per_sample`` more per
+    sample through it, recording every batch size its ``training_step`` sees."""
+
+    def __init__(self, clock: Clock, overhead_s: float, per_sample_s: float, bytes_per_sample: int = 0) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.batch_size = 16
+        self.clock, self.overhead_s, self.per_sample_s, self.bytes_per_sample = clock, overhead_s, per_sample_s, bytes_per_sample
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.sizes.append(len(x))
+        self.clock.now += self.overhead_s + self.per_sample_s * len(x)
+        held = torch.ones(len(x) * self.bytes_per_sample // 4)  # written: resident
+        loss = torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), y)
+        return loss + 0 * held[-1:].sum() if len(held) else loss
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _planned_sizes(monkeypatch, budget: str, **timing) -> tuple[list[int], AutoFit]:
+    clock = Clock()
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    module = TimedRegression(clock, **timing)
+    fit = AutoFit(budget=budget, optimizer_options=["32-bit"])
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[fit])
+    trainer.fit(module)
+    return module.sizes[:-fit.plan.accumulation], fit  # the last micro-batches are the fit's one step
+
+
+def test_the_measured_sizes_are_read_twice_and_a_ladder_size_that_cannot_be_picked_once(monkeypatch):
+    # per sample: 16 -> 4 ms, 8 -> 6.5 ms, 4 -> 11.5 ms, 2 -> 21.5 ms: neither ladder size could be picked
+    sizes, fit = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.04, per_sample_s=0.0015)
+    # a warm-up at 8; 8, 16 and the ladder below 8 once; 8 and 16 again
+    assert sizes == [8, 8, 16, 2, 4, 8, 16]
+    assert fit.plan.ranks[0].micro_batch == 16
+
+
+def test_a_ladder_size_as_fast_per_sample_as_the_fastest_is_read_again(monkeypatch):
+    sizes, _ = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.0, per_sample_s=0.002)  # every size alike per sample
+    assert sizes == [8, 8, 16, 2, 4, 8, 16, 2, 4]
+
+
+def test_the_larger_size_is_not_read_again_where_its_peak_missed_the_budget(monkeypatch):
+    # 16 MiB a sample: 8 holds about 128 MiB, 16 about 256 MiB, over the 200 MiB budget; the ladder is timed against
+    # 8 (6.5 ms a sample), which 4 (11.5 ms) and 2 (21.5 ms) are far above
+    sizes, fit = _planned_sizes(monkeypatch, "200MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=16 * MiB)
+    assert sizes == [8, 8, 16, 2, 4, 8]
+    assert fit.plan.ranks[0].micro_batch == 8
+
+
+@pytest.mark.parametrize(("ladder", "fitting", "expected"), [
+    ({2: 0.2, 4: 0.4}, {8: 0.8, 16: 1.6}, [2, 4]),  # flat per sample: either could be picked
+    ({2: 0.5, 4: 0.6}, {8: 0.85, 16: 1.6}, []),  # 4 at 50% above 16's 0.1 a sample
+    ({2: 0.5, 4: 0.6}, {8: 1.2}, [4]),  # 16 missed the budget: against 8's 0.15, 4 (0.15) could be picked, 2 not
+    ({2: 0.2, 4: 0.45}, {8: 1.0, 16: 2.2}, [2]),  # the smallest the fastest per sample
+    ({4: 0.439}, {8: 0.8}, [4]),  # just within 10%
+    ({4: 0.441}, {8: 0.8}, []),  # just beyond
+])
+def test_a_ladder_size_is_read_again_where_its_time_per_sample_is_within_ten_percent_of_the_least(ladder, fitting, expected):
+    assert worth_reading_again(ladder, fitting) == expected
+
+
+def test_in_lockstep_every_ladder_size_is_read_again():
+    # under FSDP2 (or a SyncBatchNorm under DDP) every rank must run the same steps, whatever its own readings say
+    assert worth_reading_again({2: 0.5, 4: 0.6}, {8: 0.85, 16: 1.6}, lockstep=True) == [2, 4]
+
+
+def _lockstep_on_rank(rank: int, store: str, results: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        synced = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        with open(f"{results}.{rank}", "w") as out:
+            out.write(f"{measure._in_lockstep(synced)} {measure._in_lockstep(plain)}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_sync_batchnorm_in_a_distributed_run_puts_the_ranks_in_lockstep(tmp_path):
+    # its forward gathers statistics from every rank: a rank's own readings may not decide what it runs
+    synced = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
+    assert not measure._in_lockstep(synced)  # one process: nothing to keep in step
+    torch.multiprocessing.spawn(_lockstep_on_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    assert [(tmp_path / f"out.{rank}").read_text() for rank in (0, 1)] == ["True False", "True False"]
