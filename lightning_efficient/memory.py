@@ -9,6 +9,7 @@ counts as nothing.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import resource
 import sys
@@ -258,12 +259,37 @@ def current_rss_bytes() -> int:
         return 0
 
 
+@functools.cache
+def _mkl_free_buffers() -> Callable[[], None] | None:
+    """MKL's ``mkl_free_buffers`` where torch runs on MKL (x86 builds link it into ``libtorch_cpu``, exported
+    as ``mkl_serv_free_buffers``; a build against a shared MKL exports ``mkl_free_buffers``), else ``None``."""
+    if not torch.backends.mkl.is_available():
+        return None
+    libraries = [os.path.join(os.path.dirname(torch.__file__), "lib", name) for name in ("libtorch_cpu.so", "libtorch_cpu.dylib")]
+    for library in [path for path in libraries if os.path.exists(path)] + [None]:
+        try:
+            handle = ctypes.CDLL(library)
+        except OSError:
+            continue
+        for symbol in ("mkl_serv_free_buffers", "mkl_free_buffers"):
+            function = getattr(handle, symbol, None)
+            if function is not None:
+                function.restype = None
+                return function
+    return None
+
+
 def release_free_memory(device: torch.device | None = None) -> None:
     """Hand memory the process has freed back to the system, so a peak measured next starts from
-    what is really held: glibc's ``malloc_trim(0)`` on Linux (freed heap pages otherwise stay resident
-    and count in RSS), and the CUDA caching allocator's free blocks on CUDA."""
+    what is really held: MKL's cached work buffers (its memory manager keeps those of every matrix shape
+    multiplied so far: about 6 MiB after a planning that ran several micro-batch sizes, which a fit
+    at one size never holds), glibc's ``malloc_trim(0)`` on Linux (freed heap pages otherwise stay
+    resident and count in RSS), and the CUDA caching allocator's free blocks on CUDA."""
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
+    free_mkl_buffers = _mkl_free_buffers()
+    if free_mkl_buffers is not None:
+        free_mkl_buffers()
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)

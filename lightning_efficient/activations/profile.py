@@ -22,6 +22,7 @@ execution time (not the host's launch time) and nothing synchronises between ops
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -73,23 +74,29 @@ class _OpTimer(TorchDispatchMode):
         self._marks.clear()
 
 
-def disk_bandwidth(directory: str | None, nbytes: int = 32 * 2**20) -> tuple[float, float]:
-    """Measured (write, read) bytes per second of a scratch file in ``directory``."""
-    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+def disk_bandwidth(directory: str | None, nbytes: int = 32 * 2**20, file_bytes: int = 2 * 2**20) -> tuple[float, float]:
+    """Measured (write, read) bytes per second of ``nbytes`` in scratch files of ``file_bytes`` in ``directory``,
+    each written and read back as the disk policy does with a saved tensor (``tofile``, ``fromfile`` into a new
+    array). One file at a time: the measurement holds about two files' bytes, not ``nbytes`` twice over (a re-plan
+    during training measures it too, and on CPU what it holds is training memory)."""
+    data = np.random.default_rng(0).integers(0, 255, min(file_bytes, nbytes), dtype=np.uint8)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    handle, path = tempfile.mkstemp(dir=directory)
-    os.close(handle)
+    scratch = tempfile.mkdtemp(dir=directory)
+    paths = [os.path.join(scratch, str(index)) for index in range(max(1, nbytes // len(data)))]
     try:
         start = time.perf_counter()
-        data.tofile(path)
+        for path in paths:
+            data.tofile(path)
         write = time.perf_counter() - start
         start = time.perf_counter()
-        np.fromfile(path, dtype=np.uint8)
+        for path in paths:
+            np.fromfile(path, dtype=np.uint8)
         read = time.perf_counter() - start
     finally:
-        os.remove(path)
-    return nbytes / max(write, 1e-9), nbytes / max(read, 1e-9)
+        shutil.rmtree(scratch, ignore_errors=True)
+    moved = len(paths) * len(data)
+    return moved / max(write, 1e-9), moved / max(read, 1e-9)
 
 
 def host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:

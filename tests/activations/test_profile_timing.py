@@ -1,6 +1,10 @@
 """The auto plan's profiler times device work on the device's timeline (DeviceClock), never by a
 host timer around unsynchronised launches, and its times are still measured on CPU."""
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -142,3 +146,27 @@ def test_autocast_weight_copies_count_as_staying_on_the_device_for_disk():
     weight_copy = 64 * 64 * 2  # the bf16 cast of the weight, saved by the matmul
     assert block.held_bytes["disk"] == weight_copy
     assert block.held_bytes["keep"] == weight_copy + 8 * 64 * 2  # plus the bf16 copy of the input
+
+
+_DISK_BANDWIDTH = """
+import json, os, sys
+from lightning_efficient.activations.profile import disk_bandwidth
+from lightning_efficient.memory import current_rss_bytes, peak_rss_bytes, release_free_memory, reset_peak_rss
+
+release_free_memory()
+start = current_rss_bytes()
+reset_peak_rss()
+write, read = disk_bandwidth(sys.argv[1], nbytes=32 * 2**20)
+print(json.dumps({"write": write, "read": read, "peak_above_start": peak_rss_bytes() - start, "left": os.listdir(sys.argv[1])}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS reset (/proc/self/clear_refs) is Linux's")
+def test_the_disk_bandwidth_measurement_holds_a_few_mib_not_the_bytes_it_moves(tmp_path):
+    # a re-plan during training measures it too, and on CPU what it holds counts as training memory
+    out = subprocess.run([sys.executable, "-c", _DISK_BANDWIDTH, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["write"] > 0 and figures["read"] > 0
+    assert figures["peak_above_start"] < 8 * 2**20, figures  # 32 MiB moved
+    assert figures["left"] == []  # its scratch files are gone
