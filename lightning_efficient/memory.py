@@ -261,30 +261,30 @@ def current_rss_bytes() -> int:
 
 @functools.cache
 def _mkl_free_buffers() -> Callable[[], None] | None:
-    """MKL's ``mkl_free_buffers`` where torch runs on MKL (x86 builds link it into ``libtorch_cpu``, exported
-    as ``mkl_serv_free_buffers``; a build against a shared MKL exports ``mkl_free_buffers``), else ``None``."""
-    if not torch.backends.mkl.is_available():
+    """MKL's ``mkl_free_buffers`` where torch runs on MKL on Linux (x86 builds link it into ``libtorch_cpu``,
+    exported as ``mkl_serv_free_buffers``; a build against a shared MKL exports ``mkl_free_buffers``), else ``None``."""
+    if not sys.platform.startswith("linux") or not torch.backends.mkl.is_available():
         return None
-    libraries = [os.path.join(os.path.dirname(torch.__file__), "lib", name) for name in ("libtorch_cpu.so", "libtorch_cpu.dylib")]
-    for library in [path for path in libraries if os.path.exists(path)] + [None]:
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    for path in ([library] if os.path.exists(library) else []) + [None]:
         try:
-            handle = ctypes.CDLL(library)
-        except OSError:
+            handle = ctypes.CDLL(path)
+        except (OSError, TypeError):
             continue
         for symbol in ("mkl_serv_free_buffers", "mkl_free_buffers"):
             function = getattr(handle, symbol, None)
             if function is not None:
-                function.restype = None
+                function.argtypes, function.restype = [], None
                 return function
     return None
 
 
 def release_free_memory(device: torch.device | None = None) -> None:
     """Hand memory the process has freed back to the system, so a peak measured next starts from
-    what is really held: MKL's cached work buffers (its memory manager keeps those of every matrix shape
-    multiplied so far: about 6 MiB after a planning that ran several micro-batch sizes, which a fit
-    at one size never holds), glibc's ``malloc_trim(0)`` on Linux (freed heap pages otherwise stay
-    resident and count in RSS), and the CUDA caching allocator's free blocks on CUDA."""
+    what is really held: on Linux MKL's cached work buffers (its memory manager keeps one for each matrix
+    shape multiplied so far, which a fit at one micro-batch size never holds all of) and glibc's
+    ``malloc_trim(0)`` (freed heap pages otherwise stay resident and count in RSS); on CUDA the caching
+    allocator's free blocks."""
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
     free_mkl_buffers = _mkl_free_buffers()

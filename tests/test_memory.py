@@ -1,5 +1,6 @@
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
+from lightning_efficient import memory
 from lightning_efficient.memory import (
     SavedTensorCounter,
     distinct_storage_bytes,
@@ -94,9 +96,32 @@ print(json.dumps({"start": start, "trimmed": trimmed, "released": anon()}))
                     reason="MKL's cached buffers and RssAnon: a Linux build of torch on MKL")
 def test_freed_memory_handed_back_includes_the_buffers_mkl_caches_for_the_shapes_it_multiplied():
     # a fresh process: what MKL holds in this one depends on the tests run before
-    out = subprocess.run([sys.executable, "-c", _MKL_BUFFERS], capture_output=True, text=True, timeout=120, check=True)
+    env = {name: value for name, value in os.environ.items() if name != "MKL_DISABLE_FAST_MM"}  # MKL's caching on
+    out = subprocess.run([sys.executable, "-c", _MKL_BUFFERS], capture_output=True, text=True, timeout=120, check=True, env=env)
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     # the matrix products leave MKL's buffers resident, which the heap's trim does not hand back ...
     assert figures["trimmed"] - figures["start"] > 3 * 2**20, figures
     # ... and release_free_memory does
     assert figures["released"] - figures["start"] < 1 * 2**20, figures
+
+
+@pytest.mark.parametrize("missing", ["mkl", "library"])
+def test_freed_memory_is_handed_back_without_mkl_as_before(monkeypatch, missing):
+    # torch without MKL, or no library that exports its call (CDLL raising as it does on Windows for None)
+    real = memory.ctypes.CDLL
+
+    def no_library(name, *args, **kwargs):
+        if name == "libc.so.6":  # the heap's trim, as before
+            return real(name, *args, **kwargs)
+        raise TypeError("argument of type 'NoneType' is not iterable")
+
+    if missing == "mkl":
+        monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    else:
+        monkeypatch.setattr(memory.ctypes, "CDLL", no_library)
+    memory._mkl_free_buffers.cache_clear()
+    try:
+        assert memory._mkl_free_buffers() is None
+        memory.release_free_memory()  # nothing raised
+    finally:
+        memory._mkl_free_buffers.cache_clear()

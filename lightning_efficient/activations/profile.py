@@ -78,9 +78,19 @@ def disk_bandwidth(directory: str | None, nbytes: int = 32 * 2**20, file_bytes: 
     """Measured (write, read) bytes per second of ``nbytes`` in scratch files of ``file_bytes`` in ``directory``,
     each written and read back as the disk policy does with a saved tensor (``tofile``, ``fromfile`` into a new
     array). One file at a time: the measurement holds about two files' bytes, not ``nbytes`` twice over (a re-plan
-    during training measures it too, and on CPU what it holds is training memory)."""
+    during training measures it too, and on CPU what it holds is training memory).
+
+    Args:
+        directory: where the scratch files go (``None``: the system's temporary directory).
+        nbytes: the bytes moved each way (positive).
+        file_bytes: the bytes of each file (positive; at most ``nbytes`` are used).
+    """
+    for name, value in (("nbytes", nbytes), ("file_bytes", file_bytes)):
+        if value <= 0:
+            raise ValueError(f"disk_bandwidth: {name}={value} is not allowed: a positive number of bytes")
     data = np.random.default_rng(0).integers(0, 255, min(file_bytes, nbytes), dtype=np.uint8)
     if directory:
+        directory = os.path.expanduser(directory)
         os.makedirs(directory, exist_ok=True)
     scratch = tempfile.mkdtemp(dir=directory)
     paths = [os.path.join(scratch, str(index)) for index in range(max(1, nbytes // len(data)))]
