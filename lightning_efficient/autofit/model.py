@@ -7,8 +7,9 @@ profiles. The model, per rank, for micro-batch ``m``, a policy per block and an 
 * forward and backward peak: ``peak(m) = p0 + p1 * m`` fitted through the peaks measured at two
   micro-batch sizes with every block kept and the run's own optimizer states held; each block's
   activations scale with ``m`` from the block profile (measured at one size): a plan subtracts what
-  its policies free, adds the largest block a recomputed policy re-materialises in backward, and the
-  option's optimizer-state bytes replace the run's own;
+  its policies free, adds the most that backward brings back at once (the block whose backward runs, whole
+  again, with the blocks before it at their policies' bytes and, where the next is on disk or host memory,
+  that one prefetched; the blocks after it freed), and the option's optimizer-state bytes replace the run's own;
 * the optimizer step's peak is measured per option (gradients and states held, no activations);
 * time per micro-step: piecewise linear between the micro-batch sizes timed (every block kept: the two
   sizes above, twice, and a ladder of smaller ones, twice where they could be picked; the least kept; a CPU's time per sample
@@ -32,7 +33,8 @@ from typing import Any
 
 from lightning_efficient.activations.planner import BlockProfile, plan_blocks
 
-RECOMPUTED = ("checkpoint", "selective")
+#: the policies whose blocks backward reads back, the next one prefetched meanwhile
+MOVED = ("disk", "offload")
 CLOSE = 0.03
 """Predicted step times within this fraction of the best count as equal; the largest micro-batch among them is
 taken: the model times forward and backward, not the loop's own work per micro-step (hooks, loading a batch),
@@ -219,9 +221,24 @@ def _scaled(blocks: list[BlockProfile], factor: float) -> list[BlockProfile]:
                          {k: v * factor for k, v in b.cost_s.items()}) for b in blocks]
 
 
-def _rematerialised(blocks: list[BlockProfile], policies: list[str]) -> int:
-    """The largest activation bytes one recomputed block brings back in backward (0 without recompute)."""
-    return max((b.held_bytes["keep"] - b.held_bytes[p] for b, p in zip(blocks, policies) if p in RECOMPUTED), default=0)
+def _brought_back(blocks: list[BlockProfile], policies: list[str]) -> int:
+    """The most activation bytes backward holds beyond what the blocks' policies hold (0 where every block keeps).
+
+    Backward runs the blocks last to first. While block ``i`` runs its backward, its whole activations are live
+    (kept, recomputed, or read back), the blocks before it hold what their policies hold, the blocks after it
+    have been freed, and a block before it that went to disk or host memory is already being read back (the
+    next one is prefetched); before the first, every block holds what its policy holds.
+    """
+    held = [b.held_bytes[p] for b, p in zip(blocks, policies)]
+    total = most = sum(held)
+    below = 0
+    for index, block in enumerate(blocks):
+        live = below + block.held_bytes["keep"]
+        if index > 0 and policies[index - 1] in MOVED:
+            live += blocks[index - 1].held_bytes["keep"] - held[index - 1]
+        most = max(most, live)
+        below += held[index]
+    return most - total
 
 
 def _predict(profile: RankProfile, blocks: list[BlockProfile], policies: list[str], micro: int, option: OptimizerOption) -> tuple[int, float]:
@@ -229,7 +246,7 @@ def _predict(profile: RankProfile, blocks: list[BlockProfile], policies: list[st
     p0, p1 = profile.line(profile.peak_bytes)
     kept = sum(b.held_bytes["keep"] for b in blocks)
     held = sum(b.held_bytes[p] for b, p in zip(blocks, policies))
-    forward_backward = p0 + p1 * micro - kept + held + _rematerialised(blocks, policies) + option.state_bytes - profile.run_state_bytes
+    forward_backward = p0 + p1 * micro - kept + held + _brought_back(blocks, policies) + option.state_bytes - profile.run_state_bytes
     cost = sum(b.cost_s[p] for b, p in zip(blocks, policies))
     return int(max(forward_backward, option.step_peak_bytes) + profile.unmeasured_bytes), profile.micro_step_seconds(micro) + cost
 
@@ -246,15 +263,16 @@ def choose_rank(profile: RankProfile, micro: int, option: OptimizerOption, polic
         base, _ = _predict(profile, blocks, ["keep"] * len(blocks), micro, option)
         all_kept = sum(b.held_bytes["keep"] for b in blocks)
         room = usable - (base - all_kept)
-        leanest = _leanest_policies(blocks, policies)
-        # the planner counts held bytes only: plan again leaving room for the block a recompute brings
-        # back in backward, and fall back on every block at its leanest
-        for reserve in (0, _rematerialised(blocks, leanest)):
+        leaner = _lean_plans(blocks, policies)
+        # the planner counts held bytes only, not what backward brings back (a recomputed block, a block read back and
+        # the next one prefetched: that depends on where each policy is): plan again leaving room for what each lean
+        # plan brings back, and fall back on the lean plans themselves
+        for reserve in sorted({0, *(_brought_back(blocks, lean) for lean in leaner)}):
             try:
                 candidates.append(plan_blocks(blocks, int(room - reserve), 0, policies).policies)
             except ValueError:
                 continue
-        candidates.append(leanest)
+        candidates.extend(leaner)
     best: RankChoice | None = None
     for chosen in candidates:
         peak, micro_s = _predict(profile, blocks, chosen, micro, option)
@@ -268,11 +286,20 @@ def _leanest_policies(blocks: list[BlockProfile], policies: tuple[str, ...]) -> 
     return [min((p for p in policies if p in b.held_bytes), key=lambda p, b=b: (b.held_bytes[p], b.cost_s[p])) for b in blocks]
 
 
+def _lean_plans(blocks: list[BlockProfile], policies: tuple[str, ...]) -> list[list[str]]:
+    """Every block at its leanest policy, and every block at each one policy other than keep: the plans that hold the
+    least, one of which peaks the least (a policy holding less in a block may bring more back in backward)."""
+    leanest = _leanest_policies(blocks, policies)
+    uniform = [[p] * len(blocks) for p in policies if p != "keep" and all(p in b.held_bytes for b in blocks)]
+    return [leanest, *(plan for plan in uniform if plan != leanest)]
+
+
 def _leanest(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...]) -> RankChoice:
-    """The configuration at ``micro`` and ``option`` holding the least (every block at its leanest policy)."""
+    """The configuration at ``micro`` and ``option`` predicted to peak the least (of :func:`_lean_plans`)."""
     blocks = _scaled(profile.blocks, micro / profile.blocks_size)
-    chosen = list(profile.fixed_policies) if profile.fixed_policies is not None else _leanest_policies(blocks, policies)
-    peak, micro_s = _predict(profile, blocks, chosen, micro, option)
+    plans = [list(profile.fixed_policies)] if profile.fixed_policies is not None else _lean_plans(blocks, policies)
+    predicted = [(_predict(profile, blocks, chosen, micro, option), chosen) for chosen in plans]
+    (peak, micro_s), chosen = min(predicted, key=lambda item: item[0][0])
     return RankChoice(micro, chosen, peak, micro_s, micro_s)
 
 

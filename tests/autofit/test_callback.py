@@ -374,7 +374,7 @@ def test_a_resume_hands_the_checkpoint_state_of_the_activation_memory_autofit_ad
         return trainer
 
     first = AutoFit(budget="1GiB", optimizer_options=["32-bit"], report_after_steps=2)
-    fit([Mispredict(first, at_step=2, shed=30 * MiB), first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=3)
+    fit([Mispredict(first, at_step=2, shed=15 * MiB), first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=3)
     policies = first.plan.ranks[0].policies
     assert any(p != "keep" for p in policies)
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]["ActivationMemory"]

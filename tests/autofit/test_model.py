@@ -18,6 +18,7 @@ from lightning_efficient.autofit.model import (
     OptimizerOption,
     RankChoice,
     RankProfile,
+    _brought_back,
     _pick,
     _predict,
     _scaled,
@@ -259,3 +260,47 @@ def test_the_timed_ladder_is_at_most_three_geometric_sizes_of_at_least_two():
     assert _ladder(divisors(12), 6) == (3,)
     assert _ladder([2**k for k in range(7)], 32) == (4, 8, 16)
     assert _ladder(divisors(4), 2) == ()
+
+
+@pytest.mark.parametrize(("policies", "expected"), [
+    (["keep"] * 4, 0),
+    # every block read back in turn, the next prefetched meanwhile: two blocks at once
+    (["disk"] * 4, 20),
+    (["offload"] * 4, 20),
+    # the kept last block runs its backward first, its predecessor prefetched: two blocks at once (10 more than held)
+    (["disk", "disk", "disk", "keep"], 10),
+    # a recomputed block whole again, the blocks before it at their inputs, the ones after it freed
+    (["checkpoint"] * 4, 9),
+    # the first block recomputed after the kept ones are freed: never more than every block kept
+    (["checkpoint", "keep", "keep", "keep"], 0),
+    (["keep", "keep", "keep", "checkpoint"], 9),
+])
+def test_backward_brings_back_the_block_it_runs_and_the_next_it_reads_never_the_ones_it_has_freed(policies, expected):
+    blocks = [BlockProfile(f"b{i}", {"keep": 10, "checkpoint": 1, "disk": 0, "offload": 0}, {}) for i in range(4)]
+    assert _brought_back(blocks, policies) == expected
+
+
+def test_a_plan_that_reads_blocks_back_is_predicted_with_the_two_blocks_backward_holds():
+    p = profile(2**40, blocks=4)
+    for b in p.blocks:
+        b.held_bytes["disk"], b.cost_s["disk"] = 0, 0.01
+    kept = _predict(p, p.blocks, ["keep"] * 4, p.blocks_size, p.options[0])[0]
+    on_disk = _predict(p, p.blocks, ["disk"] * 4, p.blocks_size, p.options[0])[0]
+    assert kept - on_disk == 2 * 8 * MiB  # four blocks of 8 MiB: two of them are in memory at once in backward
+
+
+def test_a_cheaper_policy_that_brings_more_back_in_backward_loses_to_one_that_fits_and_the_refusal_names_the_least_peak():
+    # two blocks: on disk they hold nothing and cost little, but backward reads one back while prefetching the other
+    # (no saving at all), where checkpointing both saves a block; the planner, counting held bytes only, prefers disk
+    p = profile(2**40, blocks=2, options=[OptimizerOption("32-bit", 8 * MiB, 0.010, 30 * MiB)])
+    for b in p.blocks:
+        b.held_bytes["disk"], b.cost_s["disk"] = 0, 0.001
+    policies = ("keep", "checkpoint", "disk")
+    predicted = {name: _predict(p, p.blocks, [name] * 2, 8, p.options[0])[0] for name in policies}
+    assert predicted["disk"] == predicted["keep"] > predicted["checkpoint"]
+    p.budget_bytes = int((predicted["checkpoint"] + 1 * MiB) / 0.9)  # checkpoint fits, keep and disk do not
+    plan = search([p], samples_per_step=8, heterogeneous=False, margin=0.1, policies=policies, micro_batches=[8])
+    assert plan.ranks[0].policies == ["checkpoint", "checkpoint"]
+    p.budget_bytes = int((predicted["checkpoint"] - 1 * MiB) / 0.9)  # nothing fits: the smallest budget named is checkpoint's
+    with pytest.raises(BudgetTooSmall, match=r"blocks 2 checkpoint\) is predicted to peak"):
+        search([p], samples_per_step=8, heterogeneous=False, margin=0.1, policies=policies, micro_batches=[8])
