@@ -8,8 +8,9 @@ profiles. The model, per rank, for micro-batch ``m``, a policy per block and an 
   micro-batch sizes with every block kept and the run's own optimizer states held; each block's
   activations scale with ``m`` from the block profile (measured at one size): a plan subtracts what
   its policies free, adds the most that backward brings back at once (the block whose backward runs, whole
-  again, with the blocks before it at their policies' bytes and, where the next is on disk or host memory,
-  that one prefetched; the blocks after it freed), and the option's optimizer-state bytes replace the run's own;
+  again, with the blocks before it at their policies' bytes, a moved block below it already read back where
+  ActivationMemory reads ahead, the blocks after it freed), and the option's optimizer-state bytes replace the
+  run's own;
 * the optimizer step's peak is measured per option (gradients and states held, no activations);
 * time per micro-step: piecewise linear between the micro-batch sizes timed (every block kept: the two
   sizes above, twice, and a ladder of smaller ones, twice where they could be picked; the least kept; a CPU's time per sample
@@ -33,8 +34,6 @@ from typing import Any
 
 from lightning_efficient.activations.planner import BlockProfile, plan_blocks
 
-#: the policies whose blocks backward reads back, the next one prefetched meanwhile
-MOVED = ("disk", "offload")
 CLOSE = 0.03
 """Predicted step times within this fraction of the best count as equal; the largest micro-batch among them is
 taken: the model times forward and backward, not the loop's own work per micro-step (hooks, loading a batch),
@@ -225,20 +224,36 @@ def _brought_back(blocks: list[BlockProfile], policies: list[str]) -> int:
     """The most activation bytes backward holds beyond what the blocks' policies hold (0 where every block keeps).
 
     Backward runs the blocks last to first. While block ``i`` runs its backward, its whole activations are live
-    (kept, recomputed, or read back), the blocks before it hold what their policies hold, the blocks after it
-    have been freed, and a block before it that went to disk or host memory is already being read back (the
-    next one is prefetched); before the first, every block holds what its policy holds.
+    (kept, recomputed, or read back), the blocks before it hold what their policies hold, the blocks after it have
+    been freed, and a moved block before it may already be read back (:func:`_read_ahead`); before the first,
+    every block holds what its policy holds (host offload's few storages still in flight then are not counted).
     """
     held = [b.held_bytes[p] for b, p in zip(blocks, policies)]
     total = most = sum(held)
     below = 0
     for index, block in enumerate(blocks):
         live = below + block.held_bytes["keep"]
-        if index > 0 and policies[index - 1] in MOVED:
-            live += blocks[index - 1].held_bytes["keep"] - held[index - 1]
+        for ahead in _read_ahead(policies, index):
+            live += blocks[ahead].held_bytes["keep"] - held[ahead]
         most = max(most, live)
         below += held[index]
     return most - total
+
+
+def _read_ahead(policies: list[str], index: int) -> list[int]:
+    """The blocks below ``index`` already read back while block ``index`` runs its backward, as ActivationMemory
+    moves them: on disk, the block just below where both are on disk (the disk store prefetches a block's
+    predecessor as it reads the block back); in host memory, the nearest offloaded block below the last one
+    entered (at or above ``index``), copied back on entering that one and held until its own backward."""
+    ahead = []
+    if index > 0 and policies[index] == "disk" and policies[index - 1] == "disk":
+        ahead.append(index - 1)
+    entered = next((k for k in range(index, len(policies)) if policies[k] == "offload"), None)
+    if entered is not None:
+        offloaded_below = [k for k in range(entered) if policies[k] == "offload"]
+        if offloaded_below and offloaded_below[-1] < index:
+            ahead.append(offloaded_below[-1])
+    return ahead
 
 
 def _predict(profile: RankProfile, blocks: list[BlockProfile], policies: list[str], micro: int, option: OptimizerOption) -> tuple[int, float]:

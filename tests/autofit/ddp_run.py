@@ -88,7 +88,8 @@ KWARGS = {"vocab_size": VOCAB, "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_
 GLOBAL_BATCH, LOADER_BATCH, ACCUMULATE, STEPS = 16, 4, 2, 4  # uniform: 2 ranks x 4 samples x 2 micro-steps
 BIG = 512 * 2**20
 POLICIES = ["keep", "selective", "checkpoint"]
-REPLAN_MODEL = {"vocab_size": 512, "n_layers": 4, "d_model": 64, "n_heads": 2, "seq_len": SEQ}  # the blocks hold most activations
+# the blocks hold most activations: several MiB each at micro-batch 8, far above the readings' noise
+REPLAN_MODEL = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 4, "seq_len": SEQ}
 RESUMED = ("ddp", "fsdp2")  # the modes also resumed from a checkpoint (a file under DDP, a directory under FSDP2)
 TIMEOUT = timedelta(seconds=90)  # a rank left alone in a collective fails instead of hanging
 

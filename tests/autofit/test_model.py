@@ -264,11 +264,17 @@ def test_the_timed_ladder_is_at_most_three_geometric_sizes_of_at_least_two():
 
 @pytest.mark.parametrize(("policies", "expected"), [
     (["keep"] * 4, 0),
-    # every block read back in turn, the next prefetched meanwhile: two blocks at once
+    # every block read back in turn, the one below prefetched meanwhile: two blocks at once
     (["disk"] * 4, 20),
-    (["offload"] * 4, 20),
-    # the kept last block runs its backward first, its predecessor prefetched: two blocks at once (10 more than held)
+    # the kept last block prefetches nothing; block 2 read back with block 1 prefetched: two blocks at once
     (["disk", "disk", "disk", "keep"], 10),
+    # a disk block below a recomputed one is read only once that one is done (no prefetch from a block not on disk)
+    (["disk", "checkpoint", "checkpoint", "checkpoint"], 9),
+    (["disk", "keep"], 0),
+    # host offload: entering block 3 copies back block 0, the nearest offloaded below, held until its own backward
+    (["offload"] * 4, 20),
+    (["offload", "keep", "keep", "offload"], 20),
+    (["offload", "checkpoint", "checkpoint", "offload"], 20),
     # a recomputed block whole again, the blocks before it at their inputs, the ones after it freed
     (["checkpoint"] * 4, 9),
     # the first block recomputed after the kept ones are freed: never more than every block kept
@@ -276,7 +282,7 @@ def test_the_timed_ladder_is_at_most_three_geometric_sizes_of_at_least_two():
     (["keep", "keep", "keep", "checkpoint"], 9),
 ])
 def test_backward_brings_back_the_block_it_runs_and_the_next_it_reads_never_the_ones_it_has_freed(policies, expected):
-    blocks = [BlockProfile(f"b{i}", {"keep": 10, "checkpoint": 1, "disk": 0, "offload": 0}, {}) for i in range(4)]
+    blocks = [BlockProfile(f"b{i}", {"keep": 10, "checkpoint": 1, "disk": 0, "offload": 0}, {}) for i in range(len(policies))]
     assert _brought_back(blocks, policies) == expected
 
 
@@ -298,9 +304,11 @@ def test_a_cheaper_policy_that_brings_more_back_in_backward_loses_to_one_that_fi
     policies = ("keep", "checkpoint", "disk")
     predicted = {name: _predict(p, p.blocks, [name] * 2, 8, p.options[0])[0] for name in policies}
     assert predicted["disk"] == predicted["keep"] > predicted["checkpoint"]
-    p.budget_bytes = int((predicted["checkpoint"] + 1 * MiB) / 0.9)  # checkpoint fits, keep and disk do not
+    p.budget_bytes = int((predicted["checkpoint"] + 1 * MiB) / 0.9)  # checkpoint fits, keep and every block on disk do not
     plan = search([p], samples_per_step=8, heterogeneous=False, margin=0.1, policies=policies, micro_batches=[8])
-    assert plan.ranks[0].policies == ["checkpoint", "checkpoint"]
+    # the lower block alone on disk is read back only after the upper one is done: that saves a block, and is cheaper
+    assert plan.ranks[0].policies == ["disk", "keep"]
+    assert plan.ranks[0].peak_bytes <= 0.9 * p.budget_bytes
     p.budget_bytes = int((predicted["checkpoint"] - 1 * MiB) / 0.9)  # nothing fits: the smallest budget named is checkpoint's
     with pytest.raises(BudgetTooSmall, match=r"blocks 2 checkpoint\) is predicted to peak"):
         search([p], samples_per_step=8, heterogeneous=False, margin=0.1, policies=policies, micro_batches=[8])
