@@ -119,8 +119,10 @@ def measure_rank(
             loss.backward()
         del loss
 
-    def timed(size: int) -> tuple[int, float]:
+    def timed(size: int, accumulating: bool = False) -> tuple[int, float]:
         meter.reset()
+        if accumulating:
+            _as_a_window_leaves_gradients(module, lambda: forward_backward(1))
         synchronize(device)
         start = time.perf_counter()
         forward_backward(size)
@@ -160,10 +162,10 @@ def measure_rank(
             # not held yet); not of the larger size where it missed the budget (as above); of the ladder's sizes (timed
             # only) those that could be picked
             if m1 != m2:
-                again1, retime1 = timed(m1)
+                again1, retime1 = timed(m1, accumulating=True)
                 peak1, time1 = max(peak1, again1), min(time1, retime1)
                 if peak2 <= budget_bytes or lockstep:
-                    again2, retime2 = timed(m2)
+                    again2, retime2 = timed(m2, accumulating=True)
                     peak2, time2 = max(peak2, again2), min(time2, retime2)
             fitting = {m1: time1, **({m2: time2} if peak2 <= budget_bytes else {})}
             again = worth_reading_again(dict(times), fitting, lockstep=lockstep)
@@ -201,6 +203,15 @@ def worth_reading_again(ladder: dict[int, float], fitting: dict[int, float], wit
         return sorted(ladder)
     best = min(seconds / size for size, seconds in {**ladder, **fitting}.items())
     return sorted(size for size, seconds in ladder.items() if seconds / size <= (1 + within) * best)
+
+
+def _as_a_window_leaves_gradients(module: nn.Module, one_sample_step: Callable[[], None]) -> None:
+    """Leave the gradients as an accumulation window's first micro-step leaves them for the next: set to None
+    (as Lightning's ``zero_grad`` does at the window's start) and made again by a backward (``one_sample_step``, the
+    cheapest), in the middle of the heap. A micro-step accumulating into them peaks above one accumulating into
+    gradients held from before: on CPU 2-4 MiB more RSS for a model of 1M parameters at every micro-batch size."""
+    module.zero_grad(set_to_none=True)
+    one_sample_step()
 
 
 def _in_lockstep(module: nn.Module) -> bool:
@@ -245,6 +256,8 @@ def measure_peak(strategy: Any, batches: Callable[[int], Any], size: int, meter:
         module.zero_grad(set_to_none=False)
         batch = batches(size)
         meter.reset()
+        with sync_off():
+            _as_a_window_leaves_gradients(module, lambda: step_loss(strategy, batches(1)).backward())
         synchronize(strategy.root_device)
         start = time.perf_counter()
         with sync_off():

@@ -167,13 +167,65 @@ def add_span_noise(ids: np.ndarray, fraction: float, span: int, vocab_size: int,
     return noisy
 
 
+class TokenFile:
+    """A one-dimensional token-id array in a ``.npy`` file, read a slice at a time with ``os.pread``.
+
+    A memory map of the file would do the same job, but on Linux each page fault maps the pages around it too
+    (the kernel's fault-around, 64 KiB), so windows drawn at random grow the process's RSS by up to 64 KiB a
+    sample, to the whole file by the end of an epoch: on CPU, where memory is peak RSS, that growth counts as
+    training memory (``MemoryReport``, AutoFit's measured peak). Read with ``pread``, the file's pages stay in
+    the page cache, outside the process. The descriptor is opened in each process that reads (DataLoader
+    workers included) and is not pickled. ``numpy.asarray`` of it reads the whole array.
+
+    Args:
+        path: a ``.npy`` file holding a one-dimensional array.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        mapped = np.load(path, mmap_mode="r")
+        require(mapped.ndim == 1, "path", str(path), "a .npy file of a one-dimensional array")
+        self.path, self.dtype, self.offset, self.length = str(path), mapped.dtype, int(mapped.offset), int(mapped.shape[0])
+        del mapped
+        self._descriptor: int | None = None
+        self._pid: int | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        """The tokens of a slice (step 1), as a new array."""
+        require(isinstance(index, slice), "index", index, "a slice (TokenFile reads contiguous ranges)")
+        start, stop, step = index.indices(self.length)
+        require(step == 1, "index", index, "a slice with step 1")
+        count = max(0, stop - start)
+        size = self.dtype.itemsize
+        data = os.pread(self._open(), count * size, self.offset + start * size)
+        return np.frombuffer(data, dtype=self.dtype, count=count)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        array = self[:]
+        return array if dtype is None else array.astype(dtype)
+
+    def _open(self) -> int:
+        if self._descriptor is None or self._pid != os.getpid():  # a forked worker opens its own
+            self._descriptor, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._descriptor
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_descriptor": None, "_pid": None}
+
+    def __del__(self) -> None:
+        if getattr(self, "_descriptor", None) is not None and self._pid == os.getpid():
+            os.close(self._descriptor)
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of ``seq_len`` next-token pairs over one token stream.
 
     The last window is padded: its missing labels are ``-100`` (invalid positions).
     """
 
-    def __init__(self, ids: np.ndarray, seq_len: int, pad_id: int) -> None:
+    def __init__(self, ids: np.ndarray | TokenFile, seq_len: int, pad_id: int) -> None:
         self.ids = ids
         self.seq_len = seq_len
         self.pad_id = pad_id
@@ -354,11 +406,11 @@ class CorpusDataModule(LightningDataModule):
             self.prepare_data()
         meta = json.loads((target / "meta.json").read_text())
         pad = meta["end_of_text"]
-        train_ids = np.load(target / "train.npy", mmap_mode="r")
+        train_ids = TokenFile(target / "train.npy")
         if self.noise_fraction > 0:
-            train_ids = add_span_noise(train_ids, self.noise_fraction, self.noise_span, meta["vocab_size"], self.seed)
+            train_ids = add_span_noise(np.asarray(train_ids), self.noise_fraction, self.noise_span, meta["vocab_size"], self.seed)
         self.train_dataset = TokenWindows(train_ids, self.seq_len, pad)
-        self.val_dataset = TokenWindows(np.load(target / "val.npy", mmap_mode="r"), self.seq_len, pad)
+        self.val_dataset = TokenWindows(TokenFile(target / "val.npy"), self.seq_len, pad)
         source = self.data_path or "the standard library"
         if len(self.train_dataset) < self.batch_size:
             raise ValueError(

@@ -1,9 +1,11 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from lightning_efficient import CorpusDataModule
-from lightning_efficient.demo.data import TokenWindows, split_files
+from lightning_efficient.demo.data import TokenFile, TokenWindows, split_files
 
 
 def test_second_build_reads_the_cache_and_ids_are_deterministic(small_corpus, tmp_path):
@@ -23,7 +25,7 @@ def test_second_build_reads_the_cache_and_ids_are_deterministic(small_corpus, tm
     assert independent.loaded_from_cache is False
     assert np.array_equal(first.train_dataset.ids, independent.train_dataset.ids)
     assert np.array_equal(first.val_dataset.ids, independent.val_dataset.ids)
-    assert int(first.train_dataset.ids.max()) < 400
+    assert int(np.asarray(first.train_dataset.ids).max()) < 400
     encoded = first.tokenizer().encode("def f(x):\n    return x\n").ids
     assert encoded == independent.tokenizer().encode("def f(x):\n    return x\n").ids
 
@@ -151,3 +153,50 @@ def test_a_noise_span_longer_than_the_corpus_is_refused(tmp_path):
                             cache_dir=str(tmp_path / "cache"), noise_fraction=0.2, noise_span=10**6)
     with pytest.raises(ValueError, match=r"noise_span=1000000 is longer than the \d+ training tokens"):
         data.setup("fit")
+
+
+def _file_rss_bytes() -> int:
+    """Resident file-backed pages of this process (/proc/self/status RssFile)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_reading_the_training_windows_at_random_leaves_the_corpus_file_out_of_the_process_rss(tmp_path):
+    # a memory map of the token file grows the RSS by the kernel's fault-around (64 KiB) per window drawn at random,
+    # to the whole file: on CPU that counts as training memory
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("".join(f"def f_{j}(x):\n    return x * {j} + {j % 7}\n\n" for j in range(30000)))
+    data = CorpusDataModule(data_path=str(texts), vocab_size=300, seq_len=16, batch_size=2, val_fraction=0.5,
+                            cache_dir=str(tmp_path / "cache"))
+    data.setup("fit")
+    dataset = data.train_dataset
+    size = (data.cache_path / "train.npy").stat().st_size
+    assert size > 256 * 1024  # several fault-around windows
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    dataset[order[0]]  # the code reading a window is paged in
+    before = _file_rss_bytes()
+    windows = [dataset[i] for i in order]
+    assert _file_rss_bytes() - before < 64 * 1024
+    assert torch.cat([w["labels"] for w in windows]).numel() == len(order) * 16
+
+
+def test_a_token_file_reads_what_the_array_holds_and_travels_to_another_process(tmp_path):
+    ids = np.arange(1000, dtype=np.uint16) * 7
+    np.save(tmp_path / "ids.npy", ids)
+    tokens = TokenFile(tmp_path / "ids.npy")
+    assert len(tokens) == 1000
+    assert np.array_equal(tokens[10:20], ids[10:20]) and np.array_equal(tokens[995:1010], ids[995:])
+    assert np.array_equal(np.asarray(tokens), ids)
+    windows = TokenWindows(tokens, seq_len=8, pad_id=0)
+    loader = torch.utils.data.DataLoader(windows, batch_size=4, num_workers=2, multiprocessing_context="spawn")
+    labels = torch.cat([b["labels"].flatten() for b in loader])
+    assert labels[:999].tolist() == ids[1:].astype(np.int64).tolist()
+    with pytest.raises(ValueError, match="index"):
+        tokens[::2]
+    with pytest.raises(ValueError, match="path"):
+        np.save(tmp_path / "grid.npy", np.zeros((2, 2)))
+        TokenFile(tmp_path / "grid.npy")
