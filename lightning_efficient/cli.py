@@ -202,9 +202,56 @@ def run_plan(args: Sequence[str]) -> AutoFit:
     autofit.plan_only = True
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if trainer.is_global_zero and autofit.plan is not None:
-        print("\n# AutoFit's plan as settings for your config (the same global batch):")
-        print(plan_yaml(autofit.plan, autofit, trainer, cli.model))
+        import yaml
+
+        settings = plan_yaml(autofit.plan, autofit, trainer, cli.model)
+        try:
+            whole = planned_config(yaml.safe_load(cli.parser.dump(cli.config, skip_check=True)), yaml.safe_load(settings), trainer)
+        except Exception as error:  # noqa: BLE001 - a config jsonargparse cannot write back: the settings alone
+            print(f"\n# (the whole config could not be written: {error}) AutoFit's plan as settings for your config "
+                  "(the same global batch):")
+            print(settings)
+        else:
+            print("\n# AutoFit's plan as a whole config, yours with the plan's settings in place of AutoFit (the same global "
+                  "batch): save it and run `lightning-efficient fit --config` it alone")
+            print(yaml.safe_dump(whole, sort_keys=False))
     return autofit
+
+
+def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Trainer) -> dict[str, Any]:
+    """``config`` (the whole parsed config of the run) with :func:`plan_yaml`'s ``settings`` in place: its callbacks
+    replace AutoFit and any callback of the same class the config had (AutoFit kept a user's setting, so the plan holds
+    it already), the trainer and module or datamodule values are set, and a strategy keeps its class with the plan's
+    arguments added. Where the settings are the AutoFit callback itself (ranks plan differently), AutoFit stays."""
+    config = {k: v for k, v in config.items() if k != "config"}  # the paths it was read from
+    trainer_config = config.setdefault("trainer", {}) or {}
+    config["trainer"] = trainer_config
+    planned = dict(settings.get("trainer") or {})
+    callbacks = trainer_config.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    new = planned.pop("callbacks", [])
+    if any(c.get("class_path") == "lightning_efficient.AutoFit" for c in new):
+        replaced = {"AutoFit"}
+    else:
+        replaced = {"AutoFit", *(c["class_path"].rsplit(".", 1)[-1] for c in new)}
+    kept = [c for c in callbacks if not (isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] in replaced)]
+    trainer_config["callbacks"] = [*kept, *new] or None
+    strategy = planned.pop("strategy", None)
+    if strategy is not None:
+        current = trainer_config.get("strategy")
+        if not isinstance(current, dict):
+            kind = type(trainer.strategy)
+            current = {"class_path": f"{kind.__module__}.{kind.__qualname__}", "init_args": {}}
+        current["init_args"] = {**(current.get("init_args") or {}), **strategy["init_args"]}
+        trainer_config["strategy"] = current
+    trainer_config.update(planned)
+    for holder in ("model", "data"):
+        if holder in settings:
+            section = config.get(holder)
+            section = section if isinstance(section, dict) else {}
+            section["init_args"] = {**(section.get("init_args") or {}), **settings[holder]["init_args"]}
+            config[holder] = section
+    return config
 
 
 def main() -> None:

@@ -20,17 +20,19 @@ from lightning_efficient._validation import require, require_bool, require_int, 
 from lightning_efficient.memory import (
     ParameterStorages,
     SavedTensorCounter,
+    current_rss_bytes,
     first_tensor,
     gradient_bytes,
     optimizer_state_bytes,
     parameter_bytes,
     peak_rss_bytes,
+    release_free_memory,
     reset_peak_rss,
 )
 
 #: memory figures that differ by rank: under several processes each rank's is reported as
 #: ``rank{i}/<name>`` and ``<name>`` is the largest over the ranks
-PER_RANK_FIGURES = ("peak_rss_bytes", "cuda_max_allocated_bytes", "activation_bytes")
+PER_RANK_FIGURES = ("peak_rss_bytes", "rss_above_start_bytes", "cuda_max_allocated_bytes", "activation_bytes")
 #: training-state figures: this rank's bytes (under FSDP2 its local shards), and under several processes
 #: also each rank's as ``rank{i}/<name>`` and their sum as ``all_ranks/<name>``
 STATE_FIGURES = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
@@ -80,7 +82,9 @@ class MemoryReport(Callback):
     Figures: ``step_time_s`` and ``tokens_per_s``/``samples_per_s`` (means over the steps after
     the first), ``parameter_bytes``, ``gradient_bytes``, ``optimizer_state_bytes`` (exact tensor
     bytes of every optimizer's state), ``activation_bytes`` (saved for backward, counted with
-    ``saved_tensors_hooks`` on the sampled steps; the largest), ``peak_rss_bytes`` (process VmHWM) and,
+    ``saved_tensors_hooks`` on the sampled steps; the largest), ``peak_rss_bytes`` (process VmHWM),
+    ``rss_above_start_bytes`` (that peak less the RSS when the fit was set up, freed heap handed back
+    first: the fit's own memory on CPU, the figure an ``AutoFit`` budget is held to there) and,
     on CUDA, ``cuda_max_allocated_bytes``; with a paged bitsandbytes optimizer also
     ``paged_optimizer_bytes``, the bytes of its paged states (CUDA managed memory, which
     ``max_memory_allocated`` does not see); on CUDA ``optimizer_state_host_bytes``, the part of
@@ -152,6 +156,13 @@ class MemoryReport(Callback):
         self._sampling = False
         self._run: dict[str, Any] = {}
         self._first_step_pending = False
+        self._start_rss = 0
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            release_free_memory()  # what earlier work freed is not the fit's (as AutoFit reads its start)
+            self._start_rss = current_rss_bytes()
 
     def _sync(self, pl_module: LightningModule) -> None:
         synchronize(pl_module.device)
@@ -159,7 +170,9 @@ class MemoryReport(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._unwrap_training_step(trainer)
+        start = self._start_rss
         self._reset()
+        self._start_rss = start
         self._figures["parameter_bytes"] = parameter_bytes(pl_module)
         self._first_step_pending = True
 
@@ -239,6 +252,7 @@ class MemoryReport(Callback):
         if pl_module.device.type == "cuda":
             self._raise("optimizer_state_host_bytes", sum(host_state_bytes(o) for o in trainer.optimizers))
         self._figures["peak_rss_bytes"] = peak_rss_bytes()
+        self._figures["rss_above_start_bytes"] = max(0, self._figures["peak_rss_bytes"] - self._start_rss)
         if pl_module.device.type == "cuda":
             self._figures["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(pl_module.device)
         for callback in trainer.callbacks:

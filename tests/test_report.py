@@ -163,6 +163,31 @@ def test_peaks_cover_training_steps_only_not_planning_or_anything_before(small_d
     # a tiny model's training adds far less than BIG to the resident memory at fit start
     assert before.rss_at_fit_start > 0
     assert figures["peak_rss_bytes"] < before.rss_at_fit_start + BIG // 2
+    assert 0 <= figures["rss_above_start_bytes"] < BIG // 2
+
+
+class _TrainingHolds(DemoGPT):
+    """Its second training step holds (writes) HELD more bytes while it runs."""
+
+    def training_step(self, batch, batch_idx):
+        held = torch.ones(HELD // 4) if batch_idx == 1 else None  # every page written: resident
+        loss = super().training_step(batch, batch_idx)
+        del held
+        return loss
+
+
+HELD = 160 * 2**20
+
+
+def test_the_fits_own_memory_is_the_peak_rss_above_the_rss_when_the_fit_was_set_up(small_datamodule_kwargs):
+    # what AutoFit's budget is held to on CPU: the whole process's peak counts the interpreter and the libraries too
+    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[report])
+    trainer.fit(_TrainingHolds(**tiny_gpt_kwargs()), datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    figures = report.report()
+    assert HELD <= figures["rss_above_start_bytes"] < HELD + 100 * 2**20
+    assert figures["peak_rss_bytes"] - figures["rss_above_start_bytes"] > 100 * 2**20  # the interpreter, torch, Lightning
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

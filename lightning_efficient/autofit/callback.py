@@ -274,6 +274,7 @@ class AutoFit(Callback):
         self._unprofiled: _Unprofiled | None = None  # the blocks left unprofiled before the first step
         self._code_pages = CodePages()  # off CUDA: the library code measuring touched is handed back after it
         self._step_started: float | None = None
+        self._measured_against: list[int] = []  # each rank's predicted peak when the measured figures were read
         self._step_times: list[float] = []
         self._measured: list[dict[str, float]] | None = None
         self.planning_s = 0.0
@@ -359,6 +360,7 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._measured, self._step_times, self._step_started = None, [], None
+        self._measured_against: list[int] = []
         self._unprofiled = None
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
@@ -723,6 +725,7 @@ class AutoFit(Callback):
         times = self._step_times[1:] or self._step_times
         mine = {"peak_bytes": float(self._meter.read() if self._meter else 0), "step_s": statistics.median(times)}
         self._measured = gather_objects(mine)
+        self._measured_against = [r.peak_bytes for r in self._plan.ranks]  # a re-plan below replaces the plan
         rank_zero_info("AutoFit: measured after " f"{len(self._step_times)} steps\n" + plan_table(self._plan, self._measured))
         self._replan_if_above(trainer, pl_module)
 
@@ -804,7 +807,8 @@ class AutoFit(Callback):
         self._undo(pl_module)  # Lightning skips teardown when fit raises
 
     def memory_figures(self) -> dict[str, int]:
-        """This rank's budget, predicted peak and micro-batch (and measured peak once read), for :class:`MemoryReport`."""
+        """This rank's budget, predicted peak and micro-batch (and measured peak once read, beside the prediction it was
+        read against; after a re-plan, the new plan's prediction too), for :class:`MemoryReport`."""
         if self._plan is None or self._trainer_rank >= len(self._plan.ranks):
             return {}
         mine = self._plan.ranks[self._trainer_rank]
@@ -812,6 +816,9 @@ class AutoFit(Callback):
                    "autofit_micro_batch": mine.micro_batch}
         if self._measured is not None:
             figures["autofit_measured_peak_bytes"] = int(self._measured[self._trainer_rank]["peak_bytes"])
+            against = self._measured_against[self._trainer_rank]
+            if against != mine.peak_bytes:
+                figures["autofit_predicted_peak_bytes"], figures["autofit_replanned_peak_bytes"] = against, mine.peak_bytes
         return figures
 
     @property

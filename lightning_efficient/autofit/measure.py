@@ -122,7 +122,7 @@ def measure_rank(
     def timed(size: int, accumulating: bool = False) -> tuple[int, float]:
         meter.reset()
         if accumulating:
-            _as_a_window_leaves_gradients(module, lambda: forward_backward(1))
+            _as_a_window_leaves_gradients(module, lambda: forward_backward(min(2, m1)))
         synchronize(device)
         start = time.perf_counter()
         forward_backward(size)
@@ -205,13 +205,14 @@ def worth_reading_again(ladder: dict[int, float], fitting: dict[int, float], wit
     return sorted(size for size, seconds in ladder.items() if seconds / size <= (1 + within) * best)
 
 
-def _as_a_window_leaves_gradients(module: nn.Module, one_sample_step: Callable[[], None]) -> None:
+def _as_a_window_leaves_gradients(module: nn.Module, small_step: Callable[[], None]) -> None:
     """Leave the gradients as an accumulation window's first micro-step leaves them for the next: set to None
-    (as Lightning's ``zero_grad`` does at the window's start) and made again by a backward (``one_sample_step``, the
-    cheapest), in the middle of the heap. A micro-step accumulating into them peaks above one accumulating into
+    (as Lightning's ``zero_grad`` does at the window's start) and made again by a backward (``small_step``: two
+    samples, or one where the readings already go down to one; a model may not train on one, a BatchNorm's
+    statistics), in the middle of the heap. A micro-step accumulating into them peaks above one accumulating into
     gradients held from before: on CPU 2-4 MiB more RSS for a model of 1M parameters at every micro-batch size."""
     module.zero_grad(set_to_none=True)
-    one_sample_step()
+    small_step()
 
 
 def _in_lockstep(module: nn.Module) -> bool:
@@ -257,7 +258,7 @@ def measure_peak(strategy: Any, batches: Callable[[int], Any], size: int, meter:
         batch = batches(size)
         meter.reset()
         with sync_off():
-            _as_a_window_leaves_gradients(module, lambda: step_loss(strategy, batches(1)).backward())
+            _as_a_window_leaves_gradients(module, lambda: step_loss(strategy, batches(min(2, size))).backward())
         synchronize(strategy.root_device)
         start = time.perf_counter()
         with sync_off():

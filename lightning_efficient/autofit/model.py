@@ -256,76 +256,12 @@ def _read_ahead(policies: list[str], index: int) -> list[int]:
     return ahead
 
 
-def _outside_blocks(profile: RankProfile, blocks: list[BlockProfile], micro: int, option: OptimizerOption) -> int:
-    """The forward and backward peak at ``micro`` and ``option`` less the blocks' activations (everything kept)."""
-    p0, p1 = profile.line(profile.peak_bytes)
-    kept = sum(b.held_bytes["keep"] for b in blocks)
-    return int(p0 + p1 * micro - kept + option.state_bytes - profile.run_state_bytes)
-
-
-#: the most (held bytes, cost) points :func:`_cheapest_in_order` keeps per state between blocks
-ORDERED_POINTS = 96
-
-
-def _cheapest_in_order(blocks: list[BlockProfile], policies: tuple[str, ...], room: int) -> list[str] | None:
-    """The least-cost policy per block whose activations fit ``room`` bytes as :func:`_brought_back` counts them
-    (None when none is found): the block planner counts held bytes only, while backward holds block ``i`` whole with
-    the blocks below it at their policies' bytes, so where a lean policy sits matters (a block on disk below another
-    on disk is prefetched with it; one below a recomputed block is not).
-
-    A dynamic programme over the blocks in order: its state is the policy of the block below and whether a block below
-    is offloaded to host memory; per state, the Pareto front of (bytes held so far, cost). Exact for keep,
-    checkpoint, selective and disk while each front has at most :data:`ORDERED_POINTS` points (thinned beyond, which
-    may miss the cheapest plan, never return one that does not fit); host offload's read-ahead is counted for the
-    largest offloaded block wherever one lies below.
-    """
-    whole = [b.held_bytes["keep"] for b in blocks]
-    offload_extra = max((w - b.held_bytes["offload"] for w, b in zip(whole, blocks) if "offload" in b.held_bytes), default=0)
-    # a point: (held bytes below, cost, chosen policies as a linked list (policy, rest))
-    fronts: dict[tuple[str | None, bool], list[tuple[int, float, Any]]] = {(None, False): [(0, 0.0, None)]}
-    for index, block in enumerate(blocks):
-        reached: dict[tuple[str | None, bool], list[tuple[int, float, Any]]] = {}
-        for (below, offloaded_below), points in fronts.items():
-            for policy in policies:
-                if policy not in block.held_bytes:
-                    continue
-                ahead = offload_extra if offloaded_below and "offload" in policies else 0
-                if policy == "disk" and below == "disk":
-                    ahead += whole[index - 1] - blocks[index - 1].held_bytes["disk"]
-                state = (policy, offloaded_below or policy == "offload")
-                for held, cost, chosen in points:
-                    if held + whole[index] + ahead > room:
-                        break  # the points are in increasing held bytes
-                    reached.setdefault(state, []).append((held + block.held_bytes[policy], cost + block.cost_s[policy], (policy, chosen)))
-        fronts = {state: _pareto(points) for state, points in reached.items()}
-    finished = [point for points in fronts.values() for point in points if point[0] <= room]
-    if not finished:
-        return None
-    chosen = min(finished, key=lambda point: point[1])[2]
-    ordered: list[str] = []
-    while chosen is not None:
-        policy, chosen = chosen
-        ordered.append(policy)
-    return ordered[::-1]
-
-
-def _pareto(points: list[tuple[int, float, Any]]) -> list[tuple[int, float, Any]]:
-    """The points no other holds fewer bytes and costs less than, in increasing held bytes, at most
-    :data:`ORDERED_POINTS` of them (evenly spread, the cheapest kept)."""
-    front: list[tuple[int, float, Any]] = []
-    for point in sorted(points, key=lambda p: (p[0], p[1])):
-        if not front or point[1] < front[-1][1]:
-            front.append(point)
-    if len(front) > ORDERED_POINTS:
-        step = (len(front) - 1) / (ORDERED_POINTS - 1)
-        front = [front[round(k * step)] for k in range(ORDERED_POINTS)]
-    return front
-
-
 def _predict(profile: RankProfile, blocks: list[BlockProfile], policies: list[str], micro: int, option: OptimizerOption) -> tuple[int, float]:
     """(predicted peak bytes, predicted micro-step seconds) on this rank."""
+    p0, p1 = profile.line(profile.peak_bytes)
+    kept = sum(b.held_bytes["keep"] for b in blocks)
     held = sum(b.held_bytes[p] for b, p in zip(blocks, policies))
-    forward_backward = _outside_blocks(profile, blocks, micro, option) + held + _brought_back(blocks, policies)
+    forward_backward = p0 + p1 * micro - kept + held + _brought_back(blocks, policies) + option.state_bytes - profile.run_state_bytes
     cost = sum(b.cost_s[p] for b, p in zip(blocks, policies))
     return int(max(forward_backward, option.step_peak_bytes) + profile.unmeasured_bytes), profile.micro_step_seconds(micro) + cost
 
@@ -352,10 +288,6 @@ def choose_rank(profile: RankProfile, micro: int, option: OptimizerOption, polic
             except ValueError:
                 continue
         candidates.extend(leaner)
-        if base > usable:  # every block kept does not fit: where each policy sits matters too
-            ordered = _cheapest_in_order(blocks, policies, int(usable - profile.unmeasured_bytes - _outside_blocks(profile, blocks, micro, option)))
-            if ordered is not None:
-                candidates.append(ordered)
     best: RankChoice | None = None
     for chosen in candidates:
         peak, micro_s = _predict(profile, blocks, chosen, micro, option)
@@ -378,19 +310,9 @@ def _lean_plans(blocks: list[BlockProfile], policies: tuple[str, ...]) -> list[l
 
 
 def _leanest(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...]) -> RankChoice:
-    """The configuration at ``micro`` and ``option`` predicted to peak the least: of :func:`_lean_plans` and the
-    policies in order that fit the least room for the blocks' activations (found by bisection, to a KiB)."""
+    """The configuration at ``micro`` and ``option`` predicted to peak the least (of :func:`_lean_plans`)."""
     blocks = _scaled(profile.blocks, micro / profile.blocks_size)
     plans = [list(profile.fixed_policies)] if profile.fixed_policies is not None else _lean_plans(blocks, policies)
-    if profile.fixed_policies is None and blocks:
-        outside = _outside_blocks(profile, blocks, micro, option)
-        fits, misses = min(_predict(profile, blocks, lean, micro, option)[0] for lean in plans) - profile.unmeasured_bytes - outside, -1
-        while fits - misses > 1024:
-            middle = (fits + misses) // 2
-            fits, misses = (middle, misses) if _cheapest_in_order(blocks, policies, middle) is not None else (fits, middle)
-        ordered = _cheapest_in_order(blocks, policies, fits)
-        if ordered is not None:
-            plans.append(ordered)
     predicted = [(_predict(profile, blocks, chosen, micro, option), chosen) for chosen in plans]
     (peak, micro_s), chosen = min(predicted, key=lambda item: item[0][0])
     return RankChoice(micro, chosen, peak, micro_s, micro_s)
@@ -539,7 +461,7 @@ def _infeasible_message(profiles: list[RankProfile], micro_batches: list[int], m
             lines.append(
                 f"rank {rank}: budget {profile.budget_bytes / 2**20:,.1f} MiB, but the leanest plan (micro-batch {choice.micro_batch}, "
                 f"optimizer {option}, blocks {_counts(choice.policies)}) is predicted to peak at {choice.peak_bytes / 2**20:,.1f} MiB, "
-                f"so it needs a budget of at least {needed / 2**20:,.1f} MiB ({needed:,} bytes) with margin {margin:g}"
+                f"so it is predicted to need a budget of at least {needed / 2**20:,.1f} MiB ({needed:,} bytes) with margin {margin:g}"
             )
     return "AutoFit: no configuration fits the budget. " + "; ".join(lines or ["every rank's leanest plan misses it"])
 
@@ -559,8 +481,11 @@ def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) ->
         f"  {'rank':<5} {'budget MiB':>11} {'micro':>6}  {'blocks':<28} {'peak MiB':>10} {'ms/step':>9}"
         + (f" {'measured MiB':>13} {'measured ms':>12}" if measured else ""),
     ]
+    # no policies: blocks kept unprofiled, or none found, or the user's ActivationMemory's (the notes say which)
+    unplanned = "every block kept" if any(n.startswith("blocks not profiled") for n in plan.notes) else "-"
     for rank, (choice, budget) in enumerate(zip(plan.ranks, plan.budgets)):
-        row = (f"  {rank:<5} {budget / 2**20:>11,.1f} {choice.micro_batch:>6}  {_counts(choice.policies):<28} "
+        blocks = _counts(choice.policies) if choice.policies else unplanned
+        row = (f"  {rank:<5} {budget / 2**20:>11,.1f} {choice.micro_batch:>6}  {blocks:<28} "
                f"{choice.peak_bytes / 2**20:>10,.1f} {choice.step_s * 1e3:>9,.1f}")
         if measured:
             m = measured[rank]

@@ -96,7 +96,7 @@ def test_a_budget_no_configuration_meets_is_refused_before_the_first_step_with_t
     fit = AutoFit(budget="1MB")
     # the wide head: even micro-batch 1 needs tens of MiB, far above what the RSS readings wander by in a test process
     # (the tiny model's whole need, about 1 MiB, can read as less where the process's heap is already warm)
-    with pytest.raises(BudgetTooSmall, match=r"needs a budget of at least [0-9.,]+ MiB") as raised:
+    with pytest.raises(BudgetTooSmall, match=r"need a budget of at least [0-9.,]+ MiB") as raised:
         _fit(small_datamodule_kwargs, [fit, record], wide=True)
     assert record.samples == [] and record._samples == 0
     assert "rank 0: budget 1.0 MiB" in str(raised.value)
@@ -186,10 +186,24 @@ def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "AutoFit plan:" in done.stdout + done.stderr
-    settings = yaml.safe_load(done.stdout.split("(the same global batch):")[1])
+    settings = _printed_config(done.stdout)
     batch = settings["data"]["init_args"]["batch_size"]
     assert batch * settings["trainer"]["accumulate_grad_batches"] == 4 * 2
     assert not list(tmp_path.glob("**/*.ckpt"))
+    # the printed config is the whole run: fitted alone, it trains with the plan's settings and no AutoFit
+    assert not any("AutoFit" in str(c) for c in settings["trainer"]["callbacks"] or [])
+    planned = tmp_path / "planned.yaml"
+    planned.write_text(yaml.safe_dump({**settings, "trainer": {**settings["trainer"], "default_root_dir": str(tmp_path / "run")}}))
+    fitted = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "fit", "--config", str(planned)],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    assert "AutoFit plan:" not in fitted.stdout + fitted.stderr
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"]["accumulate_grad_batches"] == 8 // batch
+
+
+def _printed_config(stdout: str) -> dict:
+    """The whole config ``lightning-efficient plan`` prints after its table."""
+    return yaml.safe_load(stdout.split("# AutoFit's plan as a whole config")[1].split("\n", 1)[1])
 
 
 def test_in_a_fresh_process_the_measured_peak_stays_within_a_budget_that_forces_a_smaller_plan(small_datamodule_kwargs, tmp_path):
@@ -247,6 +261,10 @@ def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_
     memory = next(c for c in trainer.callbacks if isinstance(c, ActivationMemory))
     assert memory.plan == fit.plan.ranks[0].policies  # applied between steps 2 and 3
     assert len(record.losses) == 4 and all(torch.isfinite(torch.tensor(record.losses)))
+    # MemoryReport's figures: the measured peak beside the prediction it was read against, and the new plan's
+    figures = fit.memory_figures()
+    assert figures["autofit_replanned_peak_bytes"] == fit.plan.ranks[0].peak_bytes
+    assert figures["autofit_predicted_peak_bytes"] < figures["autofit_measured_peak_bytes"]
     for _, block in find_blocks(model):
         assert "forward" not in vars(block)  # unwrapped when the fit ended
 
@@ -275,7 +293,7 @@ def test_the_plan_command_under_ddp_plans_on_both_ranks_and_prints_once(small_da
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     assert output.count("AutoFit plan:") == 1 and "\n  1 " in output  # rank 1's row in rank 0's table
-    settings = yaml.safe_load(done.stdout.split("(the same global batch):")[1])
+    settings = _printed_config(done.stdout)
     assert settings["data"]["init_args"]["batch_size"] * settings["trainer"]["accumulate_grad_batches"] == 4
 
 

@@ -128,7 +128,7 @@ def test_a_budget_infeasible_on_one_rank_fails_on_every_rank_before_the_first_st
     message = errors[0]["error"]
     assert message.startswith("BudgetTooSmall: AutoFit: no configuration fits the budget. rank 1: budget 0.1 MiB"), message
     assert "rank 0" not in message
-    needed = int(re.search(r"needs a budget of at least [0-9.,]+ MiB \(([0-9,]+) bytes\)", message).group(1).replace(",", ""))
+    needed = int(re.search(r"need a budget of at least [0-9.,]+ MiB \(([0-9,]+) bytes\)", message).group(1).replace(",", ""))
     assert TINY < needed < BIG
     for error in errors:
         assert error["budget_too_small"]  # a ValueError

@@ -69,13 +69,13 @@ def _planned_sizes(monkeypatch, budget: str, **timing) -> tuple[list[int], AutoF
 def test_the_measured_sizes_are_read_twice_and_a_ladder_size_that_cannot_be_picked_once(monkeypatch):
     # per sample: 16 -> 4 ms, 8 -> 6.5 ms, 4 -> 11.5 ms, 2 -> 21.5 ms: neither ladder size could be picked
     sizes, fit = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.04, per_sample_s=0.0015)
-    # a warm-up at 8; 8, 16 and the ladder below 8 once; 8 and 16 again, each after a one-sample micro-step into
+    # a warm-up at 8; 8, 16 and the ladder below 8 once; 8 and 16 again, each after a two-sample micro-step into
     # gradients set to None (as an accumulation window's first micro-step leaves them)
-    assert sizes == [8, 8, 16, 2, 4, 1, 8, 1, 16]
+    assert sizes == [8, 8, 16, 2, 4, 2, 8, 2, 16]
     assert fit.plan.ranks[0].micro_batch == 16
 
 
-def test_the_second_reading_of_a_measured_size_accumulates_into_gradients_a_one_sample_micro_step_made_after_unsetting_them(
+def test_the_second_reading_of_a_measured_size_accumulates_into_gradients_a_small_micro_step_made_after_unsetting_them(
         monkeypatch):
     # a fit's micro-step after the first of an accumulation window adds into gradients that window's first backward made
     # (Lightning sets them to None at the window's start): on CPU it peaks 2-4 MiB above one adding into gradients held
@@ -87,19 +87,19 @@ def test_the_second_reading_of_a_measured_size_accumulates_into_gradients_a_one_
                                 enable_model_summary=False, callbacks=[AutoFit(budget="4GiB", optimizer_options=["32-bit"])])
     trainer.fit(module)
     planning = list(zip(module.sizes, module.gradients_unset))[:9]
-    assert planning == [(8, True), (8, False), (16, False), (2, False), (4, False), (1, True), (8, False), (1, True), (16, False)]
+    assert planning == [(8, True), (8, False), (16, False), (2, False), (4, False), (2, True), (8, False), (2, True), (16, False)]
 
 
 def test_a_ladder_size_as_fast_per_sample_as_the_fastest_is_read_again(monkeypatch):
     sizes, _ = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.0, per_sample_s=0.002)  # every size alike per sample
-    assert sizes == [8, 8, 16, 2, 4, 1, 8, 1, 16, 2, 4]
+    assert sizes == [8, 8, 16, 2, 4, 2, 8, 2, 16, 2, 4]
 
 
 def test_the_larger_size_is_not_read_again_where_its_peak_missed_the_budget(monkeypatch):
     # 16 MiB a sample: 8 holds about 128 MiB, 16 about 256 MiB, over the 200 MiB budget; the ladder is timed against
     # 8 (6.5 ms a sample), which 4 (11.5 ms) and 2 (21.5 ms) are far above
     sizes, fit = _planned_sizes(monkeypatch, "200MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=16 * MiB)
-    assert sizes == [8, 8, 16, 2, 4, 1, 8]
+    assert sizes == [8, 8, 16, 2, 4, 2, 8]
     assert fit.plan.ranks[0].micro_batch == 8
 
 
