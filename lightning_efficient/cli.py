@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import warnings
 from collections.abc import Sequence
@@ -208,34 +209,53 @@ def run_plan(args: Sequence[str]) -> AutoFit:
         try:
             whole = planned_config(yaml.safe_load(cli.parser.dump(cli.config, skip_check=True)), yaml.safe_load(settings), trainer)
         except Exception as error:  # noqa: BLE001 - a config jsonargparse cannot write back: the settings alone
-            print(f"\n# (the whole config could not be written: {error}) AutoFit's plan as settings for your config "
-                  "(the same global batch):")
+            print(f"\n# (no whole config: {error}) AutoFit's plan as settings for your config (the same global batch):")
             print(settings)
         else:
             print("\n# AutoFit's plan as a whole config, yours with the plan's settings in place of AutoFit (the same global "
-                  "batch): save it and run `lightning-efficient fit --config` it alone")
+                  "batch): save it and give it alone to `lightning-efficient fit --config`")
             print(yaml.safe_dump(whole, sort_keys=False))
     return autofit
 
 
 def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Trainer) -> dict[str, Any]:
-    """``config`` (the whole parsed config of the run) with :func:`plan_yaml`'s ``settings`` in place: its callbacks
-    replace AutoFit and any callback of the same class the config had (AutoFit kept a user's setting, so the plan holds
-    it already), the trainer and module or datamodule values are set, and a strategy keeps its class with the plan's
-    arguments added. Where the settings are the AutoFit callback itself (ranks plan differently), AutoFit stays."""
+    """The whole config of the run with the plan's settings in place.
+
+    Args:
+        config: the run's parsed config, as jsonargparse writes it.
+        settings: :func:`plan_yaml`'s settings: its callbacks replace AutoFit, and a callback of the same class the
+            config has is updated with them (AutoFit kept a user's ActivationMemory or EightBitOptimizer, whose other
+            arguments stay); where they are AutoFit itself (ranks plan differently), the config's AutoFit stays with
+            the budget and margin set. The trainer's values are set, a strategy keeps its class with the plan's
+            arguments added, and the micro-batch goes into the model's or datamodule's ``batch_size`` argument.
+        trainer: the planned run's trainer (the strategy's class where the config names it by a string).
+
+    Raises:
+        ValueError: where the micro-batch cannot be set by a ``batch_size`` constructor argument (the module or
+            datamodule only has the attribute): no whole config sets it.
+    """
     config = {k: v for k, v in config.items() if k != "config"}  # the paths it was read from
-    trainer_config = config.setdefault("trainer", {}) or {}
+    trainer_config = dict(config.get("trainer") or {})
     config["trainer"] = trainer_config
     planned = dict(settings.get("trainer") or {})
     callbacks = trainer_config.get("callbacks") or []
-    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-    new = planned.pop("callbacks", [])
-    if any(c.get("class_path") == "lightning_efficient.AutoFit" for c in new):
-        replaced = {"AutoFit"}
-    else:
-        replaced = {"AutoFit", *(c["class_path"].rsplit(".", 1)[-1] for c in new)}
-    kept = [c for c in callbacks if not (isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] in replaced)]
-    trainer_config["callbacks"] = [*kept, *new] or None
+    callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+    for callback in planned.pop("callbacks", []):
+        name = callback["class_path"].rsplit(".", 1)[-1]
+        same = [i for i, c in enumerate(callbacks) if isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] == name]
+        if same:
+            mine = callbacks[same[0]]
+            # the config's own arguments stay: AutoFit kept what the user set (the plan's are the same), and the
+            # plan's fill in the rest (an AutoFit the ranks plan with gets the budget and margin it was given)
+            merged = {**callback["init_args"], **(mine.get("init_args") or {})}
+            if name == "AutoFit":
+                merged.update({k: callback["init_args"][k] for k in ("budget", "margin")})
+            callbacks[same[0]] = {**mine, "init_args": merged}
+        else:
+            callbacks.append(callback)
+    if not any(c.get("class_path") == "lightning_efficient.AutoFit" for c in (settings.get("trainer") or {}).get("callbacks", [])):
+        callbacks = [c for c in callbacks if not (isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] == "AutoFit")]
+    trainer_config["callbacks"] = callbacks or None
     strategy = planned.pop("strategy", None)
     if strategy is not None:
         current = trainer_config.get("strategy")
@@ -245,12 +265,17 @@ def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Tr
         current["init_args"] = {**(current.get("init_args") or {}), **strategy["init_args"]}
         trainer_config["strategy"] = current
     trainer_config.update(planned)
-    for holder in ("model", "data"):
-        if holder in settings:
-            section = config.get(holder)
-            section = section if isinstance(section, dict) else {}
-            section["init_args"] = {**(section.get("init_args") or {}), **settings[holder]["init_args"]}
-            config[holder] = section
+    for holder, instance in (("model", trainer.lightning_module), ("data", trainer.datamodule)):
+        if holder not in settings:
+            continue
+        parameters = inspect.signature(type(instance).__init__).parameters
+        if "batch_size" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            raise ValueError(f"{type(instance).__name__} has a batch_size attribute but no batch_size argument: "
+                             "a config cannot set the micro-batch")
+        section = config.get(holder)
+        section = dict(section) if isinstance(section, dict) else {}
+        section["init_args"] = {**(section.get("init_args") or {}), **settings[holder]["init_args"]}
+        config[holder] = section
     return config
 
 

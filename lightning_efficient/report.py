@@ -29,6 +29,7 @@ from lightning_efficient.memory import (
     release_free_memory,
     reset_peak_rss,
 )
+from lightning_efficient.optim._bnb import bitsandbytes
 
 #: memory figures that differ by rank: under several processes each rank's is reported as
 #: ``rank{i}/<name>`` and ``<name>`` is the largest over the ranks
@@ -74,6 +75,15 @@ def _format(name: str, value: float | int | None) -> str:
     if isinstance(value, float):
         return f"{value:,.1f}"
     return f"{value:,}"
+
+
+def _uses_bitsandbytes(callbacks: list[Callback]) -> bool:
+    """Whether a callback of the fit may load bitsandbytes (an EightBitOptimizer, an AutoFit with 8-bit options)."""
+    from lightning_efficient.autofit import AutoFit
+    from lightning_efficient.optim import EightBitOptimizer
+
+    return any(isinstance(c, EightBitOptimizer) or (isinstance(c, AutoFit) and any(o != "32-bit" for o in c.optimizer_options))
+               for c in callbacks)
 
 
 class MemoryReport(Callback):
@@ -161,6 +171,8 @@ class MemoryReport(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
+            if _uses_bitsandbytes(trainer.callbacks):
+                bitsandbytes()  # its import (native libraries, tens of MiB) is not the fit's memory; AutoFit loads it first too
             release_free_memory()  # what earlier work freed is not the fit's (as AutoFit reads its start)
             self._start_rss = current_rss_bytes()
 

@@ -288,3 +288,17 @@ def test_a_wrapper_installed_after_the_reports_resets_peaks_and_counters_only_on
     assert outer.calls == 3  # the outer wrapper stayed in the chain, and with it the report's
     assert resets == [0, 0]  # at the first batch's start and at its strategy step; never again
     assert report.report()["steps"] == 3  # the step counters were not cleared at later steps
+
+
+def test_loading_bitsandbytes_for_an_8bit_optimizer_is_not_counted_as_the_fits_memory(tmp_path):
+    # its native libraries are tens of MiB of RSS, loaded when the optimizer is first swapped (after every setup)
+    import subprocess
+    import sys
+
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("report_fresh.py")), str(out)], capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["bitsandbytes_loaded"]
+    assert figures["rss_above_start_bytes"] < 16 * 2**20  # a 17k-parameter model; bitsandbytes alone is over 40 MiB

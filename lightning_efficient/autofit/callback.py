@@ -360,7 +360,7 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._measured, self._step_times, self._step_started = None, [], None
-        self._measured_against: list[int] = []
+        self._measured_against = []
         self._unprofiled = None
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)

@@ -119,9 +119,9 @@ def measure_rank(
             loss.backward()
         del loss
 
-    def timed(size: int, accumulating: bool = False) -> tuple[int, float]:
+    def timed(size: int, after_window_start: bool = False) -> tuple[int, float]:
         meter.reset()
-        if accumulating:
+        if after_window_start:
             _as_a_window_leaves_gradients(module, lambda: forward_backward(min(2, m1)))
         synchronize(device)
         start = time.perf_counter()
@@ -154,7 +154,8 @@ def measure_rank(
                 peak2, time2 = peak1, time1
                 peak1, time1 = timed(m1)
             if (m1, m2) == sizes:
-                peak2, time2 = timed(m2)
+                # one size only (the micro-batch is not searched): its second reading is the one after a window's start
+                peak2, time2 = timed(m2, after_window_start=m1 == m2)
             smaller = sorted({size for size in ladder if 0 < size < m1})  # below the smaller size, once it has moved
             times = [(size, timed(size)[1]) for size in smaller]
             # a second reading of each, after the first of every size: the least time and the larger peak (one reading
@@ -162,10 +163,10 @@ def measure_rank(
             # not held yet); not of the larger size where it missed the budget (as above); of the ladder's sizes (timed
             # only) those that could be picked
             if m1 != m2:
-                again1, retime1 = timed(m1, accumulating=True)
+                again1, retime1 = timed(m1, after_window_start=True)
                 peak1, time1 = max(peak1, again1), min(time1, retime1)
                 if peak2 <= budget_bytes or lockstep:
-                    again2, retime2 = timed(m2, accumulating=True)
+                    again2, retime2 = timed(m2, after_window_start=True)
                     peak2, time2 = max(peak2, again2), min(time2, retime2)
             fitting = {m1: time1, **({m2: time2} if peak2 <= budget_bytes else {})}
             again = worth_reading_again(dict(times), fitting, lockstep=lockstep)
@@ -251,7 +252,7 @@ def measure_peak(strategy: Any, batches: Callable[[int], Any], size: int, meter:
         stateless = [o for o in strategy.optimizers if len(o.state) == 0]
         if stateless:  # the run's states are held during a real step
             with sync_off():
-                step_loss(strategy, batches(1)).backward()
+                step_loss(strategy, batches(min(2, size))).backward()
             for optimizer in stateless:
                 optimizer.step()
         module.zero_grad(set_to_none=False)

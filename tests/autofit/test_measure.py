@@ -139,30 +139,29 @@ def test_a_sync_batchnorm_in_a_distributed_run_puts_the_ranks_in_lockstep(tmp_pa
     assert [(tmp_path / f"out.{rank}").read_text() for rank in (0, 1)] == ["True False", "True False"]
 
 
-class WithBatchNorm(lightning.LightningModule):
+class WithBatchNorm(TimedRegression):
     """A BatchNorm over the batch: it cannot train on one sample."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
-        self.batch_size = 16
+    def __init__(self, clock: Clock, batch_size: int) -> None:
+        super().__init__(clock, overhead_s=0.04, per_sample_s=0.0015)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.batch_size = batch_size
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
-
-    def train_dataloader(self):
-        data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64))
-        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return super().training_step((self.norm(x), y), batch_idx)
 
 
-def test_a_model_that_cannot_train_on_one_sample_is_measured_and_trains():
-    # measuring never runs one sample unless the readings themselves go down to one (a budget that tight)
+@pytest.mark.parametrize("loader_batch", [16, 4])
+def test_a_model_that_cannot_train_on_one_sample_is_measured_and_trains(monkeypatch, loader_batch):
+    # measuring never runs one sample unless the readings themselves go down to one (a budget that tight); with a
+    # loader batch of 4 (x 4 accumulated) the pick, 16 (the fastest per sample here), is read beyond the measured sizes
+    clock = Clock()
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    module = WithBatchNorm(clock, loader_batch)
     fit = AutoFit(budget="4GiB", optimizer_options=["32-bit"])
-    trainer = lightning.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False, callbacks=[fit])
-    trainer.fit(WithBatchNorm())
-    assert trainer.global_step == 2 and fit.plan.micro_batches[0] >= 2
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=16 // loader_batch, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[fit])
+    trainer.fit(module)
+    assert trainer.global_step == 2 and fit.plan.micro_batches == [16]
+    assert min(module.sizes) >= 2
