@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -186,37 +187,52 @@ class TokenFile:
         require(mapped.ndim == 1, "path", str(path), "a .npy file of a one-dimensional array")
         self.path, self.dtype, self.offset, self.length = str(path), mapped.dtype, int(mapped.offset), int(mapped.shape[0])
         del mapped
-        self._descriptor: int | None = None
+        self._file: Any = None
         self._pid: int | None = None
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: slice) -> np.ndarray:
-        """The tokens of a slice (step 1), as a new array."""
+        """The tokens of a slice (step 1), as a new array.
+
+        Raises:
+            ValueError: for an index that is not a slice of step 1.
+        """
         require(isinstance(index, slice), "index", index, "a slice (TokenFile reads contiguous ranges)")
         start, stop, step = index.indices(self.length)
         require(step == 1, "index", index, "a slice with step 1")
-        count = max(0, stop - start)
-        size = self.dtype.itemsize
-        data = os.pread(self._open(), count * size, self.offset + start * size)
-        return np.frombuffer(data, dtype=self.dtype, count=count)
+        out = np.empty(max(0, stop - start), dtype=self.dtype)
+        self._read_into(memoryview(out).cast("B"), self.offset + start * self.dtype.itemsize)
+        return out
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        require(copy is not False, "copy", copy, "True or None (the array is read from the file: always a copy)")
         array = self[:]
         return array if dtype is None else array.astype(dtype)
 
-    def _open(self) -> int:
-        if self._descriptor is None or self._pid != os.getpid():  # a forked worker opens its own
-            self._descriptor, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
-        return self._descriptor
+    def _read_into(self, buffer: memoryview, offset: int) -> None:
+        """Fill ``buffer`` from the file at ``offset`` (``pread`` reads as many bytes as it can at once)."""
+        file = self._opened()
+        done = 0
+        while done < len(buffer):
+            if hasattr(os, "pread"):
+                chunk = os.pread(file.fileno(), len(buffer) - done, offset + done)
+            else:  # no pread (Windows): this process's own file object, read at a position
+                file.seek(offset + done)
+                chunk = file.read(len(buffer) - done)
+            if not chunk:
+                raise EOFError(f"{self.path} ends before byte {offset + len(buffer):,}")
+            buffer[done:done + len(chunk)] = chunk
+            done += len(chunk)
+
+    def _opened(self) -> Any:
+        if self._file is None or self._pid != os.getpid():  # a forked worker opens its own (the parent's stays the parent's)
+            self._file, self._pid = open(self.path, "rb", buffering=0), os.getpid()  # noqa: SIM115 - closed with the object
+        return self._file
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_descriptor": None, "_pid": None}
-
-    def __del__(self) -> None:
-        if getattr(self, "_descriptor", None) is not None and self._pid == os.getpid():
-            os.close(self._descriptor)
+        return {**self.__dict__, "_file": None, "_pid": None}
 
 
 class TokenWindows(Dataset):

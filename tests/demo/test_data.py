@@ -192,9 +192,14 @@ def test_a_token_file_reads_what_the_array_holds_and_travels_to_another_process(
     assert np.array_equal(tokens[10:20], ids[10:20]) and np.array_equal(tokens[995:1010], ids[995:])
     assert np.array_equal(np.asarray(tokens), ids)
     windows = TokenWindows(tokens, seq_len=8, pad_id=0)
-    loader = torch.utils.data.DataLoader(windows, batch_size=4, num_workers=2, multiprocessing_context="spawn")
-    labels = torch.cat([b["labels"].flatten() for b in loader])
-    assert labels[:999].tolist() == ids[1:].astype(np.int64).tolist()
+    tokens[0:1]  # this process's file is open before the workers fork: each opens its own
+    for start in ("fork", "spawn"):
+        loader = torch.utils.data.DataLoader(windows, batch_size=4, num_workers=2, multiprocessing_context=start)
+        labels = torch.cat([b["labels"].flatten() for b in loader])
+        assert labels[:999].tolist() == ids[1:].astype(np.int64).tolist()
+    assert np.array_equal(tokens[5:3], ids[5:3]) and tokens[5:3].dtype == ids.dtype
+    with pytest.raises(ValueError, match="copy"):
+        np.asarray(tokens, copy=False)
     with pytest.raises(ValueError, match="index"):
         tokens[::2]
     with pytest.raises(ValueError, match="path"):
