@@ -240,7 +240,8 @@ def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Tr
     planned = dict(settings.get("trainer") or {})
     callbacks = trainer_config.get("callbacks") or []
     callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-    for callback in planned.pop("callbacks", []):
+    planned_callbacks = planned.pop("callbacks", [])
+    for callback in planned_callbacks:
         name = callback["class_path"].rsplit(".", 1)[-1]
         same = [i for i, c in enumerate(callbacks) if isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] == name]
         if same:
@@ -253,7 +254,7 @@ def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Tr
             callbacks[same[0]] = {**mine, "init_args": merged}
         else:
             callbacks.append(callback)
-    if not any(c.get("class_path") == "lightning_efficient.AutoFit" for c in (settings.get("trainer") or {}).get("callbacks", [])):
+    if not any(c["class_path"] == "lightning_efficient.AutoFit" for c in planned_callbacks):
         callbacks = [c for c in callbacks if not (isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] == "AutoFit")]
     trainer_config["callbacks"] = callbacks or None
     strategy = planned.pop("strategy", None)
