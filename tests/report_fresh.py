@@ -1,5 +1,5 @@
-"""Run by test_report.py in a fresh process (bitsandbytes not yet imported): a small fit with EightBitOptimizer and
-MemoryReport. Usage: python report_fresh.py OUT.json. Writes MemoryReport's figures."""
+"""Run by test_report.py in a fresh process (bitsandbytes not yet imported): a small fit with MemoryReport, with
+EightBitOptimizer or without. Usage: python report_fresh.py OUT.json 8bit|32bit. Writes MemoryReport's figures."""
 
 import json
 import sys
@@ -29,6 +29,7 @@ class Small(lightning.LightningModule):
 assert "bitsandbytes" not in sys.modules
 report = MemoryReport(every_n_steps=1, log=False, print_table=False)
 trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=[report, EightBitOptimizer(min_8bit_size=1)])
+                            enable_model_summary=False,
+                            callbacks=[report, *([EightBitOptimizer(min_8bit_size=1)] if sys.argv[2] == "8bit" else [])])
 trainer.fit(Small())
 json.dump({**report.report(), "bitsandbytes_loaded": "bitsandbytes" in sys.modules}, open(sys.argv[1], "w"))
