@@ -91,8 +91,9 @@ class MemoryReport(Callback):
 
     Figures: ``step_time_s`` and ``tokens_per_s``/``samples_per_s`` (means over the steps after
     the first; a step here is a training batch, so under gradient accumulation ``steps``, ``step_time_s``
-    and ``samples_per_step``/``tokens_per_step`` are per micro-batch, not per optimizer step), ``parameter_bytes``, ``gradient_bytes``, ``optimizer_state_bytes`` (exact tensor
-    bytes of every optimizer's state), ``activation_bytes`` (saved for backward, counted with
+    and ``samples_per_step``/``tokens_per_step`` are per micro-batch, not per optimizer step),
+    ``parameter_bytes``, ``gradient_bytes``, ``optimizer_state_bytes`` (exact tensor bytes of every
+    optimizer's state), ``activation_bytes`` (saved for backward, counted with
     ``saved_tensors_hooks`` on the sampled steps; the largest), ``peak_rss_bytes`` (process VmHWM),
     ``rss_above_start_bytes`` (that peak less the RSS when the fit was set up, freed heap handed back
     first: the fit's own memory on CPU, the figure an ``AutoFit`` budget is held to there) and,
