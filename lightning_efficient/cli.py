@@ -243,7 +243,7 @@ def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Tr
     planned_callbacks = planned.pop("callbacks", [])
     for callback in planned_callbacks:
         name = callback["class_path"].rsplit(".", 1)[-1]
-        same = [i for i, c in enumerate(callbacks) if isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] == name]
+        same = [i for i, c in enumerate(callbacks) if _class_name(c) == name]
         if same:
             mine = callbacks[same[0]]
             # the config's own arguments stay: AutoFit kept what the user set (the plan's are the same), and the
@@ -255,7 +255,7 @@ def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Tr
         else:
             callbacks.append(callback)
     if not any(c["class_path"] == "lightning_efficient.AutoFit" for c in planned_callbacks):
-        callbacks = [c for c in callbacks if not (isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] == "AutoFit")]
+        callbacks = [c for c in callbacks if _class_name(c) != "AutoFit"]
     trainer_config["callbacks"] = callbacks or None
     strategy = planned.pop("strategy", None)
     if strategy is not None:
@@ -278,6 +278,11 @@ def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Tr
         section["init_args"] = {**(section.get("init_args") or {}), **settings[holder]["init_args"]}
         config[holder] = section
     return config
+
+
+def _class_name(entry: Any) -> str | None:
+    """The class name of a config entry given as ``class_path``/``init_args`` (None for anything else)."""
+    return str(entry.get("class_path", "")).rsplit(".", 1)[-1] if isinstance(entry, dict) else None
 
 
 def main() -> None:

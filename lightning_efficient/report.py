@@ -82,8 +82,7 @@ def _uses_bitsandbytes(callbacks: list[Callback]) -> bool:
     from lightning_efficient.autofit import AutoFit
     from lightning_efficient.optim import EightBitOptimizer
 
-    return any(isinstance(c, EightBitOptimizer) or (isinstance(c, AutoFit) and any(o != "32-bit" for o in c.optimizer_options))
-               for c in callbacks)
+    return any(isinstance(c, EightBitOptimizer) or (isinstance(c, AutoFit) and c.may_use_8bit) for c in callbacks)
 
 
 class MemoryReport(Callback):
@@ -155,6 +154,7 @@ class MemoryReport(Callback):
         self.log = log
         self.print_table = print_table
         self.json_path = json_path
+        self._start_rss = 0  # the RSS when the fit was set up (read in setup; not cleared with the figures)
         self._reset()
 
     def _reset(self) -> None:
@@ -168,7 +168,6 @@ class MemoryReport(Callback):
         self._sampling = False
         self._run: dict[str, Any] = {}
         self._first_step_pending = False
-        self._start_rss = 0
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -184,9 +183,7 @@ class MemoryReport(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._unwrap_training_step(trainer)
-        start = self._start_rss
         self._reset()
-        self._start_rss = start
         self._figures["parameter_bytes"] = parameter_bytes(pl_module)
         self._first_step_pending = True
 

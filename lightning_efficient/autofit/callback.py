@@ -311,7 +311,7 @@ class AutoFit(Callback):
                 self._user_activations is None and not any(isinstance(c, ActivationMemory) for c in callbacks)):
             self._checkpoint_states = _checkpoint_callback_states(*_fit_checkpoint_path(trainer))
         self._adopt_activations(trainer, self._checkpoint_states)
-        wants_8bit = any(o != "32-bit" for o in self.optimizer_options)
+        wants_8bit = self.may_use_8bit
         if wants_8bit or self._user_optimizer is not None:
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
         if trainer.strategy.root_device.type != "cuda":
@@ -820,6 +820,11 @@ class AutoFit(Callback):
             if against != mine.peak_bytes:
                 figures["autofit_predicted_peak_bytes"], figures["autofit_replanned_peak_bytes"] = against, mine.peak_bytes
         return figures
+
+    @property
+    def may_use_8bit(self) -> bool:
+        """Whether the search may choose 8-bit optimizer states (which load bitsandbytes)."""
+        return any(o != "32-bit" for o in self.optimizer_options)
 
     @property
     def plan(self) -> FitPlan | None:

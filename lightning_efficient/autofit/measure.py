@@ -248,18 +248,21 @@ def measure_peak(strategy: Any, batches: Callable[[int], Any], size: int, meter:
     state restored."""
     module = strategy.lightning_module
     sync_off = _sync_off(strategy)
+
+    def small_step() -> None:
+        with sync_off():
+            step_loss(strategy, batches(min(2, size))).backward()
+
     with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, strategy.root_device)):
         stateless = [o for o in strategy.optimizers if len(o.state) == 0]
         if stateless:  # the run's states are held during a real step
-            with sync_off():
-                step_loss(strategy, batches(min(2, size))).backward()
+            small_step()
             for optimizer in stateless:
                 optimizer.step()
         module.zero_grad(set_to_none=False)
         batch = batches(size)
         meter.reset()
-        with sync_off():
-            _as_a_window_leaves_gradients(module, lambda: step_loss(strategy, batches(min(2, size))).backward())
+        _as_a_window_leaves_gradients(module, small_step)
         synchronize(strategy.root_device)
         start = time.perf_counter()
         with sync_off():
