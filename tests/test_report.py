@@ -83,9 +83,11 @@ def test_ddp_report_counts_every_rank_and_gives_each_rank_memory(small_datamodul
     assert figures["samples_per_step"] == 8.0
     assert 6 * 32 < figures["tokens_per_step"] <= 8 * 32
     assert figures["world_size"] == 2
-    for name in ("peak_rss_bytes", "activation_bytes"):
+    for name in ("peak_rss_bytes", "rss_above_start_bytes", "activation_bytes"):
         per_rank = [figures[f"rank{rank}/{name}"] for rank in (0, 1)]
         assert min(per_rank) > 0 and figures[name] == max(per_rank)
+    for rank in (0, 1):  # each rank's own fit above its own start: far under its whole process
+        assert figures[f"rank{rank}/rss_above_start_bytes"] < figures[f"rank{rank}/peak_rss_bytes"] - 100 * 2**20
     # rank 1's micro-batch is three times rank 0's: so are the activations it saves, about
     assert figures["rank1/activation_bytes"] > 2 * figures["rank0/activation_bytes"]
     # every rank reports the same run figures; the table says what they are
@@ -188,6 +190,25 @@ def test_the_fits_own_memory_is_the_peak_rss_above_the_rss_when_the_fit_was_set_
     figures = report.report()
     assert HELD <= figures["rss_above_start_bytes"] < HELD + 100 * 2**20
     assert figures["peak_rss_bytes"] - figures["rss_above_start_bytes"] > 100 * 2**20  # the interpreter, torch, Lightning
+
+
+def test_a_report_used_again_counts_the_next_fit_above_its_own_start(small_datamodule_kwargs):
+    # memory held between two fits (here a tensor the caller keeps) is not the second fit's
+    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+
+    def fit(model) -> dict:
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[report])
+        trainer.fit(model, datamodule=CorpusDataModule(**small_datamodule_kwargs))
+        return report.report()
+
+    first = fit(_TrainingHolds(**tiny_gpt_kwargs()))
+    kept = torch.ones(HELD // 4)  # every page written: resident through the second fit
+    second = fit(DemoGPT(**tiny_gpt_kwargs()))
+    assert first["rss_above_start_bytes"] >= HELD
+    assert second["rss_above_start_bytes"] < HELD // 2  # neither the first fit's step nor what is kept since
+    assert second["peak_rss_bytes"] - second["rss_above_start_bytes"] > HELD  # the whole process holds both
+    del kept
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
