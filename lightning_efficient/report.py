@@ -107,7 +107,9 @@ class MemoryReport(Callback):
     The peaks cover training steps only: ``peak_rss_bytes`` (on Linux, where the kernel's peak can be
     reset) and ``cuda_max_allocated_bytes`` are reset when the first training step of the fit begins,
     after everything that runs before it, in any callback order: ``ActivationMemory``'s auto plan
-    (a profiling step at the first batch), ``hetero_ddp``'s micro-batch probe, checkpoint loading.
+    (a profiling step at the first batch), ``hetero_ddp``'s micro-batch probe, checkpoint loading. They
+    are read at each sampled step and again at the end of fit (the peak over every step since the
+    first, validation included), as are the other callbacks' figures.
 
     Tokens per step are the valid tokens of a :class:`~lightning_efficient.tokens.TokenLosses`
     output, else the elements of the batch's first tensor when it has two or more dimensions.
@@ -262,6 +264,14 @@ class MemoryReport(Callback):
             self._raise("paged_optimizer_bytes", sum(paged_state_bytes(o) for o in trainer.optimizers))
         if pl_module.device.type == "cuda":
             self._raise("optimizer_state_host_bytes", sum(host_state_bytes(o) for o in trainer.optimizers))
+        self._read_peaks(trainer, pl_module)
+        self._gather(trainer, pl_module)
+        if self.log:
+            numbers = {f"memory/{k}": float(v) for k, v in self.report().items() if isinstance(v, (int, float))}
+            pl_module.log_dict(numbers, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def _read_peaks(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The peaks since training started (not only at sampled steps) and the other callbacks' figures."""
         self._figures["peak_rss_bytes"] = peak_rss_bytes()
         self._figures["rss_above_start_bytes"] = max(0, self._figures["peak_rss_bytes"] - self._start_rss)
         if pl_module.device.type == "cuda":
@@ -269,10 +279,6 @@ class MemoryReport(Callback):
         for callback in trainer.callbacks:
             if callback is not self and callable(getattr(callback, "memory_figures", None)):
                 self._figures.update(callback.memory_figures())
-        self._gather(trainer, pl_module)
-        if self.log:
-            numbers = {f"memory/{k}": float(v) for k, v in self.report().items() if isinstance(v, (int, float))}
-            pl_module.log_dict(numbers, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def _close_counter(self) -> None:
         if self._weights is not None:
@@ -390,6 +396,8 @@ class MemoryReport(Callback):
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_counter()
+        if self._step_times:  # the final figures cover every step, and what other callbacks read after the last sample
+            self._read_peaks(trainer, pl_module)
         self._gather(trainer, pl_module)
         self._finish()
 

@@ -20,6 +20,13 @@ Per model:
   best grid point within the budget: the grid's best is the fastest of 40 noisy readings (a reading
   flattered by the noise between processes), so the speed ratio is also taken against it measured
   again, interleaved with AutoFit's runs;
+* speed under glibc's default allocator: every fit above runs with ``MALLOC_MMAP_THRESHOLD_=131072`` (the
+  harness's setting, so that RSS counts what is held), under which each allocation over 128 KiB is a fresh
+  mapping faulted in page by page: fits run 1.2-2x slower than under glibc's default, and micro-batch 1
+  reads fastest where under the default it is the slowest. So every grid point is timed again in a fresh
+  process under the default allocator (its peak is still the setting's), and each AutoFit run's plan is
+  fitted by hand under it, followed by the best point within the budget by those timings: the speed goal
+  is reported under both;
 * Lightning's ``Tuner.scale_batch_size`` (power mode, its defaults) at the same budget: there is no
   out-of-memory on CPU at a budget, so it runs in a child process whose address space is limited to
   its size when the fit starts plus the budget (``RLIMIT_AS``; Lightning's ``is_oom_error`` knows the CPU
@@ -76,6 +83,8 @@ QUICK_WARMUP, QUICK_TIMED = 1, 2
 #: AutoFit's runs per budget, each followed by a fresh fit of the best grid point within it (interleaved): the
 #: grid's best is the fastest of 40 noisy readings, so it is measured again beside AutoFit's
 RUNS, QUICK_RUNS = 2, 1
+#: a grid point's tokens/s in a fit under glibc's default allocator (its peak is the harness setting's)
+DEFAULT_ALLOCATOR = "default_allocator_tokens_per_s"
 #: the issue's goals
 SPEED_GOAL, PREDICTION_GOAL, PLANNING_STEPS_GOAL = 0.95, 0.10, 5.0
 
@@ -216,14 +225,16 @@ def _measured(meter, samples_per_step: int, quick: bool) -> dict[str, float]:
             "steps_timed": len(meter.step_s[_steps(quick)[0]:])}
 
 
-def _fit_point(model: str, quick: bool, micro: int, optimizer: str, policy: str, root: str,
+def _fit_point(model: str, quick: bool, micro: int, optimizer: str, policy: str | list[str], root: str,
                global_batch: int | None = None) -> dict[str, float]:
+    """A fit at ``micro`` samples (accumulated to the global batch), ``optimizer`` states and ``policy`` for every
+    block (or one per block, as a plan gives them), measured by :func:`_meter`."""
     from lightning_efficient import ActivationMemory, EightBitOptimizer
 
     warmup, timed = _steps(quick)
     meter = _meter(warmup, optimizer == "8-bit")
     callbacks = [meter]
-    if policy != "keep":
+    if any(p != "keep" for p in ([policy] if isinstance(policy, str) else policy)):
         callbacks.append(ActivationMemory(policy=policy))
     if optimizer == "8-bit":
         callbacks.append(EightBitOptimizer())
@@ -235,13 +246,17 @@ def _fit_point(model: str, quick: bool, micro: int, optimizer: str, policy: str,
 
 
 # -- child processes -----------------------------------------------------------------------------
-def _child(entry: str, *args: Any, timeout_s: float = 600.0) -> dict[str, Any]:
+def _child(entry: str, *args: Any, timeout_s: float = 600.0, default_allocator: bool = False) -> dict[str, Any]:
     """Run ``entry(*args)`` of this module in a fresh Python process (the harness's environment: its
-    mmap threshold for honest RSS) and return the metrics it printed (or ``{"error": ...}``)."""
+    mmap threshold for honest RSS; with ``default_allocator`` glibc's default instead, for speed as users
+    train) and return the metrics it printed (or ``{"error": ...}``)."""
     code = f"import json, sys; from benchmarks.cases.autofit import {entry}; {entry}(*json.loads(sys.argv[1]))"
     command = [sys.executable, "-c", code, json.dumps(list(args))]
+    env = worker_env()
+    if default_allocator:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
     try:
-        done = subprocess.run(command, cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     for line in reversed(done.stdout.splitlines()):
@@ -255,8 +270,8 @@ def _print_result(metrics: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(metrics), flush=True)
 
 
-def point_main(model: str, micro: int, optimizer: str, policy: str, quick: bool) -> None:
-    """One grid point in this (fresh) process; prints its figures."""
+def point_main(model: str, micro: int, optimizer: str, policy: str | list[str], quick: bool) -> None:
+    """One grid point (or a plan: one policy per block) in this (fresh) process; prints its figures."""
     import numpy as np
 
     random.seed(0)
@@ -307,6 +322,9 @@ def grid(model: str, quick: bool) -> dict[str, Any]:
         print(f"[autofit] {model}/grid/{name} ...", file=sys.stderr, flush=True)
         points[name] = {**_child("point_main", model, micro, optimizer, policy, quick), "micro_batch": micro,
                         "accumulation": _global_batch(quick) // micro}
+        as_users_train = _child("point_main", model, micro, optimizer, policy, quick, default_allocator=True)
+        if "tokens_per_s" in as_users_train:
+            points[name][DEFAULT_ALLOCATOR] = as_users_train["tokens_per_s"]
         if index == 0 and "peak_bytes" in points[name]:  # the default configuration: this run's budgets' reference
             _reference_file(model, quick).write_text(json.dumps({"peak_bytes": points[name]["peak_bytes"]}))
     if _reference_file(model, quick).exists():  # the whole grid, for the autofit variant's re-measured best points
@@ -362,6 +380,7 @@ def autofit_main(model: str, budget: int, quick: bool) -> None:
         "accumulation": plan.accumulation,
         "optimizer": plan.optimizer,
         "policies": _counts(list(mine.policies)),
+        "policy_list": policies,
         "grid_point": point_name(mine.micro_batch, plan.optimizer, policies[0]) if uniform else "",
         "predicted_peak_bytes": mine.peak_bytes,
         "predicted_tokens_per_s": plan.tokens_per_s,
@@ -404,7 +423,9 @@ def autofit(model: str, quick: bool) -> dict[str, Any]:
     for name in _budget_names(quick):
         budget = _budget(model, name, quick)
         best = best_within(grid_points_measured, budget)
+        best_as_users_train = best_within(grid_points_measured, budget, speed=DEFAULT_ALLOCATOR)
         again, tokens, picks, first = [], [], [], None
+        by_hand, again_as_users_train = [], []
         for index in range(QUICK_RUNS if quick else RUNS):
             print(f"[autofit] {model}/autofit/{name} run {index + 1} ...", file=sys.stderr, flush=True)
             run = _child("autofit_main", model, budget, quick)
@@ -418,8 +439,18 @@ def autofit(model: str, quick: bool) -> dict[str, Any]:
                 measured = _child("point_main", model, micro, optimizer, policy, quick)
                 if "tokens_per_s" in measured:
                     again.append(measured["tokens_per_s"])
+            # under glibc's default allocator: this run's plan fitted by hand, then the best point by those timings
+            if "tokens_per_s" in run and best_as_users_train is not None:
+                plan = _child("point_main", model, run["micro_batch"], run["optimizer"], run["policy_list"], quick,
+                              default_allocator=True)
+                point = _child("point_main", model, *_parse_point(best_as_users_train[0]), quick, default_allocator=True)
+                if "tokens_per_s" in plan and "tokens_per_s" in point:
+                    by_hand.append(plan["tokens_per_s"])
+                    again_as_users_train.append(point["tokens_per_s"])
         runs[name] = {"budget_bytes": budget, **(first or {}), "picks": picks, "runs_tokens_per_s": tokens,
-                      "best_again_tokens_per_s": again, "best_point": best[0] if best else None}
+                      "best_again_tokens_per_s": again, "best_point": best[0] if best else None,
+                      "plan_default_allocator_tokens_per_s": by_hand, "best_again_default_allocator_tokens_per_s": again_as_users_train,
+                      "best_point_default_allocator": best_as_users_train[0] if best_as_users_train else None}
     figures: dict[str, Any] = {"budgets": runs}
     for name, run in runs.items():
         for key in ("tokens_per_s", "predicted_peak_bytes", "measured_peak_bytes", "planning_steps", "error", "infeasible"):
@@ -428,6 +459,9 @@ def autofit(model: str, quick: bool) -> dict[str, Any]:
         if run.get("runs_tokens_per_s") and run.get("best_again_tokens_per_s"):
             figures[f"{name}_ratio_same_run"] = statistics.median(run["runs_tokens_per_s"]) / statistics.median(
                 run["best_again_tokens_per_s"])
+        if run.get("plan_default_allocator_tokens_per_s"):
+            figures[f"{name}_ratio_same_run_default_allocator"] = statistics.median(
+                run["plan_default_allocator_tokens_per_s"]) / statistics.median(run["best_again_default_allocator_tokens_per_s"])
     return figures
 
 
@@ -527,10 +561,11 @@ def _runs(results: dict[str, dict[str, Any]], model: str, kind: str) -> dict[str
     return runs
 
 
-def best_within(points: dict[str, dict[str, Any]], budget: float) -> tuple[str, dict[str, Any]] | None:
-    """The fastest grid point whose measured peak is within ``budget`` (None when none is)."""
-    fitting = [(name, r) for name, r in points.items() if r["peak_bytes"] <= budget]
-    return max(fitting, key=lambda item: item[1]["tokens_per_s"], default=None)
+def best_within(points: dict[str, dict[str, Any]], budget: float, speed: str = "tokens_per_s") -> tuple[str, dict[str, Any]] | None:
+    """The fastest grid point (by ``speed``: the fit's own tokens/s, or :data:`DEFAULT_ALLOCATOR`'s) whose
+    measured peak is within ``budget`` (None when none is)."""
+    fitting = [(name, r) for name, r in points.items() if r["peak_bytes"] <= budget and speed in r]
+    return max(fitting, key=lambda item: item[1][speed], default=None)
 
 
 def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> str:
@@ -602,6 +637,7 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
                 f"{'' if run['planning_peak_bytes'] <= budget else ' (over)'} | {run['planning_s']:.2f} | {steps:.1f} |"
             )
     lines += ["", "Goals met: " + "; ".join(f"{name} {sum(v)}/{len(v)}" for name, v in goals.items()), ""]
+    lines += _default_allocator_section(results, models, budgets)
     lines += [
         "## Lightning's batch-size finder at the same budgets",
         "",
@@ -628,6 +664,14 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
         points = _grid_of(results, model)
         if not points:
             continue
+        if any(DEFAULT_ALLOCATOR in r for r in points.values()):
+            lines += ["", f"## The grid: {model}, tokens/s under glibc's default allocator", "",
+                      "| micro-batch x accumulation | optimizer | " + " | ".join(POLICIES) + " |",
+                      "|---|---|" + "---|" * len(POLICIES)]
+            for micro, optimizer in dict.fromkeys((m, o) for m, o, _ in grid_points(quick, model)):
+                cells = [f"{r[DEFAULT_ALLOCATOR]:,.0f}" if (r := points.get(point_name(micro, optimizer, policy))) and DEFAULT_ALLOCATOR in r
+                         else "-" for policy in POLICIES]
+                lines.append(f"| {micro} x {_global_batch(quick) // micro} | {optimizer} | " + " | ".join(cells) + " |")
         lines += ["", f"## The grid: {model} (tokens/s, peak MiB)", "",
                   "| micro-batch x accumulation | optimizer | " + " | ".join(POLICIES) + " |",
                   "|---|---|" + "---|" * len(POLICIES)]
@@ -639,6 +683,41 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
                 cells.append("-" if r is None else f"{r['tokens_per_s']:,.0f}, {_mib(r['peak_bytes'])}")
             lines.append(f"| {micro} x {_global_batch(quick) // micro} | {optimizer} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _default_allocator_section(results: dict[str, dict[str, Any]], models: list[str], budgets: tuple[str, ...]) -> list[str]:
+    """The speed goal under glibc's default allocator: AutoFit's plans fitted by hand against the best grid point
+    within each budget by the grid's timings under it (peaks as above)."""
+    lines = [
+        "## Speed as users train: glibc's default allocator",
+        "",
+        "Every fit above runs with `MALLOC_MMAP_THRESHOLD_=131072`, so that RSS counts what is held; each allocation "
+        "over 128 KiB is then a fresh mapping, faulted in page by page, which slows fits 1.2-2x and changes their order "
+        "(micro-batch 1 reads fastest under it, slowest under the default). Here every grid point was timed again in a "
+        "fresh process under glibc's default allocator (its peak is still the one above), and after each AutoFit run "
+        "its plan was fitted by hand under the default, followed by the best grid point within the budget by these "
+        "timings (interleaved). AutoFit itself planned under the setting.",
+        "",
+        "| model | budget | best grid point (default allocator) | its tokens/s in the grid | its peak MiB "
+        "| AutoFit's plans by hand, tokens/s | best again tokens/s | same-run ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    met: list[bool] = []
+    for model in models:
+        points = _grid_of(results, model)
+        for name in budgets:
+            run = _runs(results, model, "autofit").get(name, {})
+            best = run.get("best_point_default_allocator")
+            plans, again = run.get("plan_default_allocator_tokens_per_s") or [], run.get("best_again_default_allocator_tokens_per_s") or []
+            if not best or not plans or not again:
+                lines.append(f"| {model} | {name} | not measured | | | | | |")
+                continue
+            ratio = statistics.median(plans) / statistics.median(again)
+            met.append(ratio >= SPEED_GOAL)
+            point = points.get(best, {})
+            lines.append(f"| {model} | {name} | `{best}` | {point.get(DEFAULT_ALLOCATOR, 0):,.0f} | {_mib(point.get('peak_bytes'))} "
+                         f"| {', '.join(f'{t:,.0f}' for t in plans)} | {', '.join(f'{t:,.0f}' for t in again)} | {ratio:.3f} |")
+    return [*lines, "", f"Speed goal under the default allocator: {sum(met)}/{len(met)}", ""]
 
 
 def chart(case: Case, results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -690,7 +769,8 @@ CASE = register(
             "layers, d_model 128, seq 128, full logits) and a transformers Llama (hidden 128, 4 layers, vocab 4096, "
             "fused loss), on the standard library corpus (200 files). Expected duration of the full run: about 20 "
             "minutes on 2 quiet cores (an estimate, not measured: 104 fresh processes of a few seconds' start-up, 86 fits "
-            "of 6 steps, 6 AutoFit plannings, 6 finder searches); --quick: 15 processes, about 2-3 minutes."
+            "of 6 steps, 6 AutoFit plannings, 6 finder searches), plus about 10 minutes for the 104 fits timed again under glibc's "
+            "default allocator; --quick: 23 processes, about 3-4 minutes."
         ),
         baseline="demo/grid",
         variants=_variants(),

@@ -29,7 +29,15 @@ from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.profile import profile_blocks
 from lightning_efficient.autofit.model import OptimizerOption, RankProfile
 from lightning_efficient.balance.probe import release_optimizer_state
-from lightning_efficient.memory import PeakMemory, first_tensor, is_fsdp2, local_tensor, optimizer_state_bytes, release_free_memory
+from lightning_efficient.memory import (
+    PeakMemory,
+    first_tensor,
+    is_fsdp2,
+    local_tensor,
+    optimizer_state_bytes,
+    release_free_memory,
+    release_mkl_buffers,
+)
 from lightning_efficient.report import host_state_bytes, paged_state_bytes
 
 
@@ -90,6 +98,11 @@ def measure_rank(
 ) -> RankProfile:
     """Measure this rank (see the module description).
 
+    Each size is read once (the ladder's timed only), and a second time where :func:`worth_reading_again` says
+    (could be picked; a measured size also where it reads slower per sample than a smaller one: a one-off cost such
+    as a compilation on a new shape), and the smaller measured size where the larger missed the budget (the memory
+    line's anchor below it); the least time and the larger peak kept.
+
     Args:
         strategy: the trainer's strategy, set up (optimizers built).
         batches: ``size -> batch on the device``.
@@ -105,9 +118,6 @@ def measure_rank(
         offload_dir: where the disk policy's bandwidth is measured.
         ladder: more micro-batch sizes to time (those below the smaller measured size).
         option_steps: optimizer steps timed per option (the least kept).
-
-    The measured sizes are read once each, the ladder's timed once; those that could be picked
-    (:func:`worth_reading_again`) a second time, the least time and the larger peak kept.
     """
     module = strategy.lightning_module
     device = strategy.root_device
@@ -128,6 +138,8 @@ def measure_rank(
             meter.reset()
             if as_in_a_fit:
                 _as_a_window_leaves_gradients(module, lambda: forward_backward(min(2, m1)))
+        else:  # the buffers for the last step's matrix shapes, which a fit at this size does not hold (the heap stays)
+            release_mkl_buffers()
         synchronize(device)
         start = time.perf_counter()
         forward_backward(size)
@@ -163,17 +175,17 @@ def measure_rank(
                 peak2, time2 = timed(m2, continuing=True)
             smaller = sorted({size for size in ladder if 0 < size < m1})  # below the smaller size, once it has moved
             times = [(size, timed(size)[1]) for size in smaller]
-            # a second reading of the sizes that could be picked (the least time; for a measured size the larger
-            # peak too): one reading is at the mercy of the machine, and a first reading slowed by noise past
-            # READ_AGAIN_WITHIN leaves its size out, as its second would have had to be that much faster; not of
-            # the larger size where it missed the budget (as above)
+            # second readings (see above); not of the larger size where it missed the budget (as above)
             once = dict(times)
+            again = set()
             if m1 != m2:
                 once[m1] = time1
                 if peak2 <= budget_bytes or lockstep:
                     once[m2] = time2
+                else:
+                    again.add(m1)
             previous = None
-            for size in worth_reading_again(once, lockstep=lockstep):  # in increasing size: m2 (if any) in m1's window
+            for size in sorted(again.union(worth_reading_again(once, lockstep=lockstep, first_shapes=(m1, m2)))):  # m2 in m1's window
                 if size == m1 and m1 != m2:
                     again1, retime1 = timed(m1, as_in_a_fit=True)
                     peak1, time1 = max(peak1, again1), min(time1, retime1)
@@ -200,20 +212,25 @@ def measure_rank(
     )
 
 
-#: how far above the least time per sample a ladder size's first reading may be and still be read again
+#: how far above the least time per sample a size's first reading may be and still be read again
 READ_AGAIN_WITHIN = 0.10
 
 
-def worth_reading_again(once: dict[int, float], within: float = READ_AGAIN_WITHIN, *, lockstep: bool = False) -> list[int]:
+def worth_reading_again(once: dict[int, float], within: float = READ_AGAIN_WITHIN, *, lockstep: bool = False,
+                        first_shapes: tuple[int, ...] = ()) -> list[int]:
     """The sizes read once (``size -> seconds``) to read a second time: those whose time per sample is within
-    ``within`` of the least. Only a size that could be picked needs the second reading that the noise of one calls
-    for, and each costs planning time; a first reading that noise slowed by more than ``within`` leaves its size
-    out, as its second would have had to be that much faster. With ``lockstep`` (every rank must run the same
-    steps, while each rank's readings differ) every size."""
+    ``within`` of the least, and of ``first_shapes`` (the sizes whose reading was the first on new shapes after
+    the warm-up) those slower per sample than a smaller size. Only a size that could be picked needs the second
+    reading that the noise of one calls for, and each costs planning time; a first reading that noise slowed by
+    more than ``within`` leaves its size out, as its second would have had to be that much faster. A one-off cost
+    (a compilation on a new shape, torch.compile's recompilation for dynamic shapes) is no noise. With
+    ``lockstep`` (every rank must run the same steps, while each rank's readings differ) every size."""
     if lockstep or not once:
         return sorted(once)
-    best = min(seconds / size for size, seconds in once.items())
-    return sorted(size for size, seconds in once.items() if seconds / size <= (1 + within) * best)
+    per_sample = {size: seconds / size for size, seconds in once.items()}
+    best = min(per_sample.values())
+    return sorted(size for size, t in per_sample.items() if t <= (1 + within) * best or (
+        size in first_shapes and any(t > other for smaller, other in per_sample.items() if smaller < size)))
 
 
 def _as_a_window_leaves_gradients(module: nn.Module, small_step: Callable[[], None]) -> None:

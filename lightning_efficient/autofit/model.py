@@ -13,7 +13,7 @@ profiles. The model, per rank, for micro-batch ``m``, a policy per block and an 
   run's own;
 * the optimizer step's peak is measured per option (gradients and states held, no activations);
 * time per micro-step: piecewise linear between the micro-batch sizes timed (every block kept: the two
-  sizes above, twice, and a ladder of smaller ones, twice where they could be picked; the least kept; a CPU's time per sample
+  sizes above and a ladder of smaller ones, each again where it could be picked; the least kept; a CPU's time per sample
   is not a line in the micro-batch), extended beyond the largest by the line through the last two; plus
   the plan's recompute or transfer time (scaled with ``m``); times the number of micro-steps, plus the
   option's step time (the least of several steps).
