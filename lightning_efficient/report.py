@@ -109,7 +109,8 @@ class MemoryReport(Callback):
     after everything that runs before it, in any callback order: ``ActivationMemory``'s auto plan
     (a profiling step at the first batch), ``hetero_ddp``'s micro-batch probe, checkpoint loading. They
     are read at each sampled step and again at the end of fit (the peak over every step since the
-    first, validation included), as are the other callbacks' figures.
+    first, validation included), as are the other callbacks' figures and the optimizer-state and
+    gradient bytes (which a sampled first micro-batch of an accumulation window has not made yet).
 
     Tokens per step are the valid tokens of a :class:`~lightning_efficient.tokens.TokenLosses`
     output, else the elements of the batch's first tensor when it has two or more dimensions.
@@ -398,6 +399,11 @@ class MemoryReport(Callback):
         self._close_counter()
         if self._step_times:  # the final figures cover every step, and what other callbacks read after the last sample
             self._read_peaks(trainer, pl_module)
+            # and the states and gradients a sampled step can miss: its first micro-batch of an accumulation window
+            # comes before any optimizer step (no states yet) and before the backward that makes the gradients
+            self._raise("optimizer_state_bytes", sum(optimizer_state_bytes(o) for o in trainer.optimizers))
+            if gradients := gradient_bytes(pl_module):
+                self._raise("gradient_bytes", gradients)
         self._gather(trainer, pl_module)
         self._finish()
 

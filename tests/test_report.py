@@ -356,3 +356,19 @@ def test_loading_bitsandbytes_for_an_8bit_optimizer_is_not_counted_as_the_fits_m
     assert figures["8bit"]["bitsandbytes_loaded"] and not figures["32bit"]["bitsandbytes_loaded"]
     # a 17k-parameter model: its states are a few hundred KiB either way; bitsandbytes alone is over 40 MiB
     assert figures["8bit"]["rss_above_start_bytes"] - figures["32bit"]["rss_above_start_bytes"] < 16 * 2**20
+
+
+def test_state_and_gradient_bytes_are_read_under_accumulation_where_the_sampled_step_has_none(small_datamodule_kwargs):
+    # sampled at the first batch only (every 50), which under accumulation is an optimizer step's first micro-batch:
+    # no states yet, and the gradients not made; the end of fit reads them
+    report = MemoryReport(every_n_steps=50, log=False, print_table=False)
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=3, accumulate_grad_batches=2, limit_val_batches=0, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[report])
+    model = DemoGPT(**tiny_gpt_kwargs())
+    trainer.fit(model, datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    figures = report.report()
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert figures["optimizer_state_bytes"] == sum(t.numel() * t.element_size() for state in trainer.optimizers[0].state.values()
+                                                   for t in state.values() if torch.is_tensor(t))
+    assert figures["optimizer_state_bytes"] >= 2 * parameters  # AdamW's two moments
+    assert figures["gradient_bytes"] == parameters

@@ -1,7 +1,8 @@
 """Per-block activation policies, applied by wrapping a block's ``forward`` on the instance.
 
 ``keep`` leaves the block alone; ``checkpoint`` recomputes it in backward (non-reentrant
-``torch.utils.checkpoint``, RNG state preserved, so dropout gives identical gradients);
+``torch.utils.checkpoint``, RNG state preserved, so dropout gives identical gradients; running statistics
+of normalisation layers updated once, as without it);
 ``selective`` keeps the outputs of matmuls and attention and recomputes pointwise and normalisation
 ops (torch's selective checkpoint API); ``offload`` and ``disk`` move the tensors the block saves
 for backward to host memory or to files (see :mod:`lightning_efficient.activations.offload`).
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -67,15 +69,51 @@ def _reentrant_checkpoint(forward: Callable, args: tuple, kwargs: dict) -> Any:
     return checkpoint(run, *(leaves[i] for i in where), use_reentrant=True, preserve_rng_state=True)
 
 
-def _checkpointed(forward: Callable, selective: bool, reentrant: bool) -> Callable:
+def _running_statistics(block: nn.Module) -> list[Tensor]:
+    """The running statistics the block's normalisation layers update in training (BatchNorm's, InstanceNorm's
+    with ``track_running_stats``)."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    return [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
+def _recomputed_without_updates(forward: Callable, block: nn.Module) -> Callable:
+    """``forward`` for one checkpointed call: the first run is the block's forward; a later one (the recomputation
+    in backward) leaves the running statistics as the first left them, as a fit that keeps the block has them
+    (torch's checkpoint runs a BatchNorm in training mode twice: two updates, ``num_batches_tracked`` counted
+    twice)."""
+    runs = 0
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal runs
+        runs += 1
+        statistics = _running_statistics(block) if runs > 1 else []
+        if not statistics:
+            return forward(*args, **kwargs)
+        # outside selective checkpointing's dispatch mode (its recomputation must see the forward's ops alone), and
+        # through .data: batch_norm's backward holds the running statistics (unread in training), so an in-place
+        # write counted on them would fail the backward
+        with _disable_current_modes():
+            saved = [t.detach().clone() for t in statistics]
+        try:
+            return forward(*args, **kwargs)
+        finally:  # also where the recomputation stops early (torch raises to stop it)
+            with _disable_current_modes(), torch.no_grad():
+                for tensor, value in zip(statistics, saved):
+                    tensor.data.copy_(value)
+
+    return run
+
+
+def _checkpointed(forward: Callable, selective: bool, reentrant: bool, block: nn.Module) -> Callable:
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        once = _recomputed_without_updates(forward, block)
         if reentrant and not selective:  # selective checkpointing exists only in the non-reentrant form
-            return _reentrant_checkpoint(forward, args, kwargs)
+            return _reentrant_checkpoint(once, args, kwargs)
         extra = {"context_fn": selective_context} if selective else {}
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     return wrapped
 
@@ -117,7 +155,7 @@ def wrap_block(
         return
     forward = block.forward
     if policy in ("checkpoint", "selective"):
-        block.forward = _checkpointed(forward, selective=policy == "selective", reentrant=reentrant)
+        block.forward = _checkpointed(forward, selective=policy == "selective", reentrant=reentrant, block=block)
     else:
         if hooks is None:
             raise ValueError(f"policy={policy!r} needs the saved-tensor hooks that move tensors off the device")

@@ -167,10 +167,20 @@ def measure_rank(
             lockstep = _in_lockstep(module)
             # a budget the smaller size already misses: the larger one is not run (on a device of that size it would
             # not fit), both sizes move down
+            smallest = 1
             while peak1 > budget_bytes and m1 > 1 and not lockstep:
+                before = m1, m2
                 m1, m2 = max(1, m1 // 2), m1
+                try:
+                    reading = timed(m1, as_in_a_fit=True)
+                except Exception:  # at one sample only: a model that cannot train on one (a BatchNorm)
+                    if m1 != 1:
+                        raise
+                    module.zero_grad(set_to_none=False)
+                    (m1, m2), smallest = before, 2
+                    break
                 peak2, time2 = peak1, time1
-                peak1, time1 = timed(m1, as_in_a_fit=True)
+                peak1, time1 = reading
             if (m1, m2) == sizes:  # the larger size, or the one size again (the micro-batch not searched), in m1's window
                 peak2, time2 = timed(m2, continuing=True)
             smaller = sorted({size for size in ladder if 0 < size < m1})  # below the smaller size, once it has moved
@@ -209,6 +219,7 @@ def measure_rank(
         sizes=(m1, m2), peak_bytes=(peak1, peak2), step_s=(time1, time2), run_state_bytes=run_state,
         blocks=profiles, blocks_size=m1, options=measured, budget_bytes=budget_bytes,
         tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies, times=times,
+        smallest_micro_batch=smallest,
     )
 
 

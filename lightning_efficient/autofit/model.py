@@ -85,6 +85,8 @@ class RankProfile:
             steps run outside DDP's forward, which allocates them); added to every prediction.
         times: ``(micro-batch, seconds)`` of a forward and backward at more sizes (every block kept, timed
             only); with ``sizes`` and ``step_s`` they make the time model (:meth:`micro_step_seconds`).
+        smallest_micro_batch: the smallest micro-batch the model trains on (2 where a step on one sample failed:
+            a BatchNorm's statistics).
     """
 
     sizes: tuple[int, int]
@@ -99,6 +101,7 @@ class RankProfile:
     fixed_policies: list[str] | None = None
     unmeasured_bytes: int = 0
     times: list[tuple[int, float]] = field(default_factory=list)
+    smallest_micro_batch: int = 1
 
     def time_points(self) -> list[tuple[int, float]]:
         """Every timed micro-batch size with its least reading, in increasing size."""
@@ -351,6 +354,8 @@ def search(
     per_rank = samples_per_step // world
     if micro_batches is None:
         micro_batches = list(range(1, samples_per_step + 1)) if heterogeneous else divisors(per_rank)
+    smallest = max(p.smallest_micro_batch for p in profiles)
+    micro_batches = [m for m in micro_batches if m >= smallest] or micro_batches  # none: the fit fails as it would
     plans: list[FitPlan] = []
     for index in range(len(names)):
         options = [p.options[index] for p in profiles]

@@ -226,3 +226,37 @@ def test_disk_writes_a_storage_saved_several_times_once_and_restores_its_views(t
     for want, have in zip(reference, got):
         assert (have - want).abs().max() <= 1e-12
     disk.close()
+
+
+class _NormBlock(torch.nn.Module):
+    """A residual block with BatchNorm over its features (its running statistics change in training)."""
+
+    def __init__(self, width: int = 8, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.norm = torch.nn.BatchNorm1d(width, momentum=momentum)
+
+    def forward(self, x):
+        return x + torch.relu(self.norm(self.linear(x)))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])  # None: a cumulative average over num_batches_tracked
+@pytest.mark.parametrize(("policy", "reentrant"), [("checkpoint", False), ("checkpoint", True), ("selective", False)])
+def test_recomputing_a_block_updates_its_running_statistics_once_as_keep_does(policy, reentrant, momentum):
+    # torch's checkpoint runs the block's forward again in backward, in training mode: a BatchNorm would update its
+    # running statistics twice and count the batch twice
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(_NormBlock(momentum=momentum), _NormBlock(momentum=momentum)).double().train()
+    wrapped = torch.nn.Sequential(_NormBlock(momentum=momentum), _NormBlock(momentum=momentum)).double().train()
+    wrapped.load_state_dict(reference.state_dict())
+    for block in wrapped:
+        wrap_block(block, policy, reentrant=reentrant)
+    for step in range(3):
+        x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        for model in (reference, wrapped):
+            model.zero_grad()
+            model(x).pow(2).sum().backward()
+        for (name, expected), got in zip(reference.state_dict().items(), wrapped.state_dict().values()):
+            assert torch.equal(got, expected), (step, name)
+        for (name, p), q in zip(reference.named_parameters(), wrapped.parameters()):
+            assert (p.grad - q.grad).abs().max() <= 1e-12, (step, name)
