@@ -222,29 +222,28 @@ def test_a_model_that_cannot_train_on_one_sample_is_measured_and_trains(monkeypa
     assert min(module.sizes) >= 2
 
 
-def test_a_model_that_cannot_train_on_one_sample_is_refused_with_the_budget_it_needs_not_a_measuring_error(monkeypatch):
-    # 64 MiB a sample and 100 MiB: even 2 samples miss, and one sample fails in its BatchNorm; the search then
-    # leaves micro-batch 1 out and refuses the budget before the first step (it was "AutoFit could not measure")
+def _batchnorm_fit(monkeypatch, budget: str, bytes_per_sample: int) -> tuple[lightning.Trainer, AutoFit, WithBatchNorm]:
     clock = Clock()
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     module = WithBatchNorm(clock, 16)
-    module.bytes_per_sample = 64 * MiB
-    fit = AutoFit(budget="100MiB", optimizer_options=["32-bit"])
+    module.bytes_per_sample = bytes_per_sample
+    fit = AutoFit(budget=budget, optimizer_options=["32-bit"])
     trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, callbacks=[fit])
+    return trainer, fit, module
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_refused_with_the_budget_it_needs_not_a_measuring_error(monkeypatch):
+    # 64 MiB a sample and 100 MiB: even 2 samples miss, and one sample fails in its BatchNorm; the search then
+    # leaves micro-batch 1 out and refuses the budget before the first step (it was "AutoFit could not measure")
+    trainer, _, module = _batchnorm_fit(monkeypatch, "100MiB", 64 * MiB)
     with pytest.raises(BudgetTooSmall, match="micro-batch 2"):
         trainer.fit(module)
     assert trainer.global_step == 0
 
 
 def test_a_model_that_cannot_train_on_one_sample_gets_a_plan_of_two_where_two_fit(monkeypatch):
-    # 16 MiB a sample and 60 MiB: 8 and 4 miss, 2 fits (about 32 MiB): no need to try one sample
-    clock = Clock()
-    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    module = WithBatchNorm(clock, 16)
-    module.bytes_per_sample = 16 * MiB
-    fit = AutoFit(budget="60MiB", optimizer_options=["32-bit"])
-    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False, callbacks=[fit])
+    # 64 MiB a sample and 240 MiB: 8 and 4 miss, 2 fits (about 128 MiB): no need to try one sample
+    trainer, fit, module = _batchnorm_fit(monkeypatch, "240MiB", 64 * MiB)
     trainer.fit(module)
     assert fit.plan.ranks[0].micro_batch == 2 and trainer.global_step == 1
