@@ -36,7 +36,6 @@ from lightning_efficient.memory import (
     local_tensor,
     optimizer_state_bytes,
     release_free_memory,
-    release_mkl_buffers,
 )
 from lightning_efficient.report import host_state_bytes, paged_state_bytes
 
@@ -131,15 +130,10 @@ def measure_rank(
             loss.backward()
         del loss
 
-    def timed(size: int, as_in_a_fit: bool = False, *, continuing: bool = False) -> tuple[int, float]:
-        # continuing: the next micro-step of the window the last reading ran in (its peak is read since that reading's
-        # reset, and its gradients are those the window's micro-steps leave)
-        if not continuing:
-            meter.reset()
-            if as_in_a_fit:
-                _as_a_window_leaves_gradients(module, lambda: forward_backward(min(2, m1)))
-        else:  # the buffers for the last step's matrix shapes, which a fit at this size does not hold (the heap stays)
-            release_mkl_buffers()
+    def timed(size: int, as_in_a_fit: bool = False) -> tuple[int, float]:
+        meter.reset()
+        if as_in_a_fit:
+            _as_a_window_leaves_gradients(module, lambda: forward_backward(min(small, m1)))
         synchronize(device)
         start = time.perf_counter()
         forward_backward(size)
@@ -152,8 +146,21 @@ def measure_rank(
     m1, m2 = sizes
     with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, device)):
         try:
-            # warm-up on two samples (lazy initialisation, compilation), then the run's states
-            forward_backward(min(2, m1))
+            # every rank must run the same steps where a forward or backward runs collectives (FSDP2's, a
+            # SyncBatchNorm's under DDP): then nothing here may follow a rank's own readings
+            lockstep = _in_lockstep(module)
+            # warm-up (lazy initialisation, compilation) on one sample, which the window steps then use too (the least
+            # that makes the gradients); two where the model cannot train on one (a BatchNorm's statistics: then no
+            # plan may use one) or where the ranks run in step (one rank's failure would leave the others waiting)
+            small, smallest = (2, 1) if lockstep else (1, 1)
+            if small == 1:
+                try:
+                    forward_backward(1)
+                except Exception:  # noqa: BLE001 - at one sample only: two are tried next, where a real fault raises
+                    module.zero_grad(set_to_none=False)
+                    small = smallest = 2
+            if small > 1:
+                forward_backward(min(small, m1))
             for optimizer in strategy.optimizers:
                 if len(optimizer.state) == 0:
                     optimizer.step()
@@ -162,27 +169,17 @@ def measure_rank(
             # each reading of a measured size (its peak is what the plan predicts) finds the gradients as a fit's
             # micro-step at that size does
             peak1, time1 = timed(m1, as_in_a_fit=True)
-            # every rank must run the same steps where a forward or backward runs collectives (FSDP2's, a
-            # SyncBatchNorm's under DDP): then nothing here may follow a rank's own readings
-            lockstep = _in_lockstep(module)
             # a budget the smaller size already misses: the larger one is not run (on a device of that size it would
             # not fit), both sizes move down
-            smallest = 1
-            while peak1 > budget_bytes and m1 > 1 and not lockstep:
-                before = m1, m2
-                m1, m2 = max(1, m1 // 2), m1
-                try:
-                    reading = timed(m1, as_in_a_fit=True)
-                except Exception:  # at one sample only: a model that cannot train on one (a BatchNorm)
-                    if m1 != 1:
-                        raise
-                    module.zero_grad(set_to_none=False)
-                    (m1, m2), smallest = before, 2
-                    break
+            while peak1 > budget_bytes and m1 > smallest and not lockstep:
+                m1, m2 = max(smallest, m1 // 2), m1
                 peak2, time2 = peak1, time1
-                peak1, time1 = reading
-            if (m1, m2) == sizes:  # the larger size, or the one size again (the micro-batch not searched), in m1's window
-                peak2, time2 = timed(m2, continuing=True)
+                peak1, time1 = timed(m1, as_in_a_fit=True)
+            # the larger size, or the one size again (the micro-batch not searched): in a window of its own, not next
+            # in the smaller's (where glibc's allocator keeps the smaller step's freed heap, the reading rose by tens
+            # of MiB in a test process)
+            if (m1, m2) == sizes:
+                peak2, time2 = timed(m2, as_in_a_fit=True)
             smaller = sorted({size for size in ladder if 0 < size < m1})  # below the smaller size, once it has moved
             times = [(size, timed(size)[1]) for size in smaller]
             # second readings (see above); not of the larger size where it missed the budget (as above)
@@ -194,17 +191,15 @@ def measure_rank(
                     once[m2] = time2
                 else:
                     again.add(m1)
-            previous = None
-            for size in sorted(again.union(worth_reading_again(once, lockstep=lockstep, first_shapes=(m1, m2)))):  # m2 in m1's window
+            for size in sorted(again.union(worth_reading_again(once, lockstep=lockstep, first_shapes=(m1, m2)))):
                 if size == m1 and m1 != m2:
                     again1, retime1 = timed(m1, as_in_a_fit=True)
                     peak1, time1 = max(peak1, again1), min(time1, retime1)
                 elif size == m2 and m1 != m2:
-                    again2, retime2 = timed(m2, as_in_a_fit=True, continuing=previous == m1)
+                    again2, retime2 = timed(m2, as_in_a_fit=True)
                     peak2, time2 = max(peak2, again2), min(time2, retime2)
                 else:
                     times.append((size, timed(size)[1]))
-                previous = size
             profiles: list[BlockProfile] = []
             if blocks:
                 profiles = _profile_blocks(strategy, batches, m1, blocks, exclude, _profiled_policies(policies, fixed_policies),
@@ -246,9 +241,9 @@ def worth_reading_again(once: dict[int, float], within: float = READ_AGAIN_WITHI
 
 def _as_a_window_leaves_gradients(module: nn.Module, small_step: Callable[[], None]) -> None:
     """Leave the gradients as an accumulation window's first micro-step leaves them for the next: set to None
-    (as Lightning's ``zero_grad`` does at the window's start) and made again by a backward (``small_step``: two
-    samples, or one where the readings already go down to one; a model may not train on one, a BatchNorm's
-    statistics), in the middle of the heap. A micro-step accumulating into them peaks above one accumulating into
+    (as Lightning's ``zero_grad`` does at the window's start) and made again by a backward (``small_step``: one
+    sample, or two where the model cannot train on one, a BatchNorm's statistics, or the ranks run in step), in
+    the middle of the heap. A micro-step accumulating into them peaks above one accumulating into
     gradients held from before: on CPU 2-4 MiB more RSS for a model of 1M parameters at every micro-batch size.
     It is the reading for a step without accumulation too: one into gradients set to None read 5 MiB under such a fit
     (the demo GPT of the benchmark at 16 samples, 195.8 against 201.4 MiB), this one 199.9."""

@@ -71,9 +71,9 @@ def _planned_sizes(monkeypatch, budget: str, search_micro_batch: bool = True, **
 def test_each_size_is_read_once_and_only_those_that_could_be_picked_twice(monkeypatch):
     # per sample: 16 -> 4 ms, 8 -> 6.5 ms, 4 -> 11.5 ms, 2 -> 21.5 ms: only 16 could be picked
     sizes, fit = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.04, per_sample_s=0.0015)
-    # a two-sample warm-up; 8 after a two-sample micro-step into gradients set to None (as an accumulation window's
-    # first micro-step leaves them) and 16 in the same window; the ladder below 8 once; 16 again, after such a step
-    assert sizes == [2, 2, 8, 16, 2, 4, 2, 16]
+    # a one-sample warm-up; 8 and 16, each after a one-sample micro-step into gradients set to None (as an
+    # accumulation window's first micro-step leaves them); the ladder below 8 once; 16 again, after such a step
+    assert sizes == [1, 1, 8, 1, 16, 2, 4, 1, 16]
     assert fit.plan.ranks[0].micro_batch == 16
 
 
@@ -88,21 +88,21 @@ def test_the_second_reading_of_a_measured_size_accumulates_into_gradients_a_smal
     trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, callbacks=[AutoFit(budget="4GiB", optimizer_options=["32-bit"])])
     trainer.fit(module)
-    planning = list(zip(module.sizes, module.gradients_unset))[:8]
-    assert planning == [(2, True), (2, True), (8, False), (16, False), (2, False), (4, False), (2, True), (16, False)]
+    planning = list(zip(module.sizes, module.gradients_unset))[:9]
+    assert planning == [(1, True), (1, True), (8, False), (1, True), (16, False), (2, False), (4, False), (1, True), (16, False)]
 
 
 def test_a_ladder_size_as_fast_per_sample_as_the_fastest_is_read_again(monkeypatch):
     sizes, _ = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.0, per_sample_s=0.002)  # every size alike per sample
-    # every size again: the ladder's alone, 8 after a window's first micro-step and 16 in its window
-    assert sizes == [2, 2, 8, 16, 2, 4, 2, 4, 2, 8, 16]
+    # every size again: the ladder's alone, 8 and 16 each after a window's first micro-step
+    assert sizes == [1, 1, 8, 1, 16, 2, 4, 2, 4, 1, 8, 1, 16]
 
 
 def test_the_larger_size_is_not_read_again_where_its_peak_missed_the_budget(monkeypatch):
     # 16 MiB a sample: 8 holds about 128 MiB, 16 about 256 MiB, over the 200 MiB budget; the ladder is timed against
     # 8 (6.5 ms a sample), which 4 (11.5 ms) and 2 (21.5 ms) are far above
     sizes, fit = _planned_sizes(monkeypatch, "200MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=16 * MiB)
-    assert sizes == [2, 2, 8, 16, 2, 4, 2, 8]
+    assert sizes == [1, 1, 8, 1, 16, 2, 4, 1, 8]
     assert fit.plan.ranks[0].micro_batch == 8
 
 
@@ -130,25 +130,25 @@ def test_a_measured_size_slower_per_sample_than_a_smaller_one_is_read_again():
 def test_a_one_off_cost_on_the_larger_size_does_not_hide_it(monkeypatch):
     # 16's first step costs a second more: read once, it would be ten times slower per sample than 8 and 8 picked
     sizes, fit = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.04, per_sample_s=0.0015, one_off={16: 1.0})
-    assert sizes == [2, 2, 8, 16, 2, 4, 2, 8, 16]  # 8 again too: the least per sample after the first readings
+    assert sizes == [1, 1, 8, 1, 16, 2, 4, 1, 8, 1, 16]  # 8 again too: the least per sample after the first readings
     assert fit.plan.ranks[0].micro_batch == 16
 
 
 def test_a_one_off_cost_on_the_smaller_size_does_not_hide_it_where_the_larger_missed_the_budget(monkeypatch):
     sizes, fit = _planned_sizes(monkeypatch, "200MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=16 * MiB,
                                 one_off={8: 1.0})
-    assert sizes == [2, 2, 8, 16, 2, 4, 4, 2, 8]  # 4 again too: the least per sample after the first readings
+    assert sizes == [1, 1, 8, 1, 16, 2, 4, 4, 1, 8]  # 4 again too: the least per sample after the first readings
     assert fit.plan.ranks[0].micro_batch == 8
 
 
 def test_sizes_moved_down_read_the_smaller_again_as_the_anchor_below_the_larger_that_missed(monkeypatch):
     # 64 MiB a sample and 400 MiB: 8 misses, so the sizes become 4 and 8 (8 not run again) and the ladder below 4 is 2
     sizes, fit = _planned_sizes(monkeypatch, "400MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=64 * MiB)
-    assert sizes == [2, 2, 8, 2, 4, 2, 2, 4]
+    assert sizes == [1, 1, 8, 1, 4, 2, 1, 4]
     assert fit.profiles[0].sizes == (4, 8) and fit.plan.ranks[0].micro_batch == 4
 
 
-def test_one_size_where_the_micro_batch_is_not_searched_is_read_twice_in_one_window(monkeypatch):
+def test_one_size_where_the_micro_batch_is_not_searched_is_read_twice(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     module = TimedRegression(clock, overhead_s=0.04, per_sample_s=0.0015)
@@ -156,9 +156,9 @@ def test_one_size_where_the_micro_batch_is_not_searched_is_read_twice_in_one_win
     trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, callbacks=[fit])
     trainer.fit(module)
-    # the warm-up; a two-sample micro-step into gradients set to None, then 16 twice, adding into them
-    assert list(zip(module.sizes, module.gradients_unset))[:4] == [(2, True), (2, True), (16, False), (16, False)]
-    assert module.sizes[4:] == [16] and fit.profiles[0].sizes == (16, 16)
+    # the warm-up; 16 twice, each after a one-sample micro-step into gradients set to None
+    assert list(zip(module.sizes, module.gradients_unset))[:5] == [(1, True), (1, True), (16, False), (1, True), (16, False)]
+    assert module.sizes[5:] == [16] and fit.profiles[0].sizes == (16, 16)
 
 
 def test_in_lockstep_every_rank_reads_every_size_twice_whatever_its_readings(monkeypatch):
@@ -167,7 +167,7 @@ def test_in_lockstep_every_rank_reads_every_size_twice_whatever_its_readings(mon
     monkeypatch.setattr(measure, "_in_lockstep", lambda module: True)
     for budget, bytes_per_sample in (("4GiB", 0), ("200MiB", 16 * MiB)):
         sizes, _ = _planned_sizes(monkeypatch, budget, overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=bytes_per_sample)
-        assert sizes == [2, 2, 8, 16, 2, 4, 2, 4, 2, 8, 16], budget
+        assert sizes == [2, 2, 8, 2, 16, 2, 4, 2, 4, 2, 8, 2, 16], budget
 
 
 def test_in_lockstep_every_size_is_read_again():
