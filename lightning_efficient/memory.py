@@ -279,13 +279,6 @@ def _mkl_free_buffers() -> Callable[[], None] | None:
     return None
 
 
-def release_mkl_buffers() -> None:
-    """Free MKL's cached work buffers (one per matrix shape multiplied so far) where torch runs on MKL on Linux."""
-    free_mkl_buffers = _mkl_free_buffers()
-    if free_mkl_buffers is not None:
-        free_mkl_buffers()
-
-
 def release_free_memory(device: torch.device | None = None) -> None:
     """Hand memory the process has freed back to the system, so a peak measured next starts from
     what is really held: on Linux MKL's cached work buffers (its memory manager keeps one for each matrix
@@ -294,7 +287,9 @@ def release_free_memory(device: torch.device | None = None) -> None:
     allocator's free blocks."""
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
-    release_mkl_buffers()
+    free_mkl_buffers = _mkl_free_buffers()
+    if free_mkl_buffers is not None:
+        free_mkl_buffers()
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
