@@ -41,6 +41,28 @@ SERIAL = (
 )
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def _machine() -> str:
+    return f"cpu: {_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
+def pytest_report_header(config):
+    # memory readings on CPU (peak RSS) depend on the kernels torch and MKL pick for this CPU: say which
+    return _machine()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if terminalreporter.stats.get("failed"):  # also under -q, where the header is not shown
+        terminalreporter.write_line(_machine())
+
+
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # two workers on two cores: a second intra-op thread per worker would only contend

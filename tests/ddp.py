@@ -17,7 +17,8 @@ def run_script(script: Path | str, *args: object, timeout: float = 300, env: dic
     The script launches its own processes (Lightning's ``ddp`` re-executes ``sys.argv``, which is the
     script here, not pytest). On failure the assertion shows the end of its stderr and stdout.
     """
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(Path(script).parent)]))
+    # tests/_site: its sitecustomize destroys the process group at exit (see there)
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(Path(script).parent), str(REPO / "tests" / "_site")]))
     full_env.update(env or {})
     done = subprocess.run([sys.executable, str(script), *map(str, args)], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
