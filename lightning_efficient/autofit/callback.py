@@ -31,15 +31,26 @@ from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import rank_budget, validate_budget
-from lightning_efficient.autofit.measure import OptimizerSpec, can_resize, measure_blocks, measure_peak, measure_rank, sample_batch
+from lightning_efficient.autofit.measure import (
+    OptimizerSpec,
+    _in_lockstep,
+    can_resize,
+    measure_blocks,
+    measure_peak,
+    measure_rank,
+    sample_batch,
+)
 from lightning_efficient.autofit.model import (
     CLOSE,
     BudgetTooSmall,
     FitPlan,
+    RankChoice,
     RankProfile,
+    _counts,
     blocks_matter,
     divisors,
     plan_table,
+    priced_by_reading,
     replan,
     search,
 )
@@ -156,6 +167,8 @@ def _cannot_build(name: str, optimizers: list[torch.optim.Optimizer]) -> str | N
 
 #: the plan's note when the blocks were not profiled before the first step
 NOT_PROFILED = "blocks not profiled: the fastest plan fits with every block kept"
+PRICING_ROUNDS = 2
+"""The most times a pick's block policies are timed and priced up before the search's plan is taken as it is."""
 
 
 @dataclass
@@ -509,15 +522,14 @@ class AutoFit(Callback):
                 notes.append(f"micro-batch {saved.micro_batches[0]} kept from the checkpoint's plan (a resume mid-epoch needs it)")
             except BudgetTooSmall:
                 notes.append(f"the checkpoint's micro-batch {saved.micro_batches[0]} does not fit this budget: chosen again")
+        settings = {"samples_per_step": samples, "heterogeneous": heterogeneous, "margin": self.margin,
+                    "micro_batches": micro_batches if plan is None else saved.micro_batches[:1]}
         if plan is None:
-            plan = search(profiles, samples_per_step=samples, heterogeneous=heterogeneous, margin=self.margin, policies=policies,
-                          micro_batches=micro_batches)
+            plan = search(profiles, policies=policies, **settings)
         # measured where it is safe to: every block kept at the pick is predicted within the budget
         if searched and any(r.micro_batch > p.sizes[1] and sum(p.line(p.peak_bytes)[k] * r.micro_batch ** k for k in (0, 1))
                             <= p.budget_bytes for r, p in zip(plan.ranks, profiles)):
             def again(found: list[RankProfile]) -> FitPlan:
-                settings = {"samples_per_step": samples, "heterogeneous": heterogeneous, "margin": self.margin,
-                            "micro_batches": micro_batches}
                 if self._unprofiled is not None and blocks_matter(found, **settings):  # the pick's reading moved the line
                     found = self._with_blocks(found, strategy, self._unprofiled)
                     self._unprofiled, self._profiles = None, found
@@ -525,6 +537,8 @@ class AutoFit(Callback):
                 return search(found, policies=policies, **settings)
 
             plan = self._confirmed(plan, profiles, strategy, batches, notes, again)
+        if fixed is None and self._unprofiled is None:  # AutoFit chose the block policies
+            plan = self._priced(plan, trainer, pl_module, batches, notes, lambda found: search(found, policies=policies, **settings))
         plan.notes.extend(notes)
         return plan
 
@@ -590,6 +604,55 @@ class AutoFit(Callback):
         notes.append(f"the pick's micro-batch read above its predicted {' and '.join(w for w, m in (('peak', peak_moved), ('time', time_moved)) if m)}"
                      ": planned again with its reading")
         return again(updated)
+
+    def _priced(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule, batches: Any, notes: list[str],
+                again: Any) -> FitPlan:
+        """Where the pick moves or recomputes blocks, each rank times a micro-step at its micro-batch with its block
+        policies applied (the least of two readings where the first is above the prediction on a rank); a reading above
+        the prediction prices those policies up (:func:`~lightning_efficient.autofit.model.priced_by_reading`) and the
+        search runs again, at most :data:`PRICING_ROUNDS` times. The block profile prices a policy from its parts,
+        not the saved-tensor hooks' own work or a writer thread competing with compute (plans with them ran 13-17%
+        slower than predicted on a CPU); a plan keeping every block is timed by the measured sizes already."""
+        lockstep = _in_lockstep(pl_module)
+        for _ in range(PRICING_ROUNDS):
+            if all(p == "keep" for r in plan.ranks for p in r.policies):
+                return plan
+            mine = plan.ranks[trainer.global_rank]
+            # where the ranks run in step, a rank keeping every block runs the micro-step too (its reading unused)
+            timed = lockstep or any(p != "keep" for p in mine.policies)
+            readings: list[float | None] = [None] * trainer.world_size
+            for attempt in range(2):
+                reading, failure = None, None
+                try:
+                    reading = self._time_with_policies(mine, trainer, pl_module, batches) if timed else None
+                except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
+                    failure = error
+                gathered = gather_or_raise_together(reading, failure, "AutoFit could not time its pick")
+                readings = [g if r is None else r if g is None else min(r, g) for r, g in zip(readings, gathered)]
+                repriced = [None if s is None else priced_by_reading(p, c, s) for p, c, s in zip(self._profiles, plan.ranks, readings)]
+                if attempt == 0 and all(r is None for r in repriced):
+                    return plan
+            if all(r is None for r in repriced):
+                return plan
+            self._profiles = [p if r is None else r for p, r in zip(self._profiles, repriced)]
+            slowest = max(s / c.micro_step_s for s, c in zip(readings, plan.ranks) if s is not None)
+            counts = "; ".join(_counts(r.policies) for r in plan.ranks)
+            notes.append(f"the pick's block policies ({counts}) ran {slowest - 1:.0%} above its predicted micro-step: "
+                         "priced up by that reading and planned again")
+            plan = again(self._profiles)
+        return plan
+
+    def _time_with_policies(self, choice: RankChoice, trainer: Trainer, pl_module: LightningModule, batches: Any) -> float:
+        """Seconds of one forward and backward at ``choice``'s micro-batch with its block policies applied."""
+        activations = None
+        if any(p != "keep" for p in choice.policies):
+            activations = ActivationMemory(policy=list(choice.policies), blocks=self.blocks)
+            activations.on_fit_start(trainer, pl_module)
+        try:
+            return measure_peak(trainer.strategy, batches, choice.micro_batch, self._meter)[1]
+        finally:
+            if activations is not None:
+                activations._undo()
 
     def _blocks(self, pl_module: LightningModule, notes: list[str]) -> tuple[list, list[str] | None, tuple[str, ...]]:
         """The blocks to profile, the policies the user fixed (None: AutoFit chooses), the policies allowed."""

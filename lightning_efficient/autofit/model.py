@@ -413,6 +413,38 @@ def replan(plan: FitPlan, profiles: list[RankProfile], *, margin: float, policie
     return again
 
 
+def priced_by_reading(profile: RankProfile, choice: RankChoice, seconds: float) -> RankProfile | None:
+    """``profile`` with the block policies ``choice`` uses priced up so that ``choice`` is predicted at ``seconds``, a
+    micro-step timed at its micro-batch with its policies applied; None where ``choice`` keeps every block or the
+    reading is within :data:`CLOSE` of the prediction (a reading below it lowers nothing: one timed micro-step can
+    read fast, and a plan priced too cheap is the one that costs).
+
+    The block profile prices each policy from its own parts (recomputation as the forward's share, transfers as
+    bytes over a bandwidth), not the hooks' own work or a writer thread competing with compute: what the reading
+    adds above the prediction is taken as those policies' underpricing, so each one's cost is scaled by the same
+    factor in every block (another arrangement of the same policies is not cheaper for it); where they were priced
+    at nothing, the excess is added to each block's cost of them, spread over the blocks the choice moves.
+    """
+    moved = [i for i, policy in enumerate(choice.policies) if policy != "keep"]
+    if not moved or not profile.blocks:
+        return None
+    scale = choice.micro_batch / profile.blocks_size  # block costs are measured at blocks_size samples
+    cost = sum(profile.blocks[i].cost_s[choice.policies[i]] for i in moved) * scale
+    kept_s = profile.micro_step_seconds(choice.micro_batch)  # the same micro-step with every block kept
+    if seconds <= (kept_s + cost) * (1 + CLOSE):
+        return None
+    used = {choice.policies[i] for i in moved}
+    read_cost = seconds - kept_s  # what the policies cost in the reading
+
+    def priced(policy: str, cost_s: float) -> float:
+        if policy not in used:
+            return cost_s
+        return cost_s * read_cost / cost if cost > 0 else cost_s + read_cost / len(moved) / scale
+
+    blocks = [BlockProfile(b.name, dict(b.held_bytes), {p: priced(p, c) for p, c in b.cost_s.items()}) for b in profile.blocks]
+    return replace(profile, blocks=blocks)
+
+
 def _tokens_per_s(profiles: list[RankProfile], samples: int, step_s: float) -> float:
     tokens = sum(p.tokens_per_sample for p in profiles) / len(profiles)
     return samples * tokens / max(step_s, 1e-12)

@@ -3,9 +3,11 @@ refusals before the first step, checkpoints, plan-only fits, the ``plan`` comman
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning
@@ -418,3 +420,59 @@ def test_a_resume_hands_the_checkpoint_state_of_the_activation_memory_autofit_ad
     assert missing == []
     assert [state["plan"] for state in handed] == [policies]
 
+
+
+RECOMPUTE_S = 0.05
+
+
+@functools.cache  # one class for every block: the blocks are found as repeats of one class
+def _recomputed_slowly(block_class: type) -> type:
+    class RecomputedSlowly(block_class):
+        def forward(self, *args, **kwargs):
+            if torch._C._current_graph_task_id() != -1:  # inside a backward: a checkpointed block recomputed
+                time.sleep(RECOMPUTE_S)
+            return super().forward(*args, **kwargs)
+
+    return RecomputedSlowly
+
+
+class SlowRecompute(DemoGPT):
+    """The demo GPT whose blocks sleep :data:`RECOMPUTE_S` whenever their forward runs again in backward: work the
+    block profile does not see (it prices recomputation from the forward), as it does not see the saved-tensor
+    hooks' own work or a writer thread competing with compute."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for _, block in find_blocks(self):
+            block.__class__ = _recomputed_slowly(type(block))
+
+
+def test_a_pick_whose_block_policies_run_slower_than_priced_is_priced_by_a_timed_micro_step_and_planned_again(
+        small_datamodule_kwargs, lightning_caplog):
+    model_kwargs = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 2, "seq_len": 256}
+    data_kwargs = {**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}
+    settings = {"activation_policies": ["keep", "checkpoint"], "optimizer_options": ["32-bit"], "search_micro_batch": False,
+                "plan_only": True}
+
+    def plan(budget):
+        lightning.seed_everything(0)
+        fit = AutoFit(budget=budget, **settings)
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[fit])
+        model = SlowRecompute(**model_kwargs)
+        trainer.fit(model, CorpusDataModule(**data_kwargs))
+        return fit, model
+
+    kept = plan("8GiB")[0].plan.ranks[0].peak_bytes  # every block kept at micro-batch 8
+    # a budget 35 MiB below that (the blocks hold 60-70 MiB at 8 samples): some blocks must be recomputed
+    fit, model = plan(int((kept - 35 * MiB) / 0.9))
+    choice, profile = fit.plan.ranks[0], fit.profiles[0]
+    recomputed = choice.policies.count("checkpoint")
+    assert recomputed > 0
+    assert any("priced up by that reading and planned again" in note for note in fit.plan.notes), fit.plan.notes
+    # the plan's micro-step now carries the sleeps its recomputed blocks take (the profile priced each at its forward,
+    # a few ms)
+    assert choice.micro_step_s - profile.micro_step_seconds(8) >= 0.8 * recomputed * RECOMPUTE_S, (choice, fit.plan.notes)
+    assert "above its predicted micro-step" in lightning_caplog.text  # in the plan's table
+    for _, block in find_blocks(model):
+        assert "forward" not in vars(block)  # the timed micro-steps' policies taken off again

@@ -24,6 +24,7 @@ from lightning_efficient.autofit.model import (
     _scaled,
     blocks_matter,
     divisors,
+    priced_by_reading,
     search,
 )
 
@@ -334,3 +335,61 @@ def test_a_cheaper_policy_that_brings_more_back_in_backward_loses_to_one_that_fi
     p.budget_bytes = int((predicted["checkpoint"] - 1 * MiB) / 0.9)  # nothing fits: the smallest budget named is checkpoint's
     with pytest.raises(BudgetTooSmall, match=r"blocks 2 checkpoint\) is predicted to peak"):
         search([p], samples_per_step=8, heterogeneous=False, margin=0.1, policies=policies, micro_batches=[8])
+
+
+def _choice(p: RankProfile, micro: int, policies: list[str]) -> RankChoice:
+    peak, micro_s = _predict(p, _scaled(p.blocks, micro / p.blocks_size), policies, micro, p.options[0])
+    return RankChoice(micro, policies, peak, micro_s, micro_s)
+
+
+@pytest.mark.parametrize("micro", [4, 8])
+def test_a_pick_timed_above_its_prediction_prices_its_policies_up_to_the_reading_in_every_block(micro):
+    p = profile(100 * MiB, blocks=4)
+    choice = _choice(p, micro, ["checkpoint", "keep", "checkpoint", "selective"])
+    reading = choice.micro_step_s * 1.5
+    priced = priced_by_reading(p, choice, reading)
+    # the same choice is now predicted at the reading: its policies carry what it read above the prediction
+    assert _choice(priced, micro, choice.policies).micro_step_s == pytest.approx(reading, rel=1e-9)
+    extra = reading - p.micro_step_seconds(micro)
+    cost = sum(b.cost_s[q] for b, q in zip(_scaled(p.blocks, micro / p.blocks_size), choice.policies))
+    for before, after in zip(p.blocks, priced.blocks):
+        assert after.held_bytes == before.held_bytes  # memory is not what the reading says anything about
+        assert after.cost_s["keep"] == before.cost_s["keep"]
+        for policy in ("checkpoint", "selective"):  # both used: scaled alike, in every block (the second one too)
+            assert after.cost_s[policy] == pytest.approx(before.cost_s[policy] * extra / cost, rel=1e-9)
+    # a policy the choice does not use keeps its price
+    other = priced_by_reading(p, _choice(p, micro, ["checkpoint"] * 4), _choice(p, micro, ["checkpoint"] * 4).micro_step_s * 2)
+    assert [b.cost_s["selective"] for b in other.blocks] == [b.cost_s["selective"] for b in p.blocks]
+
+
+def test_a_reading_within_close_of_the_prediction_or_below_it_or_a_pick_keeping_every_block_prices_nothing():
+    p = profile(100 * MiB)
+    choice = _choice(p, 8, ["checkpoint", "keep", "keep"])
+    assert priced_by_reading(p, choice, choice.micro_step_s * (1 + CLOSE * 0.9)) is None
+    assert priced_by_reading(p, choice, choice.micro_step_s * 0.5) is None
+    kept = _choice(p, 8, ["keep"] * 3)
+    assert priced_by_reading(p, kept, kept.micro_step_s * 3) is None
+
+
+def test_policies_priced_at_nothing_get_the_excess_spread_over_the_blocks_that_use_them():
+    free = replace(profile(100 * MiB), blocks=[BlockProfile(f"b{i}", {"keep": 8 * MiB, "checkpoint": MiB}, {"keep": 0.0, "checkpoint": 0.0})
+                                               for i in range(3)])
+    choice = _choice(free, 4, ["checkpoint", "checkpoint", "keep"])
+    reading = choice.micro_step_s + 0.02
+    priced = priced_by_reading(free, choice, reading)
+    assert _choice(priced, 4, choice.policies).micro_step_s == pytest.approx(reading, rel=1e-9)
+    assert [b.cost_s["checkpoint"] for b in priced.blocks] == pytest.approx([0.01 * 8 / 4] * 3)  # each at blocks_size 8
+
+
+def test_a_policy_priced_up_by_its_reading_loses_the_pick_to_a_plan_without_it():
+    # blocks big enough that keeping all three misses the budget: the search recomputes two selectively; priced at
+    # what a timed micro-step read (ten times the profile's price), one block checkpointed wins
+    p = profile(150 * MiB, blocks=3, block_bytes=24 * MiB)
+    plan = search([p], samples_per_step=8, heterogeneous=False, margin=0.1, policies=POLICIES, micro_batches=[8])
+    choice = plan.ranks[0]
+    assert choice.policies == ["selective", "selective", "keep"]
+    timed = choice.micro_step_s + 9 * 2 * p.blocks[0].cost_s["selective"]
+    again = search([priced_by_reading(p, choice, timed)], samples_per_step=8, heterogeneous=False, margin=0.1,
+                   policies=POLICIES, micro_batches=[8])
+    assert "selective" not in again.ranks[0].policies and again.ranks[0].policies != ["keep"] * 3
+    assert again.ranks[0].micro_step_s < timed
