@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import random
 import statistics
@@ -123,6 +124,21 @@ def _checkpoint_callback_states(path: Any, weights_only: bool | None) -> dict[st
                        f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); a plan in it is reused only where "
                        "Lightning restores before AutoFit plans (not under the sharded strategies)")
         return {}
+
+
+@contextlib.contextmanager
+def _info_lines_left_out(prefix: str) -> Iterator[None]:
+    """Lightning's rank-zero info lines that start with ``prefix`` are not printed meanwhile."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+
+    def printed(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(prefix)
+
+    logger.addFilter(printed)
+    try:
+        yield
+    finally:
+        logger.removeFilter(printed)
 
 
 def _ladder(candidates: list[int], below: int, most: int = 3) -> tuple[int, ...]:
@@ -526,19 +542,26 @@ class AutoFit(Callback):
                     "micro_batches": micro_batches if plan is None else saved.micro_batches[:1]}
         if plan is None:
             plan = search(profiles, policies=policies, **settings)
-        # measured where it is safe to: every block kept at the pick is predicted within the budget
-        if searched and any(r.micro_batch > p.sizes[1] and sum(p.line(p.peak_bytes)[k] * r.micro_batch ** k for k in (0, 1))
-                            <= p.budget_bytes for r, p in zip(plan.ranks, profiles)):
-            def again(found: list[RankProfile]) -> FitPlan:
-                if self._unprofiled is not None and blocks_matter(found, **settings):  # the pick's reading moved the line
-                    found = self._with_blocks(found, strategy, self._unprofiled)
-                    self._unprofiled, self._profiles = None, found
-                    notes.remove(NOT_PROFILED)
-                return search(found, policies=policies, **settings)
 
-            plan = self._confirmed(plan, profiles, strategy, batches, notes, again)
+        def again(found: list[RankProfile]) -> FitPlan:
+            if self._unprofiled is not None and blocks_matter(found, **settings):  # the pick's reading moved the line
+                found = self._with_blocks(found, strategy, self._unprofiled)
+                self._unprofiled, self._profiles = None, found
+                notes.remove(NOT_PROFILED)
+            return search(found, policies=policies, **settings)
+
+        def beyond_measured(plan: FitPlan) -> bool:
+            # measured where it is safe to: every block kept at the pick is predicted within the budget
+            return searched and any(r.micro_batch > p.sizes[1] and sum(p.line(p.peak_bytes)[k] * r.micro_batch ** k for k in (0, 1))
+                                    <= p.budget_bytes for r, p in zip(plan.ranks, self._profiles))
+
+        if beyond_measured(plan):
+            plan = self._confirmed(plan, self._profiles, strategy, batches, notes, again)
         if fixed is None and self._unprofiled is None:  # AutoFit chose the block policies
+            timed = plan
             plan = self._priced(plan, trainer, pl_module, batches, notes, lambda found: search(found, policies=policies, **settings))
+            if plan is not timed and beyond_measured(plan):  # priced out of its pick, onto a micro-batch not read yet
+                plan = self._confirmed(plan, self._profiles, strategy, batches, notes, again)
         plan.notes.extend(notes)
         return plan
 
@@ -635,7 +658,7 @@ class AutoFit(Callback):
             if all(r is None for r in repriced):
                 return plan
             self._profiles = [p if r is None else r for p, r in zip(self._profiles, repriced)]
-            slowest = max(s / c.micro_step_s for s, c in zip(readings, plan.ranks) if s is not None)
+            slowest = max(s / c.micro_step_s for s, c, r in zip(readings, plan.ranks, repriced) if r is not None)
             counts = "; ".join(_counts(r.policies) for r in plan.ranks)
             notes.append(f"the pick's block policies ({counts}) ran {slowest - 1:.0%} above its predicted micro-step: "
                          "priced up by that reading and planned again")
@@ -645,10 +668,11 @@ class AutoFit(Callback):
     def _time_with_policies(self, choice: RankChoice, trainer: Trainer, pl_module: LightningModule, batches: Any) -> float:
         """Seconds of one forward and backward at ``choice``'s micro-batch with its block policies applied."""
         activations = None
-        if any(p != "keep" for p in choice.policies):
-            activations = ActivationMemory(policy=list(choice.policies), blocks=self.blocks)
-            activations.on_fit_start(trainer, pl_module)
         try:
+            if any(p != "keep" for p in choice.policies):
+                activations = ActivationMemory(policy=list(choice.policies), blocks=self.blocks)
+                with _info_lines_left_out("ActivationMemory:"):  # they would describe the fit's blocks, which this is not
+                    activations.on_fit_start(trainer, pl_module)
             return measure_peak(trainer.strategy, batches, choice.micro_batch, self._meter)[1]
         finally:
             if activations is not None:

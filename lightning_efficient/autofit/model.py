@@ -419,27 +419,26 @@ def priced_by_reading(profile: RankProfile, choice: RankChoice, seconds: float) 
     reading is within :data:`CLOSE` of the prediction (a reading below it lowers nothing: one timed micro-step can
     read fast, and a plan priced too cheap is the one that costs).
 
-    The block profile prices each policy from its own parts (recomputation as the forward's share, transfers as
-    bytes over a bandwidth), not the hooks' own work or a writer thread competing with compute: what the reading
-    adds above the prediction is taken as those policies' underpricing, so each one's cost is scaled by the same
-    factor in every block (another arrangement of the same policies is not cheaper for it); where they were priced
-    at nothing, the excess is added to each block's cost of them, spread over the blocks the choice moves.
+    The block profile prices each policy from its own parts (recomputation as the forward's time or its non-matmul
+    share, transfers as bytes over a bandwidth), not the saved-tensor hooks' own work or a writer thread competing
+    with compute, which come with each block moved or recomputed: what the reading adds above the prediction is
+    shared equally by the blocks the choice moves or recomputes, and each policy it uses costs that much more in
+    every block (another arrangement of the same policies is no cheaper for it). Added, not scaled: a cost priced
+    small (a selective block's non-matmul share) would multiply the reading's noise.
     """
     moved = [i for i, policy in enumerate(choice.policies) if policy != "keep"]
     if not moved or not profile.blocks:
         return None
     scale = choice.micro_batch / profile.blocks_size  # block costs are measured at blocks_size samples
     cost = sum(profile.blocks[i].cost_s[choice.policies[i]] for i in moved) * scale
-    kept_s = profile.micro_step_seconds(choice.micro_batch)  # the same micro-step with every block kept
-    if seconds <= (kept_s + cost) * (1 + CLOSE):
+    predicted = profile.micro_step_seconds(choice.micro_batch) + cost
+    if seconds <= predicted * (1 + CLOSE):
         return None
     used = {choice.policies[i] for i in moved}
-    read_cost = seconds - kept_s  # what the policies cost in the reading
+    per_block = (seconds - predicted) / len(moved) / scale  # at blocks_size samples, as the profile's costs
 
     def priced(policy: str, cost_s: float) -> float:
-        if policy not in used:
-            return cost_s
-        return cost_s * read_cost / cost if cost > 0 else cost_s + read_cost / len(moved) / scale
+        return cost_s + per_block if policy in used else cost_s
 
     blocks = [BlockProfile(b.name, dict(b.held_bytes), {p: priced(p, c) for p, c in b.cost_s.items()}) for b in profile.blocks]
     return replace(profile, blocks=blocks)

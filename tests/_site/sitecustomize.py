@@ -8,6 +8,9 @@ at exit, while the interpreter is whole.
 """
 
 import atexit
+import importlib.machinery
+import importlib.util
+import os
 import sys
 
 
@@ -18,3 +21,17 @@ def _destroy_process_group() -> None:
 
 
 atexit.register(_destroy_process_group)
+
+
+def _run_the_next_sitecustomize() -> None:
+    """Python imports one ``sitecustomize``: this one comes first on the path, so the one it hides (a distribution's,
+    a coverage hook's) runs from here."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    later = [entry for entry in sys.path if os.path.abspath(entry or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", later)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_run_the_next_sitecustomize()

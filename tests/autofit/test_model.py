@@ -348,17 +348,20 @@ def test_a_pick_timed_above_its_prediction_prices_its_policies_up_to_the_reading
     choice = _choice(p, micro, ["checkpoint", "keep", "checkpoint", "selective"])
     reading = choice.micro_step_s * 1.5
     priced = priced_by_reading(p, choice, reading)
-    # the same choice is now predicted at the reading: its policies carry what it read above the prediction
+    # the same choice is now predicted at the reading: its three moved blocks share what it read above the prediction
     assert _choice(priced, micro, choice.policies).micro_step_s == pytest.approx(reading, rel=1e-9)
-    extra = reading - p.micro_step_seconds(micro)
-    cost = sum(b.cost_s[q] for b, q in zip(_scaled(p.blocks, micro / p.blocks_size), choice.policies))
+    per_block = (reading - choice.micro_step_s) / 3 * p.blocks_size / micro  # at the profile's size
     for before, after in zip(p.blocks, priced.blocks):
         assert after.held_bytes == before.held_bytes  # memory is not what the reading says anything about
         assert after.cost_s["keep"] == before.cost_s["keep"]
-        for policy in ("checkpoint", "selective"):  # both used: scaled alike, in every block (the second one too)
-            assert after.cost_s[policy] == pytest.approx(before.cost_s[policy] * extra / cost, rel=1e-9)
+        for policy in ("checkpoint", "selective"):  # both used: each the same more, in every block (the second one too)
+            assert after.cost_s[policy] == pytest.approx(before.cost_s[policy] + per_block, rel=1e-9)
+    # another arrangement of the same policies is predicted as slow per moved block
+    other = _choice(priced, micro, ["keep", "checkpoint", "selective", "checkpoint"])
+    assert other.micro_step_s == pytest.approx(reading, rel=1e-9)
     # a policy the choice does not use keeps its price
-    other = priced_by_reading(p, _choice(p, micro, ["checkpoint"] * 4), _choice(p, micro, ["checkpoint"] * 4).micro_step_s * 2)
+    all_checkpoint = _choice(p, micro, ["checkpoint"] * 4)
+    other = priced_by_reading(p, all_checkpoint, all_checkpoint.micro_step_s * 2)
     assert [b.cost_s["selective"] for b in other.blocks] == [b.cost_s["selective"] for b in p.blocks]
 
 
