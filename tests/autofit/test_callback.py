@@ -422,7 +422,7 @@ def test_a_resume_hands_the_checkpoint_state_of_the_activation_memory_autofit_ad
 
 
 
-RECOMPUTE_S = 0.2  # well above what a micro-step of this model wanders by on 2 busy cores (~0.1 s)
+RECOMPUTE_S = 0.5  # well above what a micro-step of this model wanders by on 2 busy cores (up to ~0.3 s in CI)
 
 
 @functools.cache  # one class for every block: the blocks are found as repeats of one class
@@ -471,8 +471,9 @@ def test_a_pick_whose_block_policies_run_slower_than_priced_is_priced_by_a_timed
     assert recomputed > 0
     assert any("priced up by that reading and planned again" in note for note in fit.plan.notes), fit.plan.notes
     # the plan's micro-step now carries the sleeps its recomputed blocks take (the profile priced each at its forward,
-    # a few ms)
-    assert choice.micro_step_s - profile.micro_step_seconds(8) >= 0.8 * recomputed * RECOMPUTE_S, (choice, fit.plan.notes)
+    # a few ms); at least half of them: the step with every block kept, which the excess is counted above, is itself
+    # a reading that wanders
+    assert choice.micro_step_s - profile.micro_step_seconds(8) >= 0.5 * recomputed * RECOMPUTE_S, (choice, fit.plan.notes)
     assert "above its predicted micro-step" in lightning_caplog.text  # in the plan's table
     for _, block in find_blocks(model):
         assert "forward" not in vars(block)  # the timed micro-steps' policies taken off again
