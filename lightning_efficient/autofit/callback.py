@@ -559,7 +559,7 @@ class AutoFit(Callback):
             plan = self._confirmed(plan, self._profiles, strategy, batches, notes, again)
         if fixed is None and self._unprofiled is None:  # AutoFit chose the block policies
             timed = plan
-            plan = self._priced(plan, trainer, pl_module, batches, notes, lambda found: search(found, policies=policies, **settings))
+            plan = self._priced(plan, trainer, pl_module, batches, notes, again)
             if plan is not timed and beyond_measured(plan):  # priced out of its pick, onto a micro-batch not read yet
                 plan = self._confirmed(plan, self._profiles, strategy, batches, notes, again)
         plan.notes.extend(notes)
@@ -644,7 +644,7 @@ class AutoFit(Callback):
             # where the ranks run in step, a rank keeping every block runs the micro-step too (its reading unused)
             timed = lockstep or any(p != "keep" for p in mine.policies)
             readings: list[float | None] = [None] * trainer.world_size
-            for attempt in range(2):
+            for _ in range(2):
                 reading, failure = None, None
                 try:
                     reading = self._time_with_policies(mine, trainer, pl_module, batches) if timed else None
@@ -653,10 +653,8 @@ class AutoFit(Callback):
                 gathered = gather_or_raise_together(reading, failure, "AutoFit could not time its pick")
                 readings = [g if r is None else r if g is None else min(r, g) for r, g in zip(readings, gathered)]
                 repriced = [None if s is None else priced_by_reading(p, c, s) for p, c, s in zip(self._profiles, plan.ranks, readings)]
-                if attempt == 0 and all(r is None for r in repriced):
+                if all(r is None for r in repriced):  # within the prediction (on the second attempt: at the lower reading)
                     return plan
-            if all(r is None for r in repriced):
-                return plan
             self._profiles = [p if r is None else r for p, r in zip(self._profiles, repriced)]
             slowest = max(s / c.micro_step_s for s, c, r in zip(readings, plan.ranks, repriced) if r is not None)
             counts = "; ".join(_counts(r.policies) for r in plan.ranks)
