@@ -20,14 +20,13 @@ from lightning_efficient._validation import require, require_bool, require_int, 
 from lightning_efficient.memory import (
     ParameterStorages,
     SavedTensorCounter,
-    current_rss_bytes,
     first_tensor,
     gradient_bytes,
     optimizer_state_bytes,
     parameter_bytes,
     peak_rss_bytes,
-    release_free_memory,
     reset_peak_rss,
+    start_rss_bytes,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
 
@@ -177,8 +176,7 @@ class MemoryReport(Callback):
         if stage == "fit":
             if _uses_bitsandbytes(trainer.callbacks):
                 bitsandbytes()  # its import (native libraries, tens of MiB) is not the fit's memory; AutoFit loads it first too
-            release_free_memory()  # what earlier work freed is not the fit's (as AutoFit reads its start)
-            self._start_rss = current_rss_bytes()
+            self._start_rss = start_rss_bytes()  # what earlier work freed or left as garbage is not the fit's (as AutoFit's)
 
     def _sync(self, pl_module: LightningModule) -> None:
         synchronize(pl_module.device)

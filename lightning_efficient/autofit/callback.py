@@ -55,7 +55,14 @@ from lightning_efficient.autofit.model import (
     replan,
     search,
 )
-from lightning_efficient.memory import ParameterStorages, PeakMemory, current_rss_bytes, is_fsdp2, release_free_memory
+from lightning_efficient.memory import (
+    ParameterStorages,
+    PeakMemory,
+    automatic_collection_paused,
+    is_fsdp2,
+    release_free_memory,
+    start_rss_bytes,
+)
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.sharded import has_sharded_params
@@ -345,8 +352,7 @@ class AutoFit(Callback):
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
         if trainer.strategy.root_device.type != "cuda":
             self._code_pages.snapshot()  # (before the start is read: its own few bytes are not the fit's)
-        release_free_memory()  # what earlier work freed is not counted in the start
-        self._start_rss = current_rss_bytes()
+        self._start_rss = start_rss_bytes()  # what earlier work freed, or left as garbage, is not counted in it
         self._precision = str(trainer.precision)
         if self._user_optimizer is None and wants_8bit:
             # added now, not when planning: it must exist when a checkpoint is loaded (it converts states); the
@@ -404,7 +410,8 @@ class AutoFit(Callback):
         if plan is None:
             saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
             try:
-                with _random_streams_restored(pl_module.device):  # measuring draws nothing the run would have drawn
+                # measuring draws nothing the run would have drawn; no collection frees earlier garbage between readings
+                with _random_streams_restored(pl_module.device), automatic_collection_paused():
                     plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
             finally:
                 # measuring can leave gradients (zeros) on FSDP2's sharded parameters (those of a module a
