@@ -299,7 +299,7 @@ def release_free_memory(device: torch.device | None = None) -> None:
             pass
 
 
-def start_rss_bytes() -> int:
+def fit_start_rss_bytes() -> int:
     """The RSS a fit's memory is counted above, read when the fit is set up: after a garbage collection and
     :func:`release_free_memory`. Earlier work's garbage (reference cycles the previous fit, a notebook cell or a test
     left, tensors among them) is freed now: a collection during the fit would otherwise free it then, and every
@@ -325,7 +325,8 @@ def automatic_collection_paused() -> Iterator[None]:
 class PeakMemory:
     """The peak memory a fit counts, measured between :meth:`reset` and :meth:`read`: on CUDA
     ``torch.cuda.max_memory_allocated``; elsewhere the process's peak RSS above ``start_rss_bytes``
-    (the RSS when the fit started), with freed heap handed back first (:func:`release_free_memory`).
+    (the RSS when the fit started, as :func:`fit_start_rss_bytes` reads it), with freed heap handed back first
+    (:func:`release_free_memory`).
 
     Args:
         device: the device the fit runs on.

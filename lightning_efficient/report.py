@@ -21,12 +21,12 @@ from lightning_efficient.memory import (
     ParameterStorages,
     SavedTensorCounter,
     first_tensor,
+    fit_start_rss_bytes,
     gradient_bytes,
     optimizer_state_bytes,
     parameter_bytes,
     peak_rss_bytes,
     reset_peak_rss,
-    start_rss_bytes,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
 
@@ -176,7 +176,7 @@ class MemoryReport(Callback):
         if stage == "fit":
             if _uses_bitsandbytes(trainer.callbacks):
                 bitsandbytes()  # its import (native libraries, tens of MiB) is not the fit's memory; AutoFit loads it first too
-            self._start_rss = start_rss_bytes()  # what earlier work freed or left as garbage is not the fit's (as AutoFit's)
+            self._start_rss = fit_start_rss_bytes()  # what earlier work freed or left as garbage is not the fit's (as AutoFit's)
 
     def _sync(self, pl_module: LightningModule) -> None:
         synchronize(pl_module.device)

@@ -173,7 +173,7 @@ def _meter(warmup: int, eight_bit: bool):
     """
     from lightning.pytorch import Callback
 
-    from lightning_efficient.memory import PeakMemory, current_rss_bytes, peak_rss_bytes, release_free_memory, reset_peak_rss
+    from lightning_efficient.memory import PeakMemory, fit_start_rss_bytes, peak_rss_bytes, reset_peak_rss
     from lightning_efficient.optim._bnb import bitsandbytes
 
     class Meter(Callback):
@@ -188,8 +188,7 @@ def _meter(warmup: int, eight_bit: bool):
         def setup(self, trainer, pl_module, stage) -> None:
             if eight_bit:
                 bitsandbytes()
-            release_free_memory()
-            self.start_rss = current_rss_bytes()
+            self.start_rss = fit_start_rss_bytes()  # as AutoFit and MemoryReport read the fit's start
             reset_peak_rss()
 
         def on_train_start(self, trainer, pl_module) -> None:

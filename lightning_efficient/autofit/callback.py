@@ -5,6 +5,7 @@ states' precision for the most tokens per second that fit."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import logging
 import os
@@ -59,9 +60,9 @@ from lightning_efficient.memory import (
     ParameterStorages,
     PeakMemory,
     automatic_collection_paused,
+    fit_start_rss_bytes,
     is_fsdp2,
     release_free_memory,
-    start_rss_bytes,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
@@ -352,7 +353,7 @@ class AutoFit(Callback):
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
         if trainer.strategy.root_device.type != "cuda":
             self._code_pages.snapshot()  # (before the start is read: its own few bytes are not the fit's)
-        self._start_rss = start_rss_bytes()  # what earlier work freed, or left as garbage, is not counted in it
+        self._start_rss = fit_start_rss_bytes()  # what earlier work freed, or left as garbage, is not counted in it
         self._precision = str(trainer.precision)
         if self._user_optimizer is None and wants_8bit:
             # added now, not when planning: it must exist when a checkpoint is loaded (it converts states); the
@@ -422,6 +423,7 @@ class AutoFit(Callback):
         # on CPU the fit's memory is its RSS: the library code only measuring ran (every policy, every optimizer option)
         # would stay resident and read as training memory; it is unmapped (the fit faults back in the pages it runs)
         self._code_pages.release_touched()
+        gc.collect()  # what measuring left as garbage (collection was paused) is not the fit's
         release_free_memory(pl_module.device)
         self.planning_s = time.perf_counter() - started
         self._plan = plan

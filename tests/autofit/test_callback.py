@@ -490,14 +490,25 @@ class _Cycle:
 
 class CollectingGPT(DemoGPT):
     """The demo GPT whose training step collects garbage, as user code that calls ``gc.collect()`` does (and as an
-    automatic collection may at any step)."""
+    automatic collection may at any step); it notes whether automatic collection was on in each step, the loop's
+    apart from those AutoFit measures before training starts."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic: list[tuple[bool, bool]] = []  # (in the loop, automatic collection on)
+        self.in_loop = False
+
+    def on_train_start(self) -> None:
+        self.in_loop = True
 
     def training_step(self, batch, batch_idx):
+        self.automatic.append((self.in_loop, gc.isenabled()))
         gc.collect()
         return super().training_step(batch, batch_idx)
 
 
-def test_garbage_earlier_work_left_is_neither_counted_in_the_start_nor_freed_inside_the_readings(small_datamodule_kwargs):
+def test_garbage_earlier_work_left_is_not_counted_in_the_start_and_no_automatic_collection_runs_while_measuring(
+        small_datamodule_kwargs):
     # a CI run profiled a rank 9 MiB low: the previous fit's garbage, counted in the start, was freed by a collection
     # between the readings; here 256 MiB of it, freed by the module's first measured step
     clean = _profile_figures(small_datamodule_kwargs)
@@ -514,12 +525,22 @@ def test_garbage_earlier_work_left_is_neither_counted_in_the_start_nor_freed_ins
 
     lightning.seed_everything(0)
     probe = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"], plan_only=True)
-    fit_beside_garbage(CollectingGPT(**WIDE_HEAD), [probe])
+    module = CollectingGPT(**WIDE_HEAD)
+    fit_beside_garbage(module, [probe])
     # each reading is what the same fit reads with no garbage about, not 256 MiB below it (the readings wander by ~20 MiB)
     for beside, alone in zip(probe.profiles[0].peak_bytes, clean.peak_bytes):
         assert abs(beside - alone) < garbage / 4, (probe.profiles[0].peak_bytes, clean.peak_bytes)
-    # MemoryReport counts from the same start: its peak above the start holds at least the activations it counted
-    report = MemoryReport(every_n_steps=1)
-    fit_beside_garbage(CollectingGPT(**WIDE_HEAD), [report])
+    # automatic collection was paused in every measured step, and is on again after the fit
+    assert module.automatic and all(not on for in_loop, on in module.automatic if not in_loop), module.automatic
+    assert gc.isenabled()
+    # MemoryReport counts from the same start: its peak above the start holds at least the activations it counted;
+    # beside an AutoFit that trains, the loop's steps run with automatic collection on
+    report, module = MemoryReport(every_n_steps=1), CollectingGPT(**WIDE_HEAD)
+    fit_beside_garbage(module, [AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"]), report])
     figures = report.report()
     assert figures["rss_above_start_bytes"] >= figures["activation_bytes"] > 64 * MiB, figures
+    assert [on for in_loop, on in module.automatic if in_loop] == [True, True]
+    # a refused budget raises with automatic collection on again
+    with pytest.raises(BudgetTooSmall):
+        fit_beside_garbage(CollectingGPT(**WIDE_HEAD), [AutoFit(budget="1MB")])
+    assert gc.isenabled()
