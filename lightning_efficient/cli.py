@@ -207,7 +207,9 @@ def run_plan(args: Sequence[str]) -> AutoFit:
 
         settings = plan_yaml(autofit.plan, autofit, trainer, cli.model)
         try:
-            whole = planned_config(yaml.safe_load(cli.parser.dump(cli.config, skip_check=True)), yaml.safe_load(settings), trainer)
+            # skip_none=False: a setting the config sets to null over a non-null default (check_val_every_n_epoch) stays null
+            whole = planned_config(yaml.safe_load(cli.parser.dump(cli.config, skip_validation=True, skip_none=False)),
+                                   yaml.safe_load(settings), trainer)
         except Exception as error:  # noqa: BLE001 - a config jsonargparse cannot write back: the settings alone
             print(f"\n# (no whole config: {error}) AutoFit's plan as settings for your config (the same global batch):")
             print(settings)

@@ -50,15 +50,21 @@ def auto_budget(device: torch.device, local_ranks: int = 1) -> int:
     return int(available / max(local_ranks, 1) * (1.0 - AUTO_RESERVE))
 
 
+def check_budget_ranks(budget: Any, world: int) -> None:
+    """Raise a ValueError where ``budget`` is a list whose length is not the number of ranks, ``world``."""
+    if isinstance(budget, (list, tuple)) and len(budget) != world:
+        raise ValueError(f"AutoFit: budget={list(budget)!r} has {len(budget)} entries, but this fit runs {world} "
+                         f"rank{'s' if world != 1 else ''}: give one budget per rank, or one budget for every rank")
+
+
 def rank_budget(budget: Any, rank: int, world: int, device: torch.device, local_ranks: int = 1) -> int:
     """This rank's budget in bytes.
 
     Raises:
         ValueError: for a list whose length is not the number of ranks.
     """
+    check_budget_ranks(budget, world)
     if isinstance(budget, (list, tuple)):
-        if len(budget) != world:
-            raise ValueError(f"budget={list(budget)!r} has {len(budget)} entries for {world} ranks: give one per rank")
         budget = budget[rank]
     if budget == "auto":
         return auto_budget(device, local_ranks)

@@ -32,7 +32,7 @@ from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import POLICIES
-from lightning_efficient.autofit.budget import rank_budget, validate_budget
+from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget, validate_budget
 from lightning_efficient.autofit.measure import (
     OptimizerSpec,
     _in_lockstep,
@@ -471,6 +471,7 @@ class AutoFit(Callback):
         heterogeneous = self._heterogeneous(trainer)
         batch_size = _loader_batch_size(loader)
         world = trainer.world_size
+        check_budget_ranks(self.budget, world)  # the same on every rank: raised before anything is measured
         notes: list[str] = []
         resizable = can_resize(loader)
         samples = self._samples_per_step(trainer, loader)
@@ -481,10 +482,15 @@ class AutoFit(Callback):
                 notes.append(f"the strategy's max_micro_batch={strategy.max_micro_batch!r} is replaced by the plan's caps")
         else:
             per_rank = samples // world
-            searched = self.search_micro_batch and resizable and lightning_hasattr(pl_module, "batch_size")
+            # a DataLoader given to fit() is not rebuilt from the `batch_size` attribute (Lightning's batch-size finder
+            # refuses such loaders too)
+            from_hook = trainer.fit_loop._data_source.is_module()
+            searched = self.search_micro_batch and resizable and from_hook and lightning_hasattr(pl_module, "batch_size")
             if self.search_micro_batch and not searched:
                 notes.append("micro-batch kept at the DataLoader's: " + (
-                    "no `batch_size` attribute on the module or datamodule to set" if resizable
+                    "it was passed to fit(), which nothing rebuilds; return it from train_dataloader() built with "
+                    "self.batch_size for AutoFit to choose the micro-batch" if resizable and not from_hook
+                    else "no `batch_size` attribute on the module or datamodule to set" if resizable
                     else "it batches with its own batch_sampler" if loader.batch_size is None
                     else "its dataset cannot be drawn by index"))
         self._micro_searched = searched
@@ -517,6 +523,7 @@ class AutoFit(Callback):
             # search shows that their policies matter
             measured = measure_rank(strategy, batches, sizes, meter=self._meter, options=options, exclude=exclude,
                                     blocks=blocks if fixed is not None else [], policies=policies, budget_bytes=budget,
+                                    usable_bytes=int(budget * (1.0 - self.margin)),
                                     fixed_policies=fixed, ladder=ladder)
             measured.unmeasured_bytes = _ddp_bucket_bytes(strategy)
             profile = measured.to_dict()
@@ -831,18 +838,21 @@ class AutoFit(Callback):
         plan, measured = self._plan, self._measured
         assert plan is not None and measured is not None
         unprofiled, self._unprofiled = self._unprofiled, None  # needed by this re-plan only (it holds a batch source)
-        over = max((m["peak_bytes"] - r.peak_bytes) / b for m, r, b in zip(measured, plan.ranks, plan.budgets))
+        over, worst = max(((m["peak_bytes"] - r.peak_bytes) / b, i) for i, (m, r, b) in enumerate(zip(measured, plan.ranks, plan.budgets)))
         if over <= 0:
             return
+        # what every message below starts with: the figures, then the miss as a share of the budget (what a margin is)
+        whose = "the" if len(plan.ranks) == 1 else f"rank {worst}'s"
+        missed = (f"AutoFit: {whose} measured peak, {measured[worst]['peak_bytes'] / 2**20:,.1f} MiB, is above its "
+                  f"prediction, {plan.ranks[worst].peak_bytes / 2**20:,.1f} MiB, by {over:.1%} of its budget "
+                  f"({plan.budgets[worst] / 2**20:,.1f} MiB)")
         margin = min(0.95, plan.margin + over)
         above_usable = any(m["peak_bytes"] > b * (1 - plan.margin) for m, b in zip(measured, plan.budgets))
         if unprofiled is not None and self._profiles:
             if _keep_still_fits(plan, self._profiles, margin):
-                rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; with margin "
-                               f"{margin:.2f} every block kept still fits: the plan stays as it is.")
+                rank_zero_info(f"{missed}; with margin {margin:.2f} every block kept still fits: the plan stays as it is.")
                 return
-            rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction: profiling the blocks "
-                           "(not needed before the first step)")
+            rank_zero_info(f"{missed}: profiling the blocks (not needed before the first step)")
             with _random_streams_restored(pl_module.device):
                 profiled = self._with_blocks(self._profiles, trainer.strategy, unprofiled, mid_fit=True)
             if profiled is None:
@@ -851,8 +861,8 @@ class AutoFit(Callback):
             plan.notes = [n for n in plan.notes if n != NOT_PROFILED]
         if not self._profiles or self._user_activations is not None or not self._profiles[0].blocks:
             say = rank_zero_warn if above_usable else rank_zero_info
-            say(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; nothing AutoFit can change "
-                f"now (plan again with margin={margin:.3f}).")
+            say(f"{missed}. AutoFit changes only block policies mid-fit and has none to change here: the fit goes on as "
+                f"planned; for a plan that fits, fit again with AutoFit(margin={margin:.3f}).")
             return
         # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the
         # states); each rank's block policies are chosen again for the wider margin
@@ -860,17 +870,16 @@ class AutoFit(Callback):
         try:
             again = replan(plan, self._profiles, margin=margin, policies=policies)
         except ValueError:
-            rank_zero_warn(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction, and with margin "
-                           f"{margin:.2f} no block plan fits at this micro-batch and precision; plan again with that margin.")
+            rank_zero_warn(f"{missed}, and with margin {margin:.2f} no block plan fits at this micro-batch and precision "
+                           f"(AutoFit changes only block policies mid-fit): the fit goes on as planned; for a plan that "
+                           f"fits, fit again with AutoFit(margin={margin:.2f}).")
             return
         if [r.policies for r in again.ranks] == [r.policies for r in plan.ranks]:
-            rank_zero_info(f"AutoFit: a measured peak is {over:.1%} of the budget above its prediction; with margin "
-                           f"{margin:.2f} the block policies stay as they are.")
+            rank_zero_info(f"{missed}; with margin {margin:.2f} the block policies stay as they are.")
             return
         again.notes.append(f"block policies planned again with margin {margin:.2f} after a measured peak {over:.1%} of the "
                            "budget above its prediction")
-        rank_zero_info(f"AutoFit: a measured peak was {over:.1%} of the budget above its prediction; block policies planned "
-                       f"again with margin {margin:.2f}:\n" + plan_table(again))
+        rank_zero_info(f"{missed}; block policies planned again with margin {margin:.2f}:\n" + plan_table(again))
         self._switch_policies(list(again.ranks[trainer.global_rank].policies), trainer, pl_module)
         self._plan = again
 

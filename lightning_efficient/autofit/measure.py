@@ -89,6 +89,7 @@ def measure_rank(
     exclude: Callable[[torch.Tensor], bool],
     policies: tuple[str, ...],
     budget_bytes: int,
+    usable_bytes: int | None = None,
     fixed_policies: list[str] | None = None,
     min_offload_bytes: int = 2**16,
     offload_dir: str | None = None,
@@ -112,6 +113,10 @@ def measure_rank(
         exclude: what is not an activation (the parameters' storages).
         policies: the activation policies to profile.
         budget_bytes: this rank's budget (carried in the profile).
+        usable_bytes: the budget less the plan's margin (None: the budget): no plan may peak above it, so a smaller
+            size reading above it moves both sizes down, and a larger one is not read again. Every line a plan near
+            the budget is predicted from is then fitted where such plans run, the same for any budget above them (the
+            line through larger sizes over-predicted small ones, so the least budget a refusal named was refused in turn).
         fixed_policies: the block policies the user fixed (carried in the profile).
         min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory` (what offload leaves on the device).
         offload_dir: where the disk policy's bandwidth is measured.
@@ -171,7 +176,8 @@ def measure_rank(
             peak1, time1 = timed(m1, as_in_a_fit=True)
             # a budget the smaller size already misses: the larger one is not run (on a device of that size it would
             # not fit), both sizes move down
-            while peak1 > budget_bytes and m1 > smallest and not lockstep:
+            usable = budget_bytes if usable_bytes is None else usable_bytes
+            while peak1 > usable and m1 > smallest and not lockstep:
                 m1, m2 = max(smallest, m1 // 2), m1
                 peak2, time2 = peak1, time1
                 peak1, time1 = timed(m1, as_in_a_fit=True)
@@ -187,7 +193,7 @@ def measure_rank(
             again = set()
             if m1 != m2:
                 once[m1] = time1
-                if peak2 <= budget_bytes or lockstep:
+                if peak2 <= usable or lockstep:
                     once[m2] = time2
                 else:
                     again.add(m1)

@@ -11,7 +11,7 @@ def test_sizes_lists_and_auto_resolve_per_rank():
     assert rank_budget("1GiB", 0, 2, cpu) == 2**30
     assert rank_budget(1000, 1, 2, cpu) == 1000
     assert [rank_budget(["1GiB", "500MB"], r, 2, cpu) for r in range(2)] == [2**30, 500 * 10**6]
-    with pytest.raises(ValueError, match="has 2 entries for 3 ranks"):
+    with pytest.raises(ValueError, match="has 2 entries, but this fit runs 3 ranks: give one budget per rank"):
         rank_budget(["1GiB", "500MB"], 0, 3, cpu)
     available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
     one, two = auto_budget(cpu, 1), auto_budget(cpu, 2)

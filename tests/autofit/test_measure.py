@@ -148,6 +148,15 @@ def test_sizes_moved_down_read_the_smaller_again_as_the_anchor_below_the_larger_
     assert fit.profiles[0].sizes == (4, 8) and fit.plan.ranks[0].micro_batch == 4
 
 
+def test_sizes_move_down_while_the_smaller_misses_the_budget_less_the_margin_not_only_the_budget(monkeypatch):
+    # 64 MiB a sample and 560 MiB: 8 (about 512 MiB) is within the budget but not within it less the margin (504 MiB),
+    # where no plan may peak; measured at 8 and 16, small micro-batches were predicted from a line through sizes no
+    # plan runs at, and the budget a refusal named was refused in turn
+    sizes, fit = _planned_sizes(monkeypatch, "560MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=64 * MiB)
+    assert sizes[:5] == [1, 1, 8, 1, 4]
+    assert fit.profiles[0].sizes == (4, 8) and fit.plan.ranks[0].micro_batch == 4
+
+
 def test_one_size_where_the_micro_batch_is_not_searched_is_read_twice(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
