@@ -766,10 +766,10 @@ CASE = register(
             "disk for every block: 40 points, each its own process) and against Lightning's Tuner.scale_batch_size, at "
             "budgets of 1.5x, 0.6x and 0.35x the default configuration's peak RSS, for the demo GPT (vocab 4096, 4 "
             "layers, d_model 128, seq 128, full logits) and a transformers Llama (hidden 128, 4 layers, vocab 4096, "
-            "fused loss), on the standard library corpus (200 files). Expected duration of the full run: about 20 "
-            "minutes on 2 quiet cores (an estimate, not measured: 104 fresh processes of a few seconds' start-up, 86 fits "
-            "of 6 steps, 6 AutoFit plannings, 6 finder searches), plus about 10 minutes for the 104 fits timed again under glibc's "
-            "default allocator; --quick: 23 processes, about 3-4 minutes."
+            "fused loss), on the standard library corpus (200 files). Duration of the full run, measured on 2 cores: "
+            "44 to 75 minutes (208 fresh processes: 104 grid fits, half of them timed again under glibc's default "
+            "allocator, 12 AutoFit runs each with its plan by hand and the best point again, 6 finder searches); "
+            "--quick: 23 processes, about 3-4 minutes."
         ),
         baseline="demo/grid",
         variants=_variants(),
