@@ -174,8 +174,8 @@ def measure_rank(
             # each reading of a measured size (its peak is what the plan predicts) finds the gradients as a fit's
             # micro-step at that size does
             peak1, time1 = timed(m1, as_in_a_fit=True)
-            # a budget the smaller size already misses: the larger one is not run (on a device of that size it would
-            # not fit), both sizes move down
+            # where the smaller size already misses the budget less the margin (usable_bytes): the larger one is not
+            # run (on a device of that size it would not fit), both sizes move down
             usable = budget_bytes if usable_bytes is None else usable_bytes
             while peak1 > usable and m1 > smallest and not lockstep:
                 m1, m2 = max(smallest, m1 // 2), m1
