@@ -548,6 +548,47 @@ class CollectingGPT(DemoGPT):
         return super().training_step(batch, batch_idx)
 
 
+class CycleLeavingGPT(DemoGPT):
+    """The tiny GPT whose training step leaves a reference cycle holding a tensor (as code that keeps a closure over
+    its own frame does); a weak reference to each is kept, and ``alive_at_train_start`` counts those alive when
+    training starts, after AutoFit measured."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cycles: list = []
+        self.alive_at_train_start: int | None = None
+
+    def on_train_start(self) -> None:
+        self.alive_at_train_start = sum(ref() is not None for ref in self.cycles)
+
+    def training_step(self, batch, batch_idx):
+        import weakref
+
+        self.cycles.append(weakref.ref(_Cycle(4 * MiB)))
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_garbage_measuring_left_is_freed_before_the_first_step(small_datamodule_kwargs):
+    # measuring runs with automatic collection paused, and frees what it left with a collection of the young
+    # generations (a full one walked the whole heap: a training step's time); every cycle made while measuring is freed,
+    # also where the user turned automatic collection off (as some training scripts do), so that only AutoFit's
+    # own collection can free them
+    lightning.seed_everything(0)
+    model = CycleLeavingGPT(**tiny_gpt_kwargs())
+    data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8})
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                                callbacks=[AutoFit(budget="8GiB", activation_policies=["keep", "checkpoint"])])
+    gc.disable()
+    try:
+        trainer.fit(model, data)
+        assert not gc.isenabled()  # left as the user set it
+    finally:
+        gc.enable()
+    assert len(model.cycles) > 3  # the measured steps, and the fit's
+    assert model.alive_at_train_start == 0, f"{model.alive_at_train_start} of {len(model.cycles)} cycles alive"
+
+
 def test_garbage_earlier_work_left_is_not_counted_in_the_start_and_no_automatic_collection_runs_while_measuring(
         small_datamodule_kwargs):
     # a CI run profiled a rank 9 MiB low: the previous fit's garbage, counted in the start, was freed by a collection
