@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import lightning
@@ -562,8 +563,6 @@ class CycleLeavingGPT(DemoGPT):
         self.alive_at_train_start = sum(ref() is not None for ref in self.cycles)
 
     def training_step(self, batch, batch_idx):
-        import weakref
-
         self.cycles.append(weakref.ref(_Cycle(4 * MiB)))
         return super().training_step(batch, batch_idx)
 
