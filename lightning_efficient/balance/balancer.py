@@ -184,6 +184,7 @@ class Balancer:
         self._waits: list[tuple[object, object]] = []
         self._wait_start: object | None = None
         self._hooks: list = []
+        self._user_accumulation: tuple[Any, int] | None = None  # (trainer, its accumulate_grad_batches before the plan)
         self.probe_refusal: str | None = None  # what max_micro_batch="auto" is refused with (None: allowed)
 
     def set_setting(self, name: str, value: Any) -> None:
@@ -258,7 +259,11 @@ class Balancer:
                 f"{name}: the training DataLoader has a batch_sampler and no batch_size, so the global batch is "
                 f"unknown: set {type(self.strategy).__name__}(global_batch_size=...) ({name} replaces the batch sampler)"
             )
-        requested = trainer.accumulate_grad_batches
+        # the accumulation the user set, read before this fit changed it (a DataLoader reloaded mid-fit must not read
+        # the plan's own), and put back when the fit ends (a second fit with this Trainer trains the same global batch)
+        if self._user_accumulation is None or self._user_accumulation[0] is not trainer:
+            self._user_accumulation = (trainer, trainer.accumulate_grad_batches)
+        requested = self._user_accumulation[1]
         # by default a step trains what it would under plain data parallelism: a DataLoader batch per rank and micro-batch
         global_batch = self.global_batch_size or dataloader.batch_size * world * requested
         if self.max_micro_batch == "auto" and self.probed_caps is None:
@@ -376,6 +381,14 @@ class Balancer:
                 for p in self.strategy.lightning_module.parameters()
                 if p.requires_grad
             ]
+
+    def restore_trainer(self) -> None:
+        """Put back the ``accumulate_grad_batches`` the user set, where the plan changed it (at the fit's end, or its
+        failure)."""
+        if self._user_accumulation is not None:
+            trainer, accumulation = self._user_accumulation
+            trainer.accumulate_grad_batches = accumulation
+            self._user_accumulation = None
 
     def remove_hooks(self) -> None:
         """Remove every timing hook."""
@@ -589,8 +602,9 @@ class BalancedStrategy:
         self.balancer.setup()
 
     def teardown(self) -> None:
-        """Remove the timing hooks, then the strategy's teardown."""
+        """Remove the timing hooks, put back the trainer's ``accumulate_grad_batches``, then the strategy's teardown."""
         self.balancer.remove_hooks()
+        self.balancer.restore_trainer()
         super().teardown()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

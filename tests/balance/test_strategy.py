@@ -136,3 +136,14 @@ def test_by_default_a_step_trains_what_plain_ddp_would_under_accumulation(tmp_pa
     run_script(SCRIPT.parent / "hetero_accumulate.py", tmp_path / "out.json", timeout=240)
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["global_batch"] == 6 and result["sizes"] == [3] * 8 and result["steps"] == 4
+
+
+def test_the_trainer_gets_back_the_accumulation_the_user_set_after_a_fit_a_reload_and_a_failure(tmp_path):
+    """max_micro_batch makes each DataLoader batch two micro-batches a step: the global batch stays the user's when
+    the DataLoader is reloaded mid-fit, and accumulate_grad_batches is the user's again after the fit (a second fit
+    with the same Trainer trains the same global batch, as with plain Lightning) and after a failed one."""
+    run_script(SCRIPT.parent / "hetero_refit.py", tmp_path / "out.json", timeout=240)
+    first, second, failed = json.loads((tmp_path / "out.json").read_text())
+    assert first == {"global_batches": [4, 4], "sizes": [2] * 16, "steps": 8, "accumulation_after": 1}
+    assert second == {"global_batches": [4], "sizes": [2] * 8, "steps": 12, "accumulation_after": 1}
+    assert failed["sizes"] == [] and failed["accumulation_after"] == 1
