@@ -1,6 +1,6 @@
 """Running a training step outside Lightning's loop, as the auto planner's profile and the
 micro-batch probe do: the same precision context as a real step, nothing logged, and the run's
-state (parameters, buffers, optimizer state, random streams) put back afterwards."""
+state (parameters, buffers, metrics' states, optimizer state, random streams) put back afterwards."""
 
 from __future__ import annotations
 
@@ -44,15 +44,31 @@ def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool
     return output["loss"] if isinstance(output, Mapping) else output
 
 
+def _metric_states(module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
+    """Every torchmetrics ``Metric`` in ``module`` with a copy of what its updates change (its states, as
+    attributes outside ``state_dict`` unless persistent, and its update count and caches)."""
+    from torchmetrics import Metric
+
+    saved = []
+    for metric in (m for m in module.modules() if isinstance(m, Metric)):
+        values = {name: getattr(metric, name) for name in (*metric._defaults, "_update_count", "_computed", "_forward_cache")}
+        saved.append((metric, {name: v.detach().clone() if isinstance(v, Tensor) else list(v) if isinstance(v, list)
+                               else v for name, v in values.items()}))
+    return saved
+
+
 @contextlib.contextmanager
 def restored_run_state(strategy: Any) -> Iterator[None]:
-    """Put the module's parameters and buffers, the optimizers' state and the random streams back.
+    """Put the module's parameters and buffers (non-persistent ones too), its torchmetrics metrics' states, the
+    optimizers' state and the random streams back.
 
     An optimizer that had state keeps it untouched only if the body does not step it; one that had
     none loses whatever the body created (it is created again at the first real step).
     """
     module = strategy.lightning_module
     saved_tensors = {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict(keep_vars=True).items()}
+    unsaved_buffers = {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers() if name not in saved_tensors}
+    metrics = _metric_states(module)
     had_state = [len(optimizer.state) > 0 for optimizer in strategy.optimizers]
     devices = [strategy.root_device] if strategy.root_device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
@@ -66,5 +82,10 @@ def restored_run_state(strategy: Any) -> Iterator[None]:
             with torch.no_grad():
                 for name, tensor in module.state_dict(keep_vars=True).items():
                     tensor.copy_(saved_tensors[name])
+                for name, saved in unsaved_buffers.items():
+                    module.get_buffer(name).copy_(saved)
+            for metric, values in metrics:
+                for name, value in values.items():
+                    setattr(metric, name, value)
             if strategy.root_device.type == "cuda":
                 torch.cuda.empty_cache()

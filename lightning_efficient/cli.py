@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr
 from typing_extensions import override
 
 import lightning_efficient  # noqa: F401  (registers the package's strategies)
-from lightning_efficient.autofit import AutoFit, FitPlan
+from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -293,7 +293,10 @@ def main() -> None:
     # user of this command can act on (it is between Lightning and torch), so the command hides it
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     if sys.argv[1:2] == ["plan"]:
-        run_plan(sys.argv[2:])
+        try:
+            run_plan(sys.argv[2:])
+        except BudgetTooSmall as refusal:  # the answer the command was asked for, not a fault: no traceback
+            raise SystemExit(f"lightning-efficient plan: {refusal}") from None
         return
     run_cli()
 

@@ -5,7 +5,6 @@ states' precision for the most tokens per second that fit."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import logging
 import os
@@ -60,6 +59,8 @@ from lightning_efficient.memory import (
     ParameterStorages,
     PeakMemory,
     automatic_collection_paused,
+    collect_garbage_made_since,
+    older_collections,
     fit_start_rss_bytes,
     is_fsdp2,
     release_free_memory,
@@ -395,6 +396,7 @@ class AutoFit(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
+        self._plan = None  # a fit refused below shows no earlier fit's plan
         self._measured, self._step_times, self._step_started = None, [], None
         self._measured_against = []
         self._unprofiled = None
@@ -407,6 +409,7 @@ class AutoFit(Callback):
             saved = states.get(self.state_key)
             restored = dict(saved) if saved else None
         started = time.perf_counter()
+        older = older_collections()
         plan = self._reusable(restored, trainer)
         if plan is None:
             saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
@@ -423,10 +426,8 @@ class AutoFit(Callback):
         # on CPU the fit's memory is its RSS: the library code only measuring ran (every policy, every optimizer option)
         # would stay resident and read as training memory; it is unmapped (the fit faults back in the pages it runs)
         self._code_pages.release_touched()
-        # what measuring left as garbage is not the fit's: with automatic collection paused, every object it made is
-        # still in the youngest generation, which a collection of the young generations frees (~1 ms) without
-        # walking the whole heap (a full collection took 0.2 s beside the demo, a training step's worth)
-        gc.collect(1)
+        # what measuring left as garbage is not the fit's
+        collect_garbage_made_since(older)
         release_free_memory(pl_module.device)
         self.planning_s = time.perf_counter() - started
         self._plan = plan

@@ -31,6 +31,7 @@ from lightning_efficient.autofit.model import OptimizerOption, RankProfile
 from lightning_efficient.balance.probe import release_optimizer_state
 from lightning_efficient.memory import (
     PeakMemory,
+    collect_young_garbage,
     first_tensor,
     is_fsdp2,
     local_tensor,
@@ -99,9 +100,9 @@ def measure_rank(
     """Measure this rank (see the module description).
 
     Each size is read once (the ladder's timed only), and a second time where :func:`worth_reading_again` says
-    (could be picked; a measured size also where it reads slower per sample than a smaller one: a one-off cost such
-    as a compilation on a new shape), and the smaller measured size where the larger missed the budget (the memory
-    line's anchor below it); the least time and the larger peak kept.
+    (could be picked and did not read the least time per sample; a measured size also where it reads slower per
+    sample than a smaller one: a one-off cost such as a compilation on a new shape), and the smaller measured size
+    where the larger missed the budget (the memory line's anchor below it); the least time and the larger peak kept.
 
     Args:
         strategy: the trainer's strategy, set up (optimizers built).
@@ -136,6 +137,7 @@ def measure_rank(
         del loss
 
     def timed(size: int, as_in_a_fit: bool = False) -> tuple[int, float]:
+        collect_young_garbage()  # no step before is counted in this one (see _as_a_window_leaves_gradients)
         meter.reset()
         if as_in_a_fit:
             _as_a_window_leaves_gradients(module, lambda: forward_backward(min(small, m1)))
@@ -231,17 +233,21 @@ READ_AGAIN_WITHIN = 0.10
 def worth_reading_again(once: dict[int, float], within: float = READ_AGAIN_WITHIN, *, lockstep: bool = False,
                         first_shapes: tuple[int, ...] = ()) -> list[int]:
     """The sizes read once (``size -> seconds``) to read a second time: those whose time per sample is within
-    ``within`` of the least, and of ``first_shapes`` (the sizes whose reading was the first on new shapes after
-    the warm-up) those slower per sample than a smaller size. Only a size that could be picked needs the second
-    reading that the noise of one calls for, and each costs planning time; a first reading that noise slowed by
-    more than ``within`` leaves its size out, as its second would have had to be that much faster. A one-off cost
-    (a compilation on a new shape, torch.compile's recompilation for dynamic shapes) is no noise. With
-    ``lockstep`` (every rank must run the same steps, while each rank's readings differ) every size."""
+    ``within`` of the least, but not the size that read the least (the largest of those where several did), and of
+    ``first_shapes`` (the sizes whose reading was the first on new shapes after the warm-up) those slower per
+    sample than a smaller size. Only a size that could be picked needs the second reading that the noise of one
+    calls for, and each costs planning time; a first reading that noise slowed by more than ``within`` leaves its
+    size out, as its second would have had to be that much faster. The least reading's own second one could only
+    make it faster still, while the others' are what may overtake it: it was a training step's time of the demo's
+    planning at its loose budget. A one-off cost (a compilation on a new shape, torch.compile's recompilation for
+    dynamic shapes) is no noise. With ``lockstep`` (every rank must run the same steps, while each rank's readings
+    differ) every size."""
     if lockstep or not once:
         return sorted(once)
     per_sample = {size: seconds / size for size, seconds in once.items()}
     best = min(per_sample.values())
-    return sorted(size for size, t in per_sample.items() if t <= (1 + within) * best or (
+    least = max(size for size, t in per_sample.items() if t == best)
+    return sorted(size for size, t in per_sample.items() if (size != least and t <= (1 + within) * best) or (
         size in first_shapes and any(t > other for smaller, other in per_sample.items() if smaller < size)))
 
 
@@ -252,9 +258,14 @@ def _as_a_window_leaves_gradients(module: nn.Module, small_step: Callable[[], No
     the middle of the heap. A micro-step accumulating into them peaks above one accumulating into
     gradients held from before: on CPU 2-4 MiB more RSS for a model of 1M parameters at every micro-batch size.
     It is the reading for a step without accumulation too: one into gradients set to None read 5 MiB under such a fit
-    (the demo GPT of the benchmark at 16 samples, 195.8 against 201.4 MiB), this one 199.9."""
+    (the demo GPT of the benchmark at 16 samples, 195.8 against 201.4 MiB), this one 199.9.
+
+    The small step's garbage is freed after it: with automatic collection paused while measuring (as AutoFit
+    measures), the reference cycles a step leaves (a user's closure over its frame) would stay, and each reading
+    would count those of every step before it, where a fit's automatic collections free them soon after each step."""
     module.zero_grad(set_to_none=True)
     small_step()
+    collect_young_garbage()
 
 
 def _in_lockstep(module: nn.Module) -> bool:
@@ -268,10 +279,13 @@ def _in_lockstep(module: nn.Module) -> bool:
 
 def _backup_bytes(module: nn.Module, device: torch.device) -> int:
     """Host bytes of :func:`~lightning_efficient._step.restored_run_state`'s copy of the module's state (one copy per
-    ``state_dict`` entry): resident while measuring on CPU, never during training (0 on CUDA, where it is in host memory)."""
+    ``state_dict`` entry and non-persistent buffer): resident while measuring on CPU, never during training (0 on CUDA,
+    where it is in host memory)."""
     if device.type == "cuda":
         return 0
-    return sum(local_tensor(t).numel() * t.element_size() for t in module.state_dict(keep_vars=True).values())
+    saved = module.state_dict(keep_vars=True)
+    unsaved = [b for name, b in module.named_buffers() if name not in saved]
+    return sum(local_tensor(t).numel() * t.element_size() for t in [*saved.values(), *unsaved])
 
 
 @contextlib.contextmanager
@@ -302,6 +316,7 @@ def measure_peak(strategy: Any, batches: Callable[[int], Any], size: int, meter:
                 optimizer.step()
         module.zero_grad(set_to_none=False)
         batch = batches(size)
+        collect_young_garbage()
         meter.reset()
         _as_a_window_leaves_gradients(module, small_step)
         synchronize(strategy.root_device)
@@ -397,6 +412,7 @@ def _measure_option(spec: OptimizerSpec, meter: PeakMemory, device: torch.device
         fresh = [o for o in optimizers if len(o.state) == 0]
         for optimizer in fresh:
             optimizer.step()
+        collect_young_garbage()
         meter.reset()
         elapsed = math.inf
         for _ in range(max(1, steps)):

@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
+import torchmetrics
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -109,6 +110,12 @@ def test_a_budget_no_configuration_meets_is_refused_before_the_first_step_with_t
     again, record = AutoFit(budget=needed * 2), Recorder()
     _fit(small_datamodule_kwargs, [again, record], steps=2, wide=True)
     assert record.samples == [8, 8]
+    # refused in a later fit, the callback shows no plan, not the earlier fit's
+    assert again.plan is not None
+    again.budget = "1MB"
+    with pytest.raises(BudgetTooSmall):
+        _fit(small_datamodule_kwargs, [again], wide=True)
+    assert again.plan is None and again.memory_figures() == {}
 
 
 def test_plan_only_fits_return_before_training_and_leave_the_module_as_it_was(small_datamodule_kwargs):
@@ -207,6 +214,18 @@ def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"]
     assert saved["accumulate_grad_batches"] == 8 // batch
     assert settings["trainer"]["check_val_every_n_epoch"] is None and saved["check_val_every_n_epoch"] is None
+
+
+def test_the_plan_command_answers_a_budget_too_small_with_the_least_that_would_fit_and_no_traceback(
+        small_datamodule_kwargs, tmp_path):
+    config = _config(tmp_path / "run.yaml", small_datamodule_kwargs)
+    done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "1MiB"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lightning-efficient plan: AutoFit: no configuration fits the budget. rank 0: budget 1.0 MiB")
+    assert "to need a budget of at least" in last, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
 
 
 def _printed_config(stdout: str) -> dict:
@@ -550,12 +569,13 @@ class CollectingGPT(DemoGPT):
 
 
 class CycleLeavingGPT(DemoGPT):
-    """The tiny GPT whose training step leaves a reference cycle holding a tensor (as code that keeps a closure over
-    its own frame does); a weak reference to each is kept, and ``alive_at_train_start`` counts those alive when
-    training starts, after AutoFit measured."""
+    """The tiny GPT whose training step leaves a reference cycle holding ``cycle_bytes`` of tensor (as code that
+    keeps a closure over its own frame does); a weak reference to each is kept, and ``alive_at_train_start`` counts
+    those alive when training starts, after AutoFit measured."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, cycle_bytes: int = 4 * MiB, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.cycle_bytes = cycle_bytes
         self.cycles: list = []
         self.alive_at_train_start: int | None = None
 
@@ -563,8 +583,27 @@ class CycleLeavingGPT(DemoGPT):
         self.alive_at_train_start = sum(ref() is not None for ref in self.cycles)
 
     def training_step(self, batch, batch_idx):
-        self.cycles.append(weakref.ref(_Cycle(4 * MiB)))
+        self.cycles.append(weakref.ref(self.cycle()))
         return super().training_step(batch, batch_idx)
+
+    def cycle(self) -> _Cycle:
+        return _Cycle(self.cycle_bytes)
+
+
+class CollectOnceGPT(CycleLeavingGPT):
+    """Its training step holds its own cycle until the next step's, and the first step collects garbage, as user
+    code calling ``gc.collect()`` does: the cycle alive then moves into the oldest generation, and is garbage from
+    the second step on."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.held: _Cycle | None = None
+
+    def cycle(self) -> _Cycle:
+        self.held = _Cycle(self.cycle_bytes)
+        if len(self.cycles) == 0:
+            gc.collect()
+        return self.held
 
 
 def test_the_garbage_measuring_left_is_freed_before_the_first_step(small_datamodule_kwargs):
@@ -586,6 +625,78 @@ def test_the_garbage_measuring_left_is_freed_before_the_first_step(small_datamod
         gc.enable()
     assert len(model.cycles) > 3  # the measured steps, and the fit's
     assert model.alive_at_train_start == 0, f"{model.alive_at_train_start} of {len(model.cycles)} cycles alive"
+
+
+class MetricGPT(DemoGPT):
+    """The tiny GPT whose training step updates a torchmetrics metric (the mean loss, not logged) and counts its
+    samples in a non-persistent buffer: neither is in ``state_dict``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.mean_loss = torchmetrics.MeanMetric()
+        self.register_buffer("samples_seen", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        output = super().training_step(batch, batch_idx)
+        self.mean_loss.update(output["loss"].detach() if isinstance(output, dict) else output.detach())
+        self.samples_seen += len(batch["input_ids"])
+        return output
+
+
+def test_measuring_leaves_metrics_and_non_persistent_buffers_as_the_same_fit_in_plain_lightning(small_datamodule_kwargs):
+    # restored with the parameters: the measured steps' updates would otherwise be counted in the first epoch's metrics
+    def fitted(callbacks):
+        lightning.seed_everything(0)
+        model = MetricGPT(**tiny_gpt_kwargs())
+        data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8})
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
+        trainer.fit(model, data)
+        return model
+
+    plain = fitted([])
+    measured = fitted([AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"],
+                               search_micro_batch=False)])
+    assert int(plain.samples_seen) == int(measured.samples_seen) == 24
+    assert measured.mean_loss.update_count == plain.mean_loss.update_count == 3
+    assert float(measured.mean_loss.compute()) == float(plain.mean_loss.compute())
+
+
+def test_garbage_that_a_collection_in_the_users_step_moved_into_the_oldest_generation_is_freed_too(
+        small_datamodule_kwargs):
+    # a collection of the young generations frees what measuring left only where no collection of an older one ran
+    # while it measured: here the user's first step collects, which moves its cycle (still held) into the oldest
+    lightning.seed_everything(0)
+    model = CollectOnceGPT(**tiny_gpt_kwargs())
+    data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8})
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                                callbacks=[AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"])])
+    gc.disable()  # only AutoFit's own collection can free them
+    try:
+        trainer.fit(model, data)
+    finally:
+        gc.enable()
+    assert len(model.cycles) >= 5  # the measured steps, and the fit's
+    assert model.alive_at_train_start == 1, f"{model.alive_at_train_start} of {len(model.cycles)} cycles alive (1 held)"
+
+
+def test_no_reading_counts_the_garbage_the_steps_before_it_left(small_datamodule_kwargs):
+    # automatic collection is paused while AutoFit measures: without a collection between readings, a step leaving
+    # 64 MiB of cycles made each reading count those of every step before it (the larger size's five), where in a fit
+    # an automatic collection soon frees them; each reading counts its own step's, as a fit's step does
+    clean = _profile_figures(small_datamodule_kwargs)
+    lightning.seed_everything(0)
+    probe = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"], plan_only=True)
+    model = CycleLeavingGPT(cycle_bytes=64 * MiB, **WIDE_HEAD)
+    data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256})
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
+    trainer.fit(model, data)
+    assert probe.profiles[0].sizes == clean.sizes
+    for beside, alone in zip(probe.profiles[0].peak_bytes, clean.peak_bytes):
+        # the readings wander by ~20 MiB in a test process
+        assert abs(beside - alone - 64 * MiB) < 24 * MiB, (probe.profiles[0].peak_bytes, clean.peak_bytes)
 
 
 def test_garbage_earlier_work_left_is_not_counted_in_the_start_and_no_automatic_collection_runs_while_measuring(
