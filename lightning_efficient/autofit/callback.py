@@ -5,6 +5,7 @@ states' precision for the most tokens per second that fit."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import os
@@ -87,8 +88,26 @@ def _random_streams_restored(device: torch.device) -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
+@contextlib.contextmanager
+def _samplers_left_as_they_were(loader: Any) -> Iterator[None]:
+    """The random states a draw from ``loader`` moves put back afterwards: the global streams, and the
+    ``torch.Generator`` of the loader, its sampler, its batch sampler and the batch sampler's sampler (a shuffling
+    sampler with a generator of its own draws from it, and a DataLoader's iterator draws its base seed)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
+    states = [(g, g.get_state()) for g in generators.values()]
+    with _random_streams_restored(torch.device("cpu")):
+        try:
+            yield
+        finally:
+            for generator, state in states:
+                generator.set_state(state)
+
+
 def _loader_batch_size(loader: Any) -> int:
-    """Samples in one batch of ``loader``: its ``batch_size``, or (a ``batch_sampler`` of its own) the first batch's length."""
+    """Samples in one batch of ``loader``: its ``batch_size``, or (a ``batch_sampler`` of its own) the length of the
+    first batch a copy of it gives (a sampler that keeps its position is not moved; nor are the random states)."""
     size = getattr(loader, "batch_size", None)
     if size:
         return int(size)
@@ -96,7 +115,14 @@ def _loader_batch_size(loader: Any) -> int:
     size = getattr(sampler, "batch_size", None)
     if size:
         return int(size)
-    first = next(iter(sampler), None) if sampler is not None else None
+    if sampler is None:
+        return 1
+    with _samplers_left_as_they_were(loader):
+        try:
+            sampler = copy.deepcopy(sampler)
+        except Exception:  # noqa: BLE001 - a sampler that cannot be copied is drawn from, its random states put back
+            pass
+        first = next(iter(sampler), None)
     return max(1, len(first)) if first is not None else 1
 
 
@@ -511,7 +537,11 @@ class AutoFit(Callback):
             sizes = (batch_size, batch_size)
             micro_batches = [batch_size]
             ladder = ()
-        first = None if resizable else strategy.batch_to_device(next(iter(loader)))
+        if resizable:
+            first = None
+        else:
+            with _samplers_left_as_they_were(loader):
+                first = strategy.batch_to_device(next(iter(loader)))
 
         def batches(size: int) -> Any:
             return sample_batch(strategy, loader, size) if first is None else first

@@ -430,6 +430,38 @@ class BatchSamplerData(CorpusDataModule):
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
 
 
+class ShuffledBatches(torch.utils.data.Sampler):
+    """Batches of ``size`` indices in an order drawn from a generator of its own; no ``batch_size`` attribute."""
+
+    def __init__(self, n: int, size: int, seed: int = 0) -> None:
+        self.n, self.size, self.generator = n, size, torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        yield from (order[i:i + self.size] for i in range(0, self.n - self.size + 1, self.size))
+
+    def __len__(self) -> int:
+        return self.n // self.size
+
+
+def test_a_batch_sampler_of_its_own_trains_the_batches_it_would_in_plain_lightning(small_datamodule_kwargs):
+    # AutoFit learns the batch size from a first batch: drawn from a copy, the sampler's generator is not moved
+    def fitted(callbacks):
+        lightning.seed_everything(0)
+        data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 4})
+        data.prepare_data()
+        data.setup("fit")
+        dataset = data.train_dataloader().dataset
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=ShuffledBatches(len(dataset), 4))
+        record = Recorder()
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, record])
+        trainer.fit(DemoGPT(**tiny_gpt_kwargs()), train_dataloaders=loader)
+        return record.losses
+
+    assert fitted([AutoFit(budget="2GiB", activation_policies=["keep"], optimizer_options=["32-bit"])]) == fitted([])
+
+
 def test_a_dataloader_with_its_own_batch_sampler_keeps_its_batch_and_the_global_batch(small_datamodule_kwargs):
     lightning.seed_everything(0)
     fit, record = AutoFit(budget="2GiB"), Recorder()
