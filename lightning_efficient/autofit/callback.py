@@ -895,7 +895,10 @@ class AutoFit(Callback):
             plan.notes = [n for n in plan.notes if n != NOT_PROFILED]
         if not self._profiles or self._user_activations is not None or not self._profiles[0].blocks:
             say = rank_zero_warn if above_usable else rank_zero_info
-            say(f"{missed}. AutoFit changes only block policies mid-fit and has none to change here: the fit goes on as "
+            why = ("the plan was reused from the checkpoint, not measured, so there is no block profile to plan them "
+                   "from" if not self._profiles else "the block policies are your ActivationMemory's"
+                   if self._user_activations is not None else "no blocks were found to change")
+            say(f"{missed}. AutoFit changes only block policies mid-fit, and {why}: the fit goes on as "
                 f"planned; for a plan that fits, fit again with AutoFit(margin={margin:.3f}).")
             return
         # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the

@@ -284,6 +284,19 @@ class Mispredict(lightning.Callback):
             plan.ranks[0].peak_bytes = int(measured - over * budget)
 
 
+def test_a_measured_peak_above_a_reused_plans_prediction_says_the_plan_was_not_measured(small_datamodule_kwargs, tmp_path,
+                                                                                       lightning_caplog):
+    # a new user's trial: it said "AutoFit ... has none [block policies] to change here" of a plan with block policies
+    first = AutoFit(budget="512MB", optimizer_options=["32-bit"])
+    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2, root=str(tmp_path))
+    resumed = AutoFit(budget="512MB", optimizer_options=["32-bit"], report_after_steps=2)
+    _fit(small_datamodule_kwargs, [Mispredict(resumed, at_step=4, shed=MiB), resumed], steps=5, root=str(tmp_path),
+         ckpt_path=str(tmp_path / "last.ckpt"))
+    assert "the checkpoint's plan is reused" in lightning_caplog.text and resumed.profiles == [] and resumed.measured
+    assert ("AutoFit changes only block policies mid-fit, and the plan was reused from the checkpoint, not measured, so "
+            "there is no block profile to plan them from: the fit goes on as planned") in lightning_caplog.text
+
+
 def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_wider_margin(small_datamodule_kwargs, lightning_caplog):
     lightning.seed_everything(0)
     model = DemoGPT(vocab_size=512, n_layers=4, d_model=256, n_heads=2, seq_len=256)
