@@ -61,9 +61,9 @@ from lightning_efficient.memory import (
     PeakMemory,
     automatic_collection_paused,
     collect_garbage_made_since,
-    older_collections,
     fit_start_rss_bytes,
     is_fsdp2,
+    older_collections,
     release_free_memory,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
