@@ -44,17 +44,20 @@ def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool
     return output["loss"] if isinstance(output, Mapping) else output
 
 
+def run_state_tensors(module: torch.nn.Module) -> dict[str, Tensor]:
+    """What :func:`restored_run_state` copies and puts back by name: every ``state_dict`` entry and the buffers
+    registered with ``persistent=False``."""
+    tensors = module.state_dict(keep_vars=True)
+    return {**tensors, **{name: b for name, b in module.named_buffers() if name not in tensors}}
+
+
 def _metric_states(module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
-    """Every torchmetrics ``Metric`` in ``module`` with a copy of what its updates change (its states, as
-    attributes outside ``state_dict`` unless persistent, and its update count and caches)."""
+    """Every torchmetrics ``Metric`` in ``module`` with a copy of what its updates change: its states (attributes,
+    outside ``state_dict`` unless persistent; copied as ``Metric.forward`` copies them), update count and caches."""
     from torchmetrics import Metric
 
-    saved = []
-    for metric in (m for m in module.modules() if isinstance(m, Metric)):
-        values = {name: getattr(metric, name) for name in (*metric._defaults, "_update_count", "_computed", "_forward_cache")}
-        saved.append((metric, {name: v.detach().clone() if isinstance(v, Tensor) else list(v) if isinstance(v, list)
-                               else v for name, v in values.items()}))
-    return saved
+    return [(m, {**m._copy_state_dict(), **{name: getattr(m, name) for name in ("_update_count", "_computed", "_forward_cache")}})
+            for m in module.modules() if isinstance(m, Metric)]
 
 
 @contextlib.contextmanager
@@ -66,8 +69,7 @@ def restored_run_state(strategy: Any) -> Iterator[None]:
     none loses whatever the body created (it is created again at the first real step).
     """
     module = strategy.lightning_module
-    saved_tensors = {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict(keep_vars=True).items()}
-    unsaved_buffers = {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers() if name not in saved_tensors}
+    saved_tensors = {name: t.detach().to("cpu", copy=True) for name, t in run_state_tensors(module).items()}
     metrics = _metric_states(module)
     had_state = [len(optimizer.state) > 0 for optimizer in strategy.optimizers]
     devices = [strategy.root_device] if strategy.root_device.type == "cuda" else []
@@ -80,10 +82,8 @@ def restored_run_state(strategy: Any) -> Iterator[None]:
                 if not had:
                     optimizer.state.clear()
             with torch.no_grad():
-                for name, tensor in module.state_dict(keep_vars=True).items():
+                for name, tensor in run_state_tensors(module).items():
                     tensor.copy_(saved_tensors[name])
-                for name, saved in unsaved_buffers.items():
-                    module.get_buffer(name).copy_(saved)
             for metric, values in metrics:
                 for name, value in values.items():
                     setattr(metric, name, value)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_efficient._step import restored_run_state, step_loss
+from lightning_efficient._step import restored_run_state, run_state_tensors, step_loss
 from lightning_efficient._torch import synchronize
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.profile import profile_blocks
@@ -283,9 +283,7 @@ def _backup_bytes(module: nn.Module, device: torch.device) -> int:
     where it is in host memory)."""
     if device.type == "cuda":
         return 0
-    saved = module.state_dict(keep_vars=True)
-    unsaved = [b for name, b in module.named_buffers() if name not in saved]
-    return sum(local_tensor(t).numel() * t.element_size() for t in [*saved.values(), *unsaved])
+    return sum(local_tensor(t).numel() * t.element_size() for t in run_state_tensors(module).values())
 
 
 @contextlib.contextmanager
