@@ -728,20 +728,21 @@ def test_garbage_that_a_collection_in_the_users_step_moved_into_the_oldest_gener
 
 def test_no_reading_counts_the_garbage_the_steps_before_it_left(small_datamodule_kwargs):
     # automatic collection is paused while AutoFit measures: without a collection between readings, a step leaving
-    # 64 MiB of cycles made each reading count those of every step before it (the larger size's five), where in a fit
+    # 128 MiB of cycles made each reading count those of every step before it (the larger size's five), where in a fit
     # an automatic collection soon frees them; each reading counts its own step's, as a fit's step does
     clean = _profile_figures(small_datamodule_kwargs)
     lightning.seed_everything(0)
     probe = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"], plan_only=True)
-    model = CycleLeavingGPT(cycle_bytes=64 * MiB, **WIDE_HEAD)
+    model = CycleLeavingGPT(cycle_bytes=128 * MiB, **WIDE_HEAD)
     data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256})
     trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
     trainer.fit(model, data)
     assert probe.profiles[0].sizes == clean.sizes
     for beside, alone in zip(probe.profiles[0].peak_bytes, clean.peak_bytes):
-        # the readings wander by ~20 MiB in a test process
-        assert abs(beside - alone - 64 * MiB) < 24 * MiB, (probe.profiles[0].peak_bytes, clean.peak_bytes)
+        # the readings wander by tens of MiB in a test process (32 MiB after the other tests here): one cycle's
+        # 128 MiB, not five's 640
+        assert abs(beside - alone - 128 * MiB) < 48 * MiB, (probe.profiles[0].peak_bytes, clean.peak_bytes)
 
 
 def test_garbage_earlier_work_left_is_not_counted_in_the_start_and_no_automatic_collection_runs_while_measuring(
