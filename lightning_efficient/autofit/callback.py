@@ -5,18 +5,13 @@ states' precision for the most tokens per second that fit."""
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
 import logging
-import os
-import random
 import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -33,6 +28,14 @@ from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget, validate_budget
+from lightning_efficient.autofit.fit_inputs import (
+    checkpoint_callback_states,
+    fit_checkpoint_path,
+    loader_batch_size,
+    random_streams_restored,
+    restored_alike,
+    samplers_left_as_they_were,
+)
 from lightning_efficient.autofit.measure import (
     OptimizerSpec,
     _in_lockstep,
@@ -74,91 +77,6 @@ from lightning_efficient.optim.twins import eight_bit_classes, find_twin, is_sta
 OptimizerChoice = Literal["32-bit", "8-bit", "8-bit paged", "8-bit offload"]
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
 _CUDA_ONLY = ("8-bit paged", "8-bit offload")
-
-
-@contextlib.contextmanager
-def _random_streams_restored(device: torch.device) -> Iterator[None]:
-    """torch's (CPU and this CUDA device), Python's and NumPy's global random states put back afterwards."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
-
-
-@contextlib.contextmanager
-def _samplers_left_as_they_were(loader: Any) -> Iterator[None]:
-    """The random states a draw from ``loader`` moves put back afterwards: the global streams, and the
-    ``torch.Generator`` of the loader, its sampler, its batch sampler and the batch sampler's sampler (a shuffling
-    sampler with a generator of its own draws from it, and a DataLoader's iterator draws its base seed)."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
-    generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
-    states = [(g, g.get_state()) for g in generators.values()]
-    with _random_streams_restored(torch.device("cpu")):
-        try:
-            yield
-        finally:
-            for generator, state in states:
-                generator.set_state(state)
-
-
-def _loader_batch_size(loader: Any) -> int:
-    """Samples in one batch of ``loader``: its ``batch_size``, or (a ``batch_sampler`` of its own) the length of the
-    first batch a copy of it gives (a sampler that keeps its position is not moved; nor are the random states)."""
-    size = getattr(loader, "batch_size", None)
-    if size:
-        return int(size)
-    sampler = getattr(loader, "batch_sampler", None)
-    size = getattr(sampler, "batch_size", None)
-    if size:
-        return int(size)
-    if sampler is None:
-        return 1
-    with _samplers_left_as_they_were(loader):
-        try:
-            sampler = copy.deepcopy(sampler)
-        except Exception:  # noqa: BLE001 - a sampler that cannot be copied is drawn from, its random states put back
-            pass
-        first = next(iter(sampler), None)
-    return max(1, len(first)) if first is not None else 1
-
-
-def _fit_checkpoint_path(trainer: Trainer) -> tuple[Any, bool | None]:
-    """The checkpoint this ``fit`` restores (None: none) and the ``weights_only`` it is loaded with, from ``setup`` on.
-
-    Lightning sets ``trainer.ckpt_path`` only when it loads the checkpoint: after ``setup`` always, and after
-    ``on_fit_start`` where the strategy restores after setup (``ModelParallelStrategy``, ``hetero_fsdp``); until
-    then (and after a fit, where it keeps the last fit's) the path lives only in ``Trainer._run``'s arguments,
-    read here from its frame (a Lightning that names them otherwise gives None: the resume measures again)."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
-                return frame.f_locals.get("ckpt_path"), frame.f_locals.get("weights_only")
-            frame = frame.f_back
-    finally:
-        del frame
-    return None, None
-
-
-def _checkpoint_callback_states(path: Any, weights_only: bool | None) -> dict[str, Any]:
-    """The callbacks' states a local checkpoint (a file or a distributed-checkpoint directory) holds, read
-    without loading its tensors, with the fit's ``weights_only``; empty for a remote path (Lightning loads those
-    itself, later) and for one that cannot be read this way (said once; Lightning's own load decides)."""
-    if path is None or not os.path.exists(path):
-        return {}
-    from lightning_efficient.optim.sharded import checkpoint_layouts
-
-    try:
-        return dict(checkpoint_layouts(path, weights_only=weights_only)[2] or {})
-    except Exception as error:  # noqa: BLE001 - a format this read does not know: Lightning loads it later
-        rank_zero_info(f"AutoFit: the checkpoint's callback states could not be read before Lightning loads it "
-                       f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); a plan in it is reused only where "
-                       "Lightning restores before AutoFit plans (not under the sharded strategies)")
-        return {}
 
 
 @contextlib.contextmanager
@@ -373,7 +291,7 @@ class AutoFit(Callback):
         self._checkpoint_states = {}
         if getattr(trainer.strategy, "restore_checkpoint_after_setup", False) or (
                 self._user_activations is None and not any(isinstance(c, ActivationMemory) for c in callbacks)):
-            self._checkpoint_states = _checkpoint_callback_states(*_fit_checkpoint_path(trainer))
+            self._checkpoint_states = checkpoint_callback_states(*fit_checkpoint_path(trainer))
         self._adopt_activations(trainer, self._checkpoint_states)
         wants_8bit = self.may_use_8bit
         if wants_8bit or self._user_optimizer is not None:
@@ -436,31 +354,40 @@ class AutoFit(Callback):
             restored = dict(saved) if saved else None
         started = time.perf_counter()
         older = older_collections()
+        restored = restored_alike(restored)
         plan = self._reusable(restored, trainer)
-        if plan is None:
-            saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
-            try:
-                # measuring draws nothing the run would have drawn; no collection frees earlier garbage between readings
-                with _random_streams_restored(pl_module.device), automatic_collection_paused():
-                    plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
-            finally:
-                # measuring can leave gradients (zeros) on FSDP2's sharded parameters (those of a module a
-                # forward-only pass left unsharded are out of reach when the run's state is put back); the fit starts
-                # without any, as plain Lightning's does: torch's distributed checkpoint (ModelParallelStrategy's
-                # resume, after this hook) loads no optimizer states into an optimizer whose parameters hold gradients
-                pl_module.zero_grad(set_to_none=True)
-        # on CPU the fit's memory is its RSS: the library code only measuring ran (every policy, every optimizer option)
-        # would stay resident and read as training memory; it is unmapped (the fit faults back in the pages it runs)
-        self._code_pages.release_touched()
-        # what measuring left as garbage is not the fit's
-        collect_garbage_made_since(older)
-        release_free_memory(pl_module.device)
+        try:
+            if plan is None:
+                saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
+                try:
+                    # measuring draws nothing the run would have drawn; no collection frees earlier garbage between readings
+                    with random_streams_restored(pl_module.device), automatic_collection_paused():
+                        plan = self._plan_now(trainer, pl_module, keep_micro_batch=saved)
+                finally:
+                    # measuring can leave gradients (zeros) on FSDP2's sharded parameters (those of a module a
+                    # forward-only pass left unsharded are out of reach when the run's state is put back); the fit starts
+                    # without any, as plain Lightning's does: torch's distributed checkpoint (ModelParallelStrategy's
+                    # resume, after this hook) loads no optimizer states into an optimizer whose parameters hold gradients
+                    pl_module.zero_grad(set_to_none=True)
+        except BaseException:  # also when no plan fits: the process goes on (a fit with another budget, a notebook)
+            with contextlib.suppress(Exception):  # the error that stopped planning is the one raised
+                self._release_what_measuring_left(older, pl_module.device)
+            raise
+        self._release_what_measuring_left(older, pl_module.device)
         self.planning_s = time.perf_counter() - started
         self._plan = plan
         rank_zero_info(plan_table(plan) + f"\n  planned in {self.planning_s:.2f} s")
         if self.plan_only:
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
         self._apply(plan, trainer, pl_module)
+
+    def _release_what_measuring_left(self, older: int, device: torch.device) -> None:
+        # on CPU the fit's memory is its RSS: the library code only measuring ran (every policy, every optimizer option)
+        # would stay resident and read as training memory; it is unmapped (the fit faults back in the pages it runs)
+        self._code_pages.release_touched()
+        # what measuring left as garbage is not the fit's
+        collect_garbage_made_since(older)
+        release_free_memory(device)
 
     def _reusable(self, restored: dict[str, Any] | None, trainer: Trainer) -> FitPlan | None:
         if not restored or restored.get("plan") is None:
@@ -486,7 +413,7 @@ class AutoFit(Callback):
     def _samples_per_step(self, trainer: Trainer, loader: Any = None) -> int:
         """The global batch the user set (before AutoFit changes anything)."""
         loader = trainer.fit_loop._data_source.dataloader() if loader is None else loader
-        batch_size = _loader_batch_size(loader)
+        batch_size = loader_batch_size(loader)
         if self._heterogeneous(trainer) and trainer.strategy.global_batch_size:
             return trainer.strategy.global_batch_size
         return batch_size * trainer.world_size * trainer.accumulate_grad_batches
@@ -499,7 +426,7 @@ class AutoFit(Callback):
         require(isinstance(loader, torch.utils.data.DataLoader), "train_dataloader", type(loader).__name__,
                 "one DataLoader (AutoFit measures its samples)")
         heterogeneous = self._heterogeneous(trainer)
-        batch_size = _loader_batch_size(loader)
+        batch_size = loader_batch_size(loader)
         world = trainer.world_size
         check_budget_ranks(self.budget, world)  # the same on every rank: raised before anything is measured
         notes: list[str] = []
@@ -540,7 +467,7 @@ class AutoFit(Callback):
         if resizable:
             first = None
         else:
-            with _samplers_left_as_they_were(loader):
+            with samplers_left_as_they_were(loader):
                 first = strategy.batch_to_device(next(iter(loader)))
 
         def batches(size: int) -> Any:
@@ -658,14 +585,18 @@ class AutoFit(Callback):
         readings = gather_or_raise_together(reading, failure, "AutoFit could not measure its pick")
         updated: list[RankProfile] = []
         peak_moved = time_moved = False
+        moved: set[int] = set()  # the sizes whose reading moved the prediction
         for (size, peak, seconds), p in zip(readings, profiles):
             if size <= p.sizes[1]:
                 updated.append(p)
                 continue
             p0, p1 = p.line(p.peak_bytes)
-            time_moved |= seconds > p.micro_step_seconds(size) * (1 + CLOSE)
+            if seconds > p.micro_step_seconds(size) * (1 + CLOSE):
+                time_moved = True
+                moved.add(size)
             if peak > p0 + p1 * size:
                 peak_moved = True
+                moved.add(size)
                 p = replace(p, sizes=(p.sizes[1], size), peak_bytes=(p.peak_bytes[1], peak), step_s=(p.step_s[1], seconds),
                             times=[*p.times, (p.sizes[0], p.step_s[0])])
             else:
@@ -674,8 +605,8 @@ class AutoFit(Callback):
         self._profiles = updated
         if not (peak_moved or time_moved):
             return plan
-        notes.append(f"the pick's micro-batch read above its predicted {' and '.join(w for w, m in (('peak', peak_moved), ('time', time_moved)) if m)}"
-                     ": planned again with its reading")
+        notes.append(f"an earlier pick's micro-batch ({', '.join(map(str, sorted(moved)))}) read above its predicted "
+                     f"{' and '.join(w for w, m in (('peak', peak_moved), ('time', time_moved)) if m)}: planned again with its reading")
         return again(updated)
 
     def _priced(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule, batches: Any, notes: list[str],
@@ -708,7 +639,7 @@ class AutoFit(Callback):
             self._profiles = [p if r is None else r for p, r in zip(self._profiles, repriced)]
             slowest = max(s / c.micro_step_s for s, c, r in zip(readings, plan.ranks, repriced) if r is not None)
             counts = "; ".join(_counts(r.policies) for r in plan.ranks)
-            notes.append(f"the pick's block policies ({counts}) ran {slowest - 1:.0%} above its predicted micro-step: "
+            notes.append(f"an earlier pick's block policies ({counts}) ran {slowest - 1:.0%} above its predicted micro-step: "
                          "priced up by that reading and planned again")
             plan = again(self._profiles)
         return plan
@@ -887,8 +818,18 @@ class AutoFit(Callback):
                 rank_zero_info(f"{missed}; with margin {margin:.2f} every block kept still fits: the plan stays as it is.")
                 return
             rank_zero_info(f"{missed}: profiling the blocks (not needed before the first step)")
-            with _random_streams_restored(pl_module.device):
-                profiled = self._with_blocks(self._profiles, trainer.strategy, unprofiled, mid_fit=True)
+            # as before the first step: no collection frees the fit's garbage between readings, and the code only
+            # profiling ran does not stay resident
+            older = older_collections()
+            if pl_module.device.type != "cuda":
+                self._code_pages.snapshot()
+            try:
+                with random_streams_restored(pl_module.device), automatic_collection_paused():
+                    profiled = self._with_blocks(self._profiles, trainer.strategy, unprofiled, mid_fit=True)
+            finally:
+                self._code_pages.release_touched()
+                collect_garbage_made_since(older)
+                release_free_memory(pl_module.device)
             if profiled is None:
                 return
             self._profiles = profiled

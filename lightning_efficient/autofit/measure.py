@@ -38,6 +38,7 @@ from lightning_efficient.memory import (
     optimizer_state_bytes,
     release_free_memory,
 )
+from lightning_efficient.optim.sharded import has_sharded_params
 from lightning_efficient.report import host_state_bytes, paged_state_bytes
 
 
@@ -127,7 +128,11 @@ def measure_rank(
     module = strategy.lightning_module
     device = strategy.root_device
     sync_off = _sync_off(strategy)
-    saved_states = [copy.deepcopy(o.state_dict()) if len(o.state) else None for o in strategy.optimizers]
+    # in host memory (load_state_dict moves each state back to its parameter's device): on CUDA a copy on the device
+    # would read in every peak; on CPU its bytes are left out of the readings as the module's copy's are
+    saved_states = [None if not len(o.state) else _host_copy(o.state_dict()) if _loads_to_device(o) else copy.deepcopy(o.state_dict())
+                    for o in strategy.optimizers]
+    held = _backup_bytes(module, device) + (sum(_tensor_bytes(s) for s in saved_states if s) if device.type != "cuda" else 0)
 
     def forward_backward(size: int) -> None:
         batch = batches(size)
@@ -151,7 +156,7 @@ def measure_rank(
         return peak, elapsed
 
     m1, m2 = sizes
-    with restored_run_state(strategy), _not_counting(meter, _backup_bytes(module, device)):
+    with restored_run_state(strategy), _not_counting(meter, held):
         try:
             # every rank must run the same steps where a forward or backward runs collectives (FSDP2's, a
             # SyncBatchNorm's under DDP): then nothing here may follow a rank's own readings
@@ -284,6 +289,33 @@ def _backup_bytes(module: nn.Module, device: torch.device) -> int:
     if device.type == "cuda":
         return 0
     return sum(local_tensor(t).numel() * t.element_size() for t in run_state_tensors(module).values())
+
+
+def _host_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an optimizer's ``state_dict`` whose per-parameter state tensors are in host memory (torch's
+    ``load_state_dict`` moves each back to its parameter's device); step counters (0-dim) and ``param_groups`` (a
+    tensor learning rate included) are copied where they are."""
+
+    def host(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.detach().to("cpu", copy=True)
+        return copy.deepcopy(value)
+
+    copied = {key: copy.deepcopy(value) for key, value in state_dict.items() if key != "state"}
+    copied["state"] = {index: {key: host(value) for key, value in per_param.items()}
+                       for index, per_param in state_dict["state"].items()}
+    return copied
+
+
+def _loads_to_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.load_state_dict`` moves each state to its parameter's device (torch's own does; bitsandbytes'
+    moves only some), for plain tensors (a sharded parameter's DTensor states keep their copy where they are)."""
+    return type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict and not has_sharded_params(optimizer)
+
+
+def _tensor_bytes(state: Any) -> int:
+    """Bytes of the tensors in ``state`` (a nested ``state_dict``)."""
+    return sum(local_tensor(v).numel() * v.element_size() for v in torch.utils._pytree.tree_leaves(state) if isinstance(v, torch.Tensor))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,8 @@ Each runs, on a tiny demo GPT (4 optimizer steps of a global batch of 16, 2 epoc
    policies; ``EightBitOptimizer(bits=8)`` when the plan chose 8-bit states): each micro-batch's loss;
 5. ``resumed`` (``ddp`` and ``fsdp2``): a fresh AutoFit with the same settings resumed from the epoch-0
    checkpoint (its profiles, plan, settings, info lines, Lightning's warnings of checkpointed callbacks
-   missing, and losses), and the plain fit resumed the same way;
+   missing, and losses), and the plain fit resumed the same way; under ``ddp`` also ``resumed_unread``, the same
+   resume where rank 1 read no AutoFit state (its profiles, plan, micro-batches, settings and info lines);
 6. ``measured_resume`` (``fsdp2`` only): as 5. with another margin, so that AutoFit measures again (before
    ModelParallelStrategy loads the checkpoint), and the plain fit resumed with that plan set by hand.
 
@@ -73,6 +74,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_efficient import ActivationMemory, DemoGPT, EightBitOptimizer, HeterogeneousDDPStrategy
 from lightning_efficient.activations.discovery import find_blocks
@@ -276,6 +278,32 @@ def autofit(budget: list[int]) -> AutoFit:
     return AutoFit(budget=budget, activation_policies=POLICIES, optimizer_options=["32-bit", "8-bit"], report_after_steps=2)
 
 
+def unread_on_rank_one(budget: list[int]) -> AutoFit:
+    """:func:`autofit`, whose rank 1 forgets the state a checkpoint gives it (as where its node could not read the
+    file's callback states)."""
+
+    class UnreadOnRankOne(AutoFit):
+        @property
+        @override
+        def state_key(self) -> str:
+            return "AutoFit"  # the checkpointed AutoFit's: Lightning hands this one its state
+
+        @override
+        def on_load_checkpoint(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule,
+                               checkpoint: dict[str, Any]) -> None:
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)
+            if trainer.global_rank == 1:
+                self._restored = None
+
+        @override
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            super().load_state_dict(state_dict)
+            if int(os.environ["LOCAL_RANK"]) == 1:
+                self._restored = None
+
+    return UnreadOnRankOne(budget=budget, activation_policies=POLICIES, optimizer_options=["32-bit", "8-bit"], report_after_steps=2)
+
+
 def rank_one_budget(profiles: list[RankProfile], margin: float) -> int:
     """Rank 1's budget: 1.3x what its leanest block policies are predicted to need at micro-batch 4 (32-bit states)."""
     profile = profiles[1]
@@ -385,6 +413,15 @@ def run_mode(mode: str, out: Path, rank: int) -> dict[str, Any]:
         result["resumed"] = {"profiles": len(callback.profiles), "plan": callback.plan.to_dict(), "micro": resumed.micro,
                              "lines": resumed.lines, "missing": resumed.missing, "during": resumed.during,
                              "reference_micro": reference_resumed.micro}
+    # 5b. (``ddp``) resumed where rank 1 read no AutoFit state from the checkpoint (its node could not read the file's
+    # callback states): rank 0's state goes on on every rank (the plan reused on both), and the fit trains to its end
+    if mode == "ddp":
+        callback = unread_on_rank_one(budget)
+        _, _, resumed, error = fit(mode, [callback], ckpt_path=out / "ckpt" / "epoch0.ckpt")
+        if error is not None:
+            raise error
+        result["resumed_unread"] = {"profiles": len(callback.profiles), "plan": callback.plan.to_dict(),
+                                    "micro": resumed.micro, "lines": resumed.lines, "during": resumed.during}
     # 6. (``fsdp2``) resumed with another margin: AutoFit measures again, before the checkpoint is loaded; and the
     # plain fit resumed the same way with that plan set by hand
     if mode == "fsdp2":

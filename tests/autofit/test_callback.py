@@ -105,6 +105,7 @@ def test_a_budget_no_configuration_meets_is_refused_before_the_first_step_with_t
         _fit(small_datamodule_kwargs, [fit, record], wide=True)
     assert record.samples == [] and record._samples == 0
     assert "rank 0: budget 1.0 MiB" in str(raised.value)
+    assert fit._code_pages._before is None  # the code pages only measuring touched were handed back on the refusal too
     # nothing is left behind: a second fit of the same module with a budget that fits trains
     needed = int(str(raised.value).split("(")[-1].split(" bytes")[0].replace(",", ""))
     again, record = AutoFit(budget=needed * 2), Recorder()

@@ -165,6 +165,22 @@ def test_a_resume_reuses_the_checkpoint_plan_and_continues_the_run(results, mode
     assert any("the checkpoint's plan is reused" in line for line in ranks[0]["resumed"]["lines"])
 
 
+def test_a_resume_where_one_rank_read_no_plan_goes_on_with_the_other_ranks_plan_on_every_rank(results):
+    # rank 0 alone reusing the checkpoint's plan would train while rank 1 measured: each waiting in collectives the
+    # other never joins (a gloo timeout here, a hang on NCCL); rank 1 takes the state rank 0 read
+    ranks = results["ddp"]
+    for rank in ranks:
+        resumed = rank["resumed_unread"]
+        assert resumed["profiles"] == 0  # measured on no rank: the checkpoint's plan reused on both
+        assert resumed["plan"] == rank["resumed"]["plan"]
+        assert resumed["during"] == rank["resumed"]["during"]  # the same settings as the resume where both read it
+        assert resumed["micro"] == rank["resumed"]["micro"]  # and the same losses, bitwise
+    lines = ranks[0]["resumed_unread"]["lines"]
+    assert any("rank(s) [1] read no AutoFit state from the checkpoint; the state the other ranks read" in line
+               for line in lines)
+    assert any("the checkpoint's plan is reused" in line for line in lines)
+
+
 def test_an_fsdp2_resume_with_other_settings_measures_again_and_continues_as_plain_lightning(results):
     # FSDP2 loads the checkpoint after on_fit_start, where AutoFit measures: measuring must leave nothing the load
     # trips on (gradients left on the sharded parameters made torch's distributed checkpoint skip the optimizer

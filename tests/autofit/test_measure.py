@@ -273,3 +273,83 @@ def test_a_model_that_cannot_train_on_one_sample_gets_a_plan_of_two_where_two_fi
     trainer, fit, module = _batchnorm_fit(monkeypatch, "240MiB", 64 * MiB)
     trainer.fit(module)
     assert fit.plan.ranks[0].micro_batch == 2 and trainer.global_step == 1
+
+
+class CachedOptimizer(TimedRegression):
+    """``configure_optimizers`` returns one AdamW for every fit, which the first fit leaves holding state."""
+
+    def configure_optimizers(self):
+        if not hasattr(self, "optimizer"):
+            self.optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return self.optimizer
+
+
+class StatesAtStart(lightning.Callback):
+    """The optimizer's state when training starts (after AutoFit measured)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.state = {k: v.clone() for k, v in trainer.optimizers[0].state[pl_module.layer.weight].items()}
+
+
+def _second_fit(autofit: bool, monkeypatch=None) -> tuple[CachedOptimizer, dict, dict, list[int]]:
+    torch.manual_seed(0)
+    module = CachedOptimizer(Clock(), overhead_s=0.0, per_sample_s=0.0)
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False)
+    trainer.fit(module)
+    before = {k: v.clone() for k, v in module.optimizer.state[module.layer.weight].items()}
+    held: list[int] = []
+    if monkeypatch is not None:  # what measuring leaves out of its readings as held only while it measures
+        not_counting = measure._not_counting
+        monkeypatch.setattr(measure, "_not_counting", lambda meter, held_bytes: held.append(held_bytes) or not_counting(meter, held_bytes))
+    seen = StatesAtStart()
+    callbacks = [AutoFit(budget="4GiB", optimizer_options=["32-bit"], search_micro_batch=False), seen] if autofit else [seen]
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module)
+    return module, before, seen.state, held
+
+
+def test_an_optimizer_holding_state_before_the_fit_finds_it_as_it_was_after_measuring_and_trains_as_plain_lightning(
+        monkeypatch):
+    # measuring steps the optimizer; its states are put back from a copy in host memory (on CUDA a copy on the
+    # device read in every peak measured), whose bytes (on CPU resident while measuring) are not the plan's
+    module, before, at_start, held = _second_fit(autofit=True, monkeypatch=monkeypatch)
+    assert before.keys() == at_start.keys() and all(torch.equal(before[k], at_start[k]) for k in before)
+    plain, _, _, _ = _second_fit(autofit=False)
+    assert torch.equal(module.layer.weight, plain.layer.weight)
+    state_bytes = sum(v.numel() * v.element_size() for s in module.optimizer.state.values() for v in s.values())
+    assert held and all(h == measure._backup_bytes(module, torch.device("cpu")) + state_bytes for h in held)
+
+
+def test_only_optimizers_whose_load_moves_states_to_their_parameters_are_copied_to_host_memory():
+    import bitsandbytes as bnb
+
+    class OwnLoad(torch.optim.AdamW):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+
+    params = [torch.nn.Parameter(torch.ones(4))]
+    assert measure._loads_to_device(torch.optim.AdamW(params))
+    assert not measure._loads_to_device(OwnLoad(params))  # its load may not move them back
+    assert not measure._loads_to_device(bnb.optim.AdamW8bit(params))  # moves only some of its states
+
+
+def test_the_host_copy_of_an_optimizers_states_loads_back_to_the_same_states():
+    # bf16 parameters, a tensor learning rate: what loading casts and what it leaves as it is come back alike
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW([param], lr=torch.tensor(1e-2))
+    for _ in range(2):
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+    expected = {k: v.clone() for k, v in optimizer.state[param].items()}
+    copied = measure._host_copy(optimizer.state_dict())
+    assert copied["param_groups"][0]["lr"] is not optimizer.param_groups[0]["lr"]  # a copy, not the live tensor
+    param.grad = torch.randn_like(param)
+    optimizer.step()  # as measuring does
+    optimizer.load_state_dict(copied)
+    got = optimizer.state[param]
+    assert got.keys() == expected.keys()
+    assert all(got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]) for k in expected)
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor) and optimizer.param_groups[0]["lr"].item() == pytest.approx(1e-2)

@@ -24,6 +24,7 @@ from lightning_efficient.autofit.model import (
     _scaled,
     blocks_matter,
     divisors,
+    plan_table,
     priced_by_reading,
     search,
 )
@@ -194,6 +195,10 @@ def test_heterogeneous_ranks_get_their_own_caps_and_a_slower_rank_lowers_the_rat
     slow = profile(4000 * MiB, t0=0.5, t1=0.2)
     slower = search([fast, slow], samples_per_step=32, heterogeneous=True, margin=0.1, policies=POLICIES)
     assert slower.step_s > search([fast, fast], samples_per_step=32, heterogeneous=True, margin=0.1, policies=POLICIES).step_s
+    # the table names each rank's figure a cap (its share may run smaller micro-batches), not its micro-batch
+    header = plan_table(plan).splitlines()[1].split()
+    assert "cap" in header and "micro" not in header
+    assert "micro" in plan_table(search([fast], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)).splitlines()[1].split()
 
 
 def test_fixed_policies_are_kept_and_predicted_as_set():

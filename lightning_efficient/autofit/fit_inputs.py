@@ -1,0 +1,130 @@
+"""What AutoFit reads from a fit without changing it: its training DataLoader's batch size (the samplers and random
+streams a draw moves put back), the checkpoint the fit resumes from and the callbacks' states in it, and the AutoFit
+state the ranks agree to go on from."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_efficient._distributed import gather_objects
+
+
+@contextlib.contextmanager
+def random_streams_restored(device: torch.device) -> Iterator[None]:
+    """torch's (CPU and this CUDA device), Python's and NumPy's global random states put back afterwards."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def samplers_left_as_they_were(loader: Any) -> Iterator[None]:
+    """The random states a draw from ``loader`` moves put back afterwards: the global streams, and the
+    ``torch.Generator`` of the loader, its sampler, its batch sampler and the batch sampler's sampler (a shuffling
+    sampler with a generator of its own draws from it, and a DataLoader's iterator draws its base seed)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
+    states = [(g, g.get_state()) for g in generators.values()]
+    with random_streams_restored(torch.device("cpu")):
+        try:
+            yield
+        finally:
+            for generator, state in states:
+                generator.set_state(state)
+
+
+def loader_batch_size(loader: Any) -> int:
+    """Samples in one batch of ``loader``: its ``batch_size``, or (a ``batch_sampler`` of its own) the length of the
+    first batch a copy of it gives (a sampler that keeps its position is not moved; nor are the random states)."""
+    size = getattr(loader, "batch_size", None)
+    if size:
+        return int(size)
+    sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(sampler, "batch_size", None)
+    if size:
+        return int(size)
+    if sampler is None:
+        return 1
+    with samplers_left_as_they_were(loader):
+        try:
+            sampler = copy.deepcopy(sampler)
+        except Exception:  # noqa: BLE001 - a sampler that cannot be copied is drawn from, its random states put back
+            pass
+        first = next(iter(sampler), None)
+    return max(1, len(first)) if first is not None else 1
+
+
+def fit_checkpoint_path(trainer: Trainer) -> tuple[Any, bool | None]:
+    """The checkpoint this ``fit`` restores (None: none) and the ``weights_only`` it is loaded with, from ``setup`` on.
+
+    Lightning sets ``trainer.ckpt_path`` only when it loads the checkpoint: after ``setup`` always, and after
+    ``on_fit_start`` where the strategy restores after setup (``ModelParallelStrategy``, ``hetero_fsdp``); until
+    then (and after a fit, where it keeps the last fit's) the path lives only in ``Trainer._run``'s arguments,
+    read here from its frame (a Lightning that names them otherwise gives None: the resume measures again)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+                return frame.f_locals.get("ckpt_path"), frame.f_locals.get("weights_only")
+            frame = frame.f_back
+    finally:
+        del frame
+    return None, None
+
+
+def checkpoint_callback_states(path: Any, weights_only: bool | None) -> dict[str, Any]:
+    """The callbacks' states a local checkpoint (a file or a distributed-checkpoint directory) holds, read
+    without loading its tensors, with the fit's ``weights_only``; empty for a remote path (Lightning loads those
+    itself, later) and for one that cannot be read this way (said once; Lightning's own load decides)."""
+    if path is None or not os.path.exists(path):
+        return {}
+    from lightning_efficient.optim.sharded import checkpoint_layouts
+
+    try:
+        return dict(checkpoint_layouts(path, weights_only=weights_only)[2] or {})
+    except Exception as error:  # noqa: BLE001 - a format this read does not know: Lightning loads it later
+        rank_zero_info(f"AutoFit: the checkpoint's callback states could not be read before Lightning loads it "
+                       f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); a plan in it is reused only where "
+                       "Lightning restores before AutoFit plans (not under the sharded strategies)")
+        return {}
+
+
+def restored_alike(restored: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The AutoFit state every rank goes on from, the same on all of them.
+
+    Ranks that decided apart (one reusing the checkpoint's plan while another measures) would wait on each other's
+    collectives. A rank can read none where the checkpoint's callback states could not be read on its node: the state
+    the other ranks read is then used on it too. Only where ranks read different states does every rank plan afresh.
+
+    Args:
+        restored: the AutoFit state this rank read from the checkpoint, or None.
+
+    Returns:
+        The state all ranks read (or the one the ranks that read one agree on), else None on every rank.
+    """
+    gathered = gather_objects(restored)
+    read = [g for g in gathered if g is not None]
+    if not read or all(g == read[0] for g in read[1:]):
+        missing = [rank for rank, g in enumerate(gathered) if g is None]
+        if read and missing:
+            rank_zero_info(f"AutoFit: rank(s) {missing} read no AutoFit state from the checkpoint; the state the other "
+                           "ranks read is used on every rank.")
+        return read[0] if read else None
+    rank_zero_info("AutoFit: the ranks read different AutoFit states from the checkpoint; planning again on every rank.")
+    return None
