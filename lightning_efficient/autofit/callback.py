@@ -29,11 +29,11 @@ from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget, validate_budget
 from lightning_efficient.autofit.fit_inputs import (
+    agreed_restored_state,
     checkpoint_callback_states,
     fit_checkpoint_path,
     loader_batch_size,
     random_streams_restored,
-    restored_alike,
     samplers_left_as_they_were,
 )
 from lightning_efficient.autofit.measure import (
@@ -354,8 +354,19 @@ class AutoFit(Callback):
             restored = dict(saved) if saved else None
         started = time.perf_counter()
         older = older_collections()
-        restored = restored_alike(restored)
+        restored = agreed_restored_state(restored)
         plan = self._reusable(restored, trainer)
+        # what the reuse is checked against can differ by rank (a budget each rank sets for itself): every rank
+        # reuses the plan or none does
+        reusing = gather_objects(plan is not None)
+        if any(reusing) and not all(reusing):
+            rank_zero_info(f"AutoFit: rank(s) {[r for r, reuses in enumerate(reusing) if not reuses]} cannot reuse the "
+                           "checkpoint's plan; planning again on every rank.")
+            plan = None
+        reused = plan is not None
+        if reused:
+            rank_zero_info("AutoFit: the checkpoint's plan is reused (same budget and settings); not measured again.")
+            self._micro_searched = self.search_micro_batch
         try:
             if plan is None:
                 saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
@@ -376,7 +387,7 @@ class AutoFit(Callback):
         self._release_what_measuring_left(older, pl_module.device)
         self.planning_s = time.perf_counter() - started
         self._plan = plan
-        rank_zero_info(plan_table(plan) + f"\n  planned in {self.planning_s:.2f} s")
+        rank_zero_info(plan_table(plan) + f"\n  {'reused' if reused else 'planned'} in {self.planning_s:.2f} s")
         if self.plan_only:
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
         self._apply(plan, trainer, pl_module)
@@ -403,8 +414,6 @@ class AutoFit(Callback):
         if len(plan.ranks) != trainer.world_size:
             rank_zero_info(f"AutoFit: the checkpoint's plan is for {len(plan.ranks)} ranks, not {trainer.world_size}; planning again.")
             return None
-        rank_zero_info("AutoFit: the checkpoint's plan is reused (same budget and settings); not measured again.")
-        self._micro_searched = self.search_micro_batch
         return plan
 
     def _heterogeneous(self, trainer: Trainer) -> bool:
@@ -584,29 +593,26 @@ class AutoFit(Callback):
             failure = error
         readings = gather_or_raise_together(reading, failure, "AutoFit could not measure its pick")
         updated: list[RankProfile] = []
-        peak_moved = time_moved = False
-        moved: set[int] = set()  # the sizes whose reading moved the prediction
+        moved: dict[int, set[str]] = {}  # each size whose reading moved the prediction: what moved (peak, time)
         for (size, peak, seconds), p in zip(readings, profiles):
             if size <= p.sizes[1]:
                 updated.append(p)
                 continue
             p0, p1 = p.line(p.peak_bytes)
             if seconds > p.micro_step_seconds(size) * (1 + CLOSE):
-                time_moved = True
-                moved.add(size)
+                moved.setdefault(size, set()).add("time")
             if peak > p0 + p1 * size:
-                peak_moved = True
-                moved.add(size)
+                moved.setdefault(size, set()).add("peak")
                 p = replace(p, sizes=(p.sizes[1], size), peak_bytes=(p.peak_bytes[1], peak), step_s=(p.step_s[1], seconds),
                             times=[*p.times, (p.sizes[0], p.step_s[0])])
             else:
                 p = replace(p, times=[*p.times, (size, seconds)])
             updated.append(p)
         self._profiles = updated
-        if not (peak_moved or time_moved):
+        if not moved:
             return plan
-        notes.append(f"an earlier pick's micro-batch ({', '.join(map(str, sorted(moved)))}) read above its predicted "
-                     f"{' and '.join(w for w, m in (('peak', peak_moved), ('time', time_moved)) if m)}: planned again with its reading")
+        read = "; ".join(f"{size}: {' and '.join(sorted(what, reverse=True))}" for size, what in sorted(moved.items()))
+        notes.append(f"an earlier pick's micro-batch read above its prediction ({read}): planned again with its reading")
         return again(updated)
 
     def _priced(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule, batches: Any, notes: list[str],
@@ -835,12 +841,15 @@ class AutoFit(Callback):
             self._profiles = profiled
             plan.notes = [n for n in plan.notes if n != NOT_PROFILED]
         if not self._profiles or self._user_activations is not None or not self._profiles[0].blocks:
-            say = rank_zero_warn if above_usable else rank_zero_info
+            if not above_usable:  # the plan is measured to fit: nothing to change
+                rank_zero_info(f"{missed}; it is within the budget less the margin ({plan.margin:.2f}) on every rank: "
+                               "the fit goes on as planned.")
+                return
             why = ("the plan was reused from the checkpoint, not measured, so there is no block profile to plan them "
                    "from" if not self._profiles else "the block policies are your ActivationMemory's"
                    if self._user_activations is not None else "no blocks were found to change")
-            say(f"{missed}. AutoFit changes only block policies mid-fit, and {why}: the fit goes on as "
-                f"planned; for a plan that fits, fit again with AutoFit(margin={margin:.3f}).")
+            rank_zero_warn(f"{missed}. AutoFit changes only block policies mid-fit, and {why}: the fit goes on as "
+                           f"planned; for a plan that fits, fit again with AutoFit(margin={margin:.3f}).")
             return
         # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the
         # states); each rank's block policies are chosen again for the wider margin

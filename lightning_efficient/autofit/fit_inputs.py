@@ -105,8 +105,8 @@ def checkpoint_callback_states(path: Any, weights_only: bool | None) -> dict[str
         return {}
 
 
-def restored_alike(restored: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The AutoFit state every rank goes on from, the same on all of them.
+def agreed_restored_state(restored: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The AutoFit state every rank goes on from, the same on all of them. A collective: call it on every rank.
 
     Ranks that decided apart (one reusing the checkpoint's plan while another measures) would wait on each other's
     collectives. A rank can read none where the checkpoint's callback states could not be read on its node: the state

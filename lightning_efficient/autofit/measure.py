@@ -38,7 +38,6 @@ from lightning_efficient.memory import (
     optimizer_state_bytes,
     release_free_memory,
 )
-from lightning_efficient.optim.sharded import has_sharded_params
 from lightning_efficient.report import host_state_bytes, paged_state_bytes
 
 
@@ -128,11 +127,10 @@ def measure_rank(
     module = strategy.lightning_module
     device = strategy.root_device
     sync_off = _sync_off(strategy)
-    # in host memory (load_state_dict moves each state back to its parameter's device): on CUDA a copy on the device
-    # would read in every peak; on CPU its bytes are left out of the readings as the module's copy's are
-    saved_states = [None if not len(o.state) else _host_copy(o.state_dict()) if _loads_to_device(o) else copy.deepcopy(o.state_dict())
-                    for o in strategy.optimizers]
-    held = _backup_bytes(module, device) + (sum(_tensor_bytes(s) for s in saved_states if s) if device.type != "cuda" else 0)
+    # the states an optimizer held before the fit (one configure_optimizers keeps between fits), which measuring steps:
+    # on CPU their copy's bytes are left out of the readings as the module's copy's are
+    saved_states = [SavedOptimizerState(o) if len(o.state) else None for o in strategy.optimizers]
+    held = _backup_bytes(module, device) + (sum(s.host_bytes for s in saved_states if s) if device.type != "cuda" else 0)
 
     def forward_backward(size: int) -> None:
         batch = batches(size)
@@ -219,9 +217,9 @@ def measure_rank(
                                            min_offload_bytes, offload_dir)
             measured = [_measure_option(spec, meter, device, 0 if spec.own else run_state, option_steps) for spec in options]
         finally:
-            for optimizer, state in zip(strategy.optimizers, saved_states):
+            for state in saved_states:
                 if state is not None:
-                    optimizer.load_state_dict(state)
+                    state.restore()
     release_free_memory(device)
     return RankProfile(
         sizes=(m1, m2), peak_bytes=(peak1, peak2), step_s=(time1, time2), run_state_bytes=run_state,
@@ -291,26 +289,76 @@ def _backup_bytes(module: nn.Module, device: torch.device) -> int:
     return sum(local_tensor(t).numel() * t.element_size() for t in run_state_tensors(module).values())
 
 
-def _host_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy of an optimizer's ``state_dict`` whose per-parameter state tensors are in host memory (torch's
-    ``load_state_dict`` moves each back to its parameter's device); step counters (0-dim) and ``param_groups`` (a
-    tensor learning rate included) are copied where they are."""
+class SavedOptimizerState:
+    """An optimizer's state as it was, put back exactly after measuring steps the optimizer.
 
-    def host(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.detach().to("cpu", copy=True)
-        return copy.deepcopy(value)
+    For torch's own state handling (the class overrides neither ``state_dict`` nor ``load_state_dict``) each
+    per-parameter state tensor is copied to host memory (on CUDA a copy on the device would read in every peak
+    measured) and put back on its device with its dtype straight into ``optimizer.state``: not through
+    ``load_state_dict``, which casts floating states to their parameter's dtype (ASGD's float32 ``eta`` of a bf16
+    parameter would come back bf16). Tensor subclasses (FSDP2's DTensor states, quantized ones) and other values are
+    deep-copied where they are; ``param_groups`` too (their parameters kept). Other optimizers (bitsandbytes',
+    this project's offloaded and sharded ones): a deep copy of ``state_dict``, loaded back.
 
-    copied = {key: copy.deepcopy(value) for key, value in state_dict.items() if key != "state"}
-    copied["state"] = {index: {key: host(value) for key, value in per_param.items()}
-                       for index, per_param in state_dict["state"].items()}
-    return copied
+    Args:
+        optimizer: the optimizer whose state to keep.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.direct = _torch_state_handling(optimizer)
+        if self.direct:
+            self.state = {param: {key: torch.utils._pytree.tree_map(_to_host, value) for key, value in per_param.items()}
+                          for param, per_param in optimizer.state.items()}
+            self.groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+                           for group in optimizer.param_groups]
+        else:
+            self.state_dict = copy.deepcopy(optimizer.state_dict())
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the copy's tensors (on CPU all of them resident while measuring)."""
+        leaves = torch.utils._pytree.tree_leaves(self.state if self.direct else self.state_dict)
+        return sum(_tensor_bytes(leaf.tensor if isinstance(leaf, _OnHost) else leaf) for leaf in leaves)
+
+    def restore(self) -> None:
+        """Put the state back (the copy becomes the optimizer's: call once)."""
+        if not self.direct:
+            self.optimizer.load_state_dict(self.state_dict)
+            return
+        self.optimizer.state.clear()
+        for param, per_param in self.state.items():
+            self.optimizer.state[param] = {key: torch.utils._pytree.tree_map(_to_device, value) for key, value in per_param.items()}
+        for group, saved in zip(self.optimizer.param_groups, self.groups):
+            params = group["params"]
+            group.clear()
+            group.update(saved, params=params)
 
 
-def _loads_to_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.load_state_dict`` moves each state to its parameter's device (torch's own does; bitsandbytes'
-    moves only some), for plain tensors (a sharded parameter's DTensor states keep their copy where they are)."""
-    return type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict and not has_sharded_params(optimizer)
+@dataclass
+class _OnHost:
+    """A state tensor copied to host memory, and the device it goes back to."""
+
+    tensor: torch.Tensor
+    device: torch.device
+
+
+def _to_host(value: Any) -> Any:
+    if type(value) is torch.Tensor:
+        return _OnHost(value.detach().to("cpu", copy=True), value.device)
+    return copy.deepcopy(value)
+
+
+def _to_device(value: Any) -> Any:
+    return value.tensor.to(value.device) if isinstance(value, _OnHost) else value
+
+
+def _torch_state_handling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer keeps its state as torch's own optimizers do (``state`` and ``param_groups`` are all of
+    it): its class overrides neither ``state_dict`` nor ``load_state_dict`` (bitsandbytes' do)."""
+    kind = type(optimizer)
+    return (kind.state_dict is torch.optim.Optimizer.state_dict
+            and kind.load_state_dict is torch.optim.Optimizer.load_state_dict)
 
 
 def _tensor_bytes(state: Any) -> int:

@@ -116,6 +116,8 @@ class EightBitOptimizer(Callback):
         self._figures: dict[str, int] = {}
         self._device_mesh: list[int] | None = None
         self._patched_strategy: Any = None
+        # (the user's optimizer, its twin) where the user's held states before the fit: written back after it
+        self._held_by_user: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []
 
     # -- which parameters stay 32-bit -------------------------------------------------------
     def _kept_32bit(self, pl_module: LightningModule) -> dict[int, str]:
@@ -163,9 +165,15 @@ class EightBitOptimizer(Callback):
     def _convert_optimizers(self, trainer: Trainer, pl_module: LightningModule, paged: bool, offload: bool) -> None:
         reasons = self._kept_32bit(pl_module)
         replaced = self.build_twins(trainer.strategy.optimizers, pl_module, paged=paged, offload=offload, reasons=reasons)
-        for optimizer, twin in zip(trainer.strategy.optimizers, replaced):
+        for index, (optimizer, twin) in enumerate(zip(trainer.strategy.optimizers, replaced)):
             if twin is not optimizer:
                 rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
+                self._carry_held_states(optimizer, twin, index)
+                if len(twin.state):
+                    # a configure_optimizers that keeps one optimizer between fits: its 32-bit states are in the twin
+                    # now (quantized), not held twice during the fit; they come back into it, updated, after the fit
+                    self._held_by_user.append((optimizer, twin))
+                    optimizer.state.clear()
         trainer.strategy.optimizers = replaced
         self._report(trainer, reasons)
 
@@ -213,6 +221,33 @@ class EightBitOptimizer(Callback):
                 twin = self._rebuilt(twin, repaged_on_load(type(twin)))  # still paged after a resume
             replaced.append(twin)
         return replaced
+
+    def _carry_held_states(self, optimizer: torch.optim.Optimizer, twin: torch.optim.Optimizer, index: int) -> None:
+        """Load into ``twin`` (no state yet) the states ``optimizer`` held before the fit (a ``configure_optimizers``
+        that keeps one optimizer between fits), quantized as a 32-bit checkpoint's are on resume; a twin of an
+        optimizer whose states do not convert (not Adam's, or sharded) starts without them, as said."""
+        if not len(optimizer.state):
+            return
+        if has_sharded_params(optimizer):
+            rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) holds states from before "
+                           "this fit of sharded (DTensor) parameters, which are not converted to 8-bit here; its 8-bit "
+                           "twin starts without them.")
+            return
+        try:
+            converted, _ = convert_optimizer_state(optimizer.state_dict(), _flat_params(optimizer), BNB_BLOCKWISE, self._uses_8bit)
+        except ValueError as error:
+            rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) holds states from before "
+                           f"this fit that do not convert to 8-bit ({error}); its 8-bit twin starts without them.")
+            return
+        twin.load_state_dict(converted)
+
+    def _write_back_held_states(self) -> None:
+        """The twins' states, dequantized, into the user's optimizers that held states before the fit (as plain
+        Lightning's fit leaves them updated in the optimizer the module keeps)."""
+        held, self._held_by_user = self._held_by_user, []
+        for optimizer, twin in held:
+            converted, _ = convert_optimizer_state(twin.state_dict(), _flat_params(optimizer), TORCH_32BIT)
+            optimizer.load_state_dict(converted)
 
     def _offloaded(self, twin: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``twin`` rebuilt as its host-offloaded class, same param groups.
@@ -366,12 +401,14 @@ class EightBitOptimizer(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.drop_overrides()
         self._restore_strategy()
+        self._write_back_held_states()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning skips callbacks' teardown when fit raises
         self.drop_overrides()
         self._restore_strategy()
+        self._write_back_held_states()  # the steps taken before the failure, as plain Lightning's optimizer holds them
 
     def drop_overrides(self) -> None:
         """Remove our 32-bit overrides from bitsandbytes' process-wide manager.

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+import warnings
 import weakref
 from pathlib import Path
 
@@ -285,17 +286,50 @@ class Mispredict(lightning.Callback):
             plan.ranks[0].peak_bytes = int(measured - over * budget)
 
 
+class UnderPredict(lightning.Callback):
+    """Lower the plan's prediction to 1 MiB under the peak read at ``at_step``: the peak is then above it, and far
+    within the budget; or, with ``budget_over_peak``, above the budget less the margin, the plan's budget set to that
+    multiple of the peak."""
+
+    def __init__(self, fit, at_step, budget_over_peak=None):
+        self.fit, self.at_step, self.budget_over_peak = fit, at_step, budget_over_peak
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at_step and self.fit.measured is None:
+            measured = self.fit._meter.read()
+            self.fit.plan.ranks[0].peak_bytes = int(measured - MiB)
+            if self.budget_over_peak is not None:
+                self.fit.plan.budgets[0] = int(measured * self.budget_over_peak)
+
+
 def test_a_measured_peak_above_a_reused_plans_prediction_says_the_plan_was_not_measured(small_datamodule_kwargs, tmp_path,
                                                                                        lightning_caplog):
     # a new user's trial: it said "AutoFit ... has none [block policies] to change here" of a plan with block policies
     first = AutoFit(budget="512MB", optimizer_options=["32-bit"])
     _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2, root=str(tmp_path))
     resumed = AutoFit(budget="512MB", optimizer_options=["32-bit"], report_after_steps=2)
-    _fit(small_datamodule_kwargs, [Mispredict(resumed, at_step=4, shed=MiB), resumed], steps=5, root=str(tmp_path),
-         ckpt_path=str(tmp_path / "last.ckpt"))
+    with pytest.warns(UserWarning, match="AutoFit changes only block policies mid-fit, and the plan was reused from the "
+                      "checkpoint, not measured, so there is no block profile to plan them from: the fit goes on as planned"):
+        _fit(small_datamodule_kwargs, [UnderPredict(resumed, at_step=4, budget_over_peak=1.05), resumed], steps=5,
+             root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
     assert "the checkpoint's plan is reused" in lightning_caplog.text and resumed.profiles == [] and resumed.measured
-    assert ("AutoFit changes only block policies mid-fit, and the plan was reused from the checkpoint, not measured, so "
-            "there is no block profile to plan them from: the fit goes on as planned") in lightning_caplog.text
+
+
+def test_a_measured_peak_above_a_reused_plans_prediction_but_within_the_budget_goes_on_without_a_warning(
+        small_datamodule_kwargs, tmp_path, lightning_caplog):
+    # a new user's trial: a 2 GiB budget, a peak of 8.6 MiB read 0.1% of the budget above its prediction, and the
+    # warning said "for a plan that fits, fit again with AutoFit(margin=0.101)" of a plan that fits
+    first = AutoFit(budget="512MB", optimizer_options=["32-bit"])
+    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2, root=str(tmp_path))
+    resumed = AutoFit(budget="512MB", optimizer_options=["32-bit"], report_after_steps=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*AutoFit.*")
+        _fit(small_datamodule_kwargs, [UnderPredict(resumed, at_step=4), resumed], steps=5, root=str(tmp_path),
+             ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.measured and resumed.measured[0]["peak_bytes"] > resumed.plan.ranks[0].peak_bytes
+    assert "it is within the budget less the margin (0.10) on every rank: the fit goes on as planned" in lightning_caplog.text
+    assert "fit again with AutoFit(margin=" not in lightning_caplog.text
+    assert "\n  reused in " in lightning_caplog.text and lightning_caplog.text.count("planned in") == 1  # the first fit's
 
 
 def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_wider_margin(small_datamodule_kwargs, lightning_caplog):

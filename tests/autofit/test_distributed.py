@@ -171,6 +171,7 @@ def test_a_resume_where_one_rank_read_no_plan_goes_on_with_the_other_ranks_plan_
     ranks = results["ddp"]
     for rank in ranks:
         resumed = rank["resumed_unread"]
+        assert resumed["error"] is None
         assert resumed["profiles"] == 0  # measured on no rank: the checkpoint's plan reused on both
         assert resumed["plan"] == rank["resumed"]["plan"]
         assert resumed["during"] == rank["resumed"]["during"]  # the same settings as the resume where both read it
@@ -179,6 +180,18 @@ def test_a_resume_where_one_rank_read_no_plan_goes_on_with_the_other_ranks_plan_
     assert any("rank(s) [1] read no AutoFit state from the checkpoint; the state the other ranks read" in line
                for line in lines)
     assert any("the checkpoint's plan is reused" in line for line in lines)
+
+
+def test_a_resume_whose_plan_is_reusable_on_one_rank_only_plans_again_on_every_rank_and_trains_to_the_end(results):
+    # rank 1 sets a budget of its own, so the checkpoint's settings (rank 0's) match on rank 0 alone
+    ranks = results["ddp"]
+    for rank in ranks:
+        resumed = rank["resumed_own_budget"]
+        assert resumed["error"] is None
+        assert resumed["profiles"] == 2  # measured on every rank
+        assert sorted({step for step, _, _ in resumed["micro"]}) == [2, 3]  # the steps after the checkpoint's
+    assert any("rank(s) [1] cannot reuse the checkpoint's plan; planning again on every rank" in line
+               for line in ranks[0]["resumed_own_budget"]["lines"])
 
 
 def test_an_fsdp2_resume_with_other_settings_measures_again_and_continues_as_plain_lightning(results):

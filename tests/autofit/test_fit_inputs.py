@@ -23,27 +23,27 @@ def ranks_read(monkeypatch):
 
 
 def test_ranks_that_read_the_same_state_go_on_with_it(ranks_read):
-    assert fit_inputs.restored_alike(ranks_read(STATE, dict(STATE))) == STATE
+    assert fit_inputs.agreed_restored_state(ranks_read(STATE, dict(STATE))) == STATE
 
 
 def test_a_rank_that_read_nothing_takes_the_state_the_others_read(ranks_read, caplog):
     with caplog.at_level(logging.INFO):
-        assert fit_inputs.restored_alike(ranks_read(None, STATE, STATE)) == STATE
+        assert fit_inputs.agreed_restored_state(ranks_read(None, STATE, STATE)) == STATE
     assert "rank(s) [0] read no AutoFit state from the checkpoint; the state the other ranks read" in caplog.text
 
 
 def test_ranks_that_read_different_states_all_plan_again(ranks_read, caplog):
     other = dict(STATE, plan={"micro_batch": 2})
     with caplog.at_level(logging.INFO):
-        assert fit_inputs.restored_alike(ranks_read(STATE, other)) is None
-        assert fit_inputs.restored_alike(ranks_read(other, None, STATE)) is None
+        assert fit_inputs.agreed_restored_state(ranks_read(STATE, other)) is None
+        assert fit_inputs.agreed_restored_state(ranks_read(other, None, STATE)) is None
     assert "the ranks read different AutoFit states from the checkpoint; planning again on every rank" in caplog.text
 
 
 def test_no_rank_reading_a_state_plans_as_a_fresh_fit(ranks_read):
-    assert fit_inputs.restored_alike(ranks_read(None, None)) is None
+    assert fit_inputs.agreed_restored_state(ranks_read(None, None)) is None
 
 
 def test_without_a_process_group_the_state_read_is_the_one_used():
-    assert fit_inputs.restored_alike(STATE) == STATE
-    assert fit_inputs.restored_alike(None) is None
+    assert fit_inputs.agreed_restored_state(STATE) == STATE
+    assert fit_inputs.agreed_restored_state(None) is None

@@ -3,7 +3,9 @@ clock (deterministic: no test asserts a real timing) and whose memory grows with
 
 from __future__ import annotations
 
+import copy
 import types
+from typing import Any
 
 import lightning
 import pytest
@@ -322,7 +324,7 @@ def test_an_optimizer_holding_state_before_the_fit_finds_it_as_it_was_after_meas
     assert held and all(h == measure._backup_bytes(module, torch.device("cpu")) + state_bytes for h in held)
 
 
-def test_only_optimizers_whose_load_moves_states_to_their_parameters_are_copied_to_host_memory():
+def test_only_optimizers_keeping_their_state_as_torchs_own_have_it_copied_to_host_memory():
     import bitsandbytes as bnb
 
     class OwnLoad(torch.optim.AdamW):
@@ -330,26 +332,62 @@ def test_only_optimizers_whose_load_moves_states_to_their_parameters_are_copied_
             super().load_state_dict(state_dict)
 
     params = [torch.nn.Parameter(torch.ones(4))]
-    assert measure._loads_to_device(torch.optim.AdamW(params))
-    assert not measure._loads_to_device(OwnLoad(params))  # its load may not move them back
-    assert not measure._loads_to_device(bnb.optim.AdamW8bit(params))  # moves only some of its states
+    assert measure._torch_state_handling(torch.optim.AdamW(params))
+    assert not measure._torch_state_handling(OwnLoad(params))  # its state may be more than state and param_groups
+    assert not measure._torch_state_handling(bnb.optim.AdamW8bit(params))  # its load moves only some of its states
 
 
-def test_the_host_copy_of_an_optimizers_states_loads_back_to_the_same_states():
-    # bf16 parameters, a tensor learning rate: what loading casts and what it leaves as it is come back alike
+OPTIMIZERS = {
+    "adamw, a tensor lr": lambda params: torch.optim.AdamW(params, lr=torch.tensor(1e-2)),
+    "adam, fused": lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
+    "sgd, momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "sgd, no momentum (a None buffer)": lambda params: torch.optim.SGD(params, lr=1e-2),
+    "asgd (0-dim states)": lambda params: torch.optim.ASGD(params, lr=1e-2),
+    "lbfgs (lists of tensors)": lambda params: torch.optim.LBFGS(params, lr=0.1, history_size=3),
+}
+
+
+@pytest.mark.parametrize(("name", "dtype"), [(name, dtype) for name in OPTIMIZERS for dtype in (torch.float32, torch.bfloat16)
+                                             if not (name.startswith("lbfgs") and dtype is torch.bfloat16)])
+def test_an_optimizers_state_copied_to_host_memory_comes_back_as_it_was(name, dtype):
+    # every state (a 0-dim float32 one beside bf16 parameters, which load_state_dict would cast), the param_groups
+    # (a tensor lr) come back alike; the copy shares nothing with the live states, which the step after it changes
     torch.manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16))
-    optimizer = torch.optim.AdamW([param], lr=torch.tensor(1e-2))
+    param = torch.nn.Parameter(torch.randn(8, 4, dtype=dtype))
+    target = torch.randn(8, 4, dtype=dtype)
+    optimizer = OPTIMIZERS[name]([param])
+
+    def step() -> None:
+        def closure():
+            optimizer.zero_grad()
+            loss = ((param - target) ** 2).sum()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
     for _ in range(2):
-        param.grad = torch.randn_like(param)
-        optimizer.step()
-    expected = {k: v.clone() for k, v in optimizer.state[param].items()}
-    copied = measure._host_copy(optimizer.state_dict())
-    assert copied["param_groups"][0]["lr"] is not optimizer.param_groups[0]["lr"]  # a copy, not the live tensor
-    param.grad = torch.randn_like(param)
-    optimizer.step()  # as measuring does
-    optimizer.load_state_dict(copied)
-    got = optimizer.state[param]
-    assert got.keys() == expected.keys()
-    assert all(got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]) for k in expected)
-    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor) and optimizer.param_groups[0]["lr"].item() == pytest.approx(1e-2)
+        step()
+    expected = copy.deepcopy(optimizer.state_dict())
+    saved = measure.SavedOptimizerState(optimizer)
+    assert saved.direct and saved.host_bytes == measure._tensor_bytes(expected["state"])
+    step()  # as measuring does
+    saved.restore()
+    assert_same_state(optimizer.state_dict(), expected)
+    assert all(v.device == param.device for v in optimizer.state[param].values() if isinstance(v, torch.Tensor))
+
+
+def assert_same_state(got: Any, expected: Any) -> None:
+    """Equal nested states: tensors of the same dtype and values, the rest equal."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype and torch.equal(got, expected)
+    elif isinstance(expected, dict):
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert_same_state(got[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            assert_same_state(g, e)
+    else:
+        assert got == expected

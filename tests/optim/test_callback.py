@@ -1,4 +1,7 @@
+import copy
+
 import bitsandbytes as bnb
+import lightning
 import pytest
 import torch
 
@@ -244,3 +247,72 @@ def test_a_pattern_naming_a_parameter_already_32bit_is_not_refused():
     t = trainer(1, [EightBitOptimizer(keep_32bit=["embed.weight"])])
     t.fit(model)
     assert t.optimizers[0].state[model.embed.weight]["state1"].dtype == torch.float32
+
+
+class KeptOptimizer(Regression):
+    """``configure_optimizers`` returns the one optimizer it built first, in every fit (it holds state after one)."""
+
+    def configure_optimizers(self):
+        if not hasattr(self, "kept"):
+            self.kept = super().configure_optimizers()
+        return self.kept
+
+
+class StatesAtStart(lightning.Callback):
+    """The optimizer Lightning steps and the states of both optimizers when training starts."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def on_train_start(self, trainer, pl_module):
+        self.twin = trainer.optimizers[0]
+        self.twin_state = copy.deepcopy(self.twin.state_dict())
+        self.users_state_len = len(self.module.kept.state)
+
+
+def test_an_optimizer_kept_between_fits_carries_its_states_into_the_8bit_twin_and_gets_them_back_updated():
+    from lightning_efficient.optim.state import TORCH_32BIT, convert_optimizer_state
+
+    torch.manual_seed(0)
+    module = KeptOptimizer()
+    trainer(2).fit(module)
+    held = copy.deepcopy(module.kept.state_dict())
+    seen = StatesAtStart(module)
+    t = trainer(5, [EightBitOptimizer(min_8bit_size=1024), seen])
+    t.fit(module)
+    # the twin starts from the held moments, quantized (as a 32-bit checkpoint's are on resume), and the user's
+    # optimizer does not hold its 32-bit copy beside them during the fit
+    assert isinstance(seen.twin, bnb.optim.AdamW8bit) and seen.users_state_len == 0
+    start, _ = convert_optimizer_state(seen.twin_state, list(module.parameters()), TORCH_32BIT)
+    for index, state in held["state"].items():
+        assert start["state"][index]["step"].item() == 2
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert (start["state"][index][key] - state[key]).abs().max() <= 0.05 * state[key].abs().max(), (index, key)
+    # after the fit the user's optimizer holds the twin's states, dequantized: a next fit goes on from step 7
+    assert type(module.kept) is torch.optim.AdamW
+    end, _ = convert_optimizer_state(t.optimizers[0].state_dict(), list(module.parameters()), TORCH_32BIT)
+    got = module.kept.state_dict()
+    for index, state in end["state"].items():
+        assert got["state"][index]["step"].item() == 7
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["state"][index][key], state[key]), (index, key)
+    # and trains as the same fits in 32-bit within the 8-bit tolerance of the test above
+    torch.manual_seed(0)
+    plain = KeptOptimizer()
+    trainer(2).fit(plain)
+    before = {name: p.detach().clone() for name, p in plain.named_parameters()}
+    trainer(5).fit(plain)
+    for (name, ours), full in zip(module.named_parameters(), plain.parameters()):
+        assert (ours - full).norm() <= 0.10 * (full - before[name]).norm(), name
+
+
+def test_an_sgd_kept_between_fits_whose_states_do_not_convert_is_said_and_left_as_it_was():
+    torch.manual_seed(0)
+    module = KeptOptimizer(optimizer="sgd")
+    trainer(2).fit(module)
+    held = copy.deepcopy(module.kept.state_dict())
+    with pytest.warns(UserWarning, match="holds states from before this fit that do not convert to 8-bit"):
+        trainer(3, [EightBitOptimizer(min_8bit_size=1024)]).fit(module)
+    got = module.kept.state_dict()
+    assert got["state"].keys() == held["state"].keys()
+    assert all(torch.equal(got["state"][i]["momentum_buffer"], held["state"][i]["momentum_buffer"]) for i in held["state"])
