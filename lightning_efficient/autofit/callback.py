@@ -355,10 +355,14 @@ class AutoFit(Callback):
         started = time.perf_counter()
         older = older_collections()
         restored = agreed_restored_state(restored)
-        plan = self._reusable(restored, trainer)
+        plan, failure = None, None
+        try:
+            plan = self._reusable(restored, trainer)
+        except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together (none left waiting)
+            failure = error
         # what the reuse is checked against can differ by rank (a budget each rank sets for itself): every rank
         # reuses the plan or none does
-        reusing = gather_objects(plan is not None)
+        reusing = gather_or_raise_together(plan is not None, failure, "AutoFit could not check the checkpoint's plan")
         if any(reusing) and not all(reusing):
             rank_zero_info(f"AutoFit: rank(s) {[r for r, reuses in enumerate(reusing) if not reuses]} cannot reuse the "
                            "checkpoint's plan; planning again on every rank.")

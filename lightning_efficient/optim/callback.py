@@ -116,8 +116,10 @@ class EightBitOptimizer(Callback):
         self._figures: dict[str, int] = {}
         self._device_mesh: list[int] | None = None
         self._patched_strategy: Any = None
-        # (the user's optimizer, its twin) where the user's held states before the fit: written back after it
+        # (the user's optimizer, its twin) where the user's held states before the fit: its states are cleared when
+        # training starts (they are the twin's then) and written back after the fit
         self._held_by_user: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []
+        self._held_cleared = False
 
     # -- which parameters stay 32-bit -------------------------------------------------------
     def _kept_32bit(self, pl_module: LightningModule) -> dict[int, str]:
@@ -171,9 +173,9 @@ class EightBitOptimizer(Callback):
                 self._carry_held_states(optimizer, twin, index)
                 if len(twin.state):
                     # a configure_optimizers that keeps one optimizer between fits: its 32-bit states are in the twin
-                    # now (quantized), not held twice during the fit; they come back into it, updated, after the fit
+                    # now (quantized), not held twice once training starts; they come back into it, updated, after
+                    # the fit
                     self._held_by_user.append((optimizer, twin))
-                    optimizer.state.clear()
         trainer.strategy.optimizers = replaced
         self._report(trainer, reasons)
 
@@ -228,6 +230,12 @@ class EightBitOptimizer(Callback):
         optimizer whose states do not convert (not Adam's, or sharded) starts without them, as said."""
         if not len(optimizer.state):
             return
+        layouts = {param_state_layout(state) for state in optimizer.state.values()} - {None}
+        if layouts != {TORCH_32BIT}:  # bitsandbytes' own 32-bit optimizers: states in its layout, not converted here
+            rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) holds states from before "
+                           f"this fit in layout {', '.join(sorted(layouts))}, which is not converted to 8-bit here; its "
+                           "8-bit twin starts without them.")
+            return
         if has_sharded_params(optimizer):
             rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) holds states from before "
                            "this fit of sharded (DTensor) parameters, which are not converted to 8-bit here; its 8-bit "
@@ -241,13 +249,28 @@ class EightBitOptimizer(Callback):
             return
         twin.load_state_dict(converted)
 
-    def _write_back_held_states(self) -> None:
+    def _write_back_held_states(self, trainer: Trainer) -> None:
         """The twins' states, dequantized, into the user's optimizers that held states before the fit (as plain
-        Lightning's fit leaves them updated in the optimizer the module keeps)."""
+        Lightning's fit leaves them updated in the optimizer the module keeps), which take the twins' places in the
+        strategy (its teardown moves their states as plain Lightning's does) and schedulers. Before training
+        started, the user's states are still theirs, untouched."""
         held, self._held_by_user = self._held_by_user, []
-        for optimizer, twin in held:
-            converted, _ = convert_optimizer_state(twin.state_dict(), _flat_params(optimizer), TORCH_32BIT)
-            optimizer.load_state_dict(converted)
+        cleared, self._held_cleared = self._held_cleared, False
+        if not held:
+            return
+        configs = trainer.strategy.lr_scheduler_configs
+        for index, (optimizer, twin) in enumerate(held):
+            rebind_schedulers((config.scheduler for config in configs), twin, optimizer)
+            trainer.strategy.optimizers = [optimizer if o is twin else o for o in trainer.strategy.optimizers]
+            if not cleared:
+                continue
+            try:
+                converted, _ = convert_optimizer_state(twin.state_dict(), _flat_params(optimizer), TORCH_32BIT)
+                optimizer.load_state_dict(converted)
+            except Exception as error:  # noqa: BLE001 - the fit's own outcome stands; the user learns what is lost
+                rank_zero_warn(f"EightBitOptimizer: the 8-bit states of optimizer {index} ({type(optimizer).__name__}) "
+                               f"could not be written back into it after the fit ({type(error).__name__}: {error}); it "
+                               "holds no states now.")
 
     def _offloaded(self, twin: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``twin`` rebuilt as its host-offloaded class, same param groups.
@@ -293,6 +316,9 @@ class EightBitOptimizer(Callback):
             settle = getattr(optimizer, "settle_loaded_states", None)
             if callable(settle):
                 settle()
+        for optimizer, _ in self._held_by_user:  # the twin holds them now (a resume: the checkpoint's)
+            optimizer.state.clear()
+        self._held_cleared = bool(self._held_by_user)
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -401,14 +427,14 @@ class EightBitOptimizer(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.drop_overrides()
         self._restore_strategy()
-        self._write_back_held_states()
+        self._write_back_held_states(trainer)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning skips callbacks' teardown when fit raises
         self.drop_overrides()
         self._restore_strategy()
-        self._write_back_held_states()  # the steps taken before the failure, as plain Lightning's optimizer holds them
+        self._write_back_held_states(trainer)  # the steps taken before the failure, as plain Lightning's optimizer holds them
 
     def drop_overrides(self) -> None:
         """Remove our 32-bit overrides from bitsandbytes' process-wide manager.

@@ -258,8 +258,12 @@ class KeptOptimizer(Regression):
         return self.kept
 
 
-class StatesAtStart(lightning.Callback):
-    """The optimizer Lightning steps and the states of both optimizers when training starts."""
+def _kept(module):
+    return module.kept["optimizer"] if isinstance(module.kept, dict) else module.kept
+
+
+class KeptStatesAtStart(lightning.Callback):
+    """The optimizer Lightning steps, its states and how many states the kept optimizer holds when training starts."""
 
     def __init__(self, module):
         self.module = module
@@ -267,43 +271,69 @@ class StatesAtStart(lightning.Callback):
     def on_train_start(self, trainer, pl_module):
         self.twin = trainer.optimizers[0]
         self.twin_state = copy.deepcopy(self.twin.state_dict())
-        self.users_state_len = len(self.module.kept.state)
+        self.users_state_len = len(_kept(self.module).state)
 
 
-def test_an_optimizer_kept_between_fits_carries_its_states_into_the_8bit_twin_and_gets_them_back_updated():
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_an_optimizer_kept_between_fits_carries_its_states_into_the_8bit_twin_and_gets_them_back_updated(scheduler):
     from lightning_efficient.optim.state import TORCH_32BIT, convert_optimizer_state
 
     torch.manual_seed(0)
-    module = KeptOptimizer()
+    module = KeptOptimizer(scheduler=scheduler)
     trainer(2).fit(module)
-    held = copy.deepcopy(module.kept.state_dict())
-    seen = StatesAtStart(module)
+    held = copy.deepcopy(_kept(module).state_dict())
+    seen = KeptStatesAtStart(module)
     t = trainer(5, [EightBitOptimizer(min_8bit_size=1024), seen])
     t.fit(module)
     # the twin starts from the held moments, quantized (as a 32-bit checkpoint's are on resume), and the user's
-    # optimizer does not hold its 32-bit copy beside them during the fit
+    # optimizer does not hold its 32-bit copy beside them during training
     assert isinstance(seen.twin, bnb.optim.AdamW8bit) and seen.users_state_len == 0
     start, _ = convert_optimizer_state(seen.twin_state, list(module.parameters()), TORCH_32BIT)
     for index, state in held["state"].items():
         assert start["state"][index]["step"].item() == 2
         for key in ("exp_avg", "exp_avg_sq"):
             assert (start["state"][index][key] - state[key]).abs().max() <= 0.05 * state[key].abs().max(), (index, key)
-    # after the fit the user's optimizer holds the twin's states, dequantized: a next fit goes on from step 7
-    assert type(module.kept) is torch.optim.AdamW
-    end, _ = convert_optimizer_state(t.optimizers[0].state_dict(), list(module.parameters()), TORCH_32BIT)
-    got = module.kept.state_dict()
+    # after the fit the user's optimizer holds the twin's states, dequantized (and its scheduler steps it again): a
+    # next fit goes on from step 7
+    kept = _kept(module)
+    assert type(kept) is torch.optim.AdamW and t.optimizers[0] is kept
+    end, _ = convert_optimizer_state(seen.twin.state_dict(), list(module.parameters()), TORCH_32BIT)
+    got = kept.state_dict()
     for index, state in end["state"].items():
         assert got["state"][index]["step"].item() == 7
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(got["state"][index][key], state[key]), (index, key)
-    # and trains as the same fits in 32-bit within the 8-bit tolerance of the test above
+    if scheduler:
+        assert module.kept["lr_scheduler"]["scheduler"].optimizer is kept
+        trainer(1).fit(module)  # plain Lightning refuses a scheduler attached to an optimizer it was not given
+        assert kept.state_dict()["state"][0]["step"].item() == 8
+    else:
+        # and trains as the same fits in 32-bit within the 8-bit tolerance of the test above
+        torch.manual_seed(0)
+        plain = KeptOptimizer()
+        trainer(2).fit(plain)
+        before = {name: p.detach().clone() for name, p in plain.named_parameters()}
+        trainer(5).fit(plain)
+        for (name, ours), full in zip(module.named_parameters(), plain.parameters()):
+            assert (ours - full).norm() <= 0.10 * (full - before[name]).norm(), name
+
+
+def test_a_fit_that_fails_before_training_leaves_a_kept_optimizers_states_exactly_as_they_were():
     torch.manual_seed(0)
-    plain = KeptOptimizer()
-    trainer(2).fit(plain)
-    before = {name: p.detach().clone() for name, p in plain.named_parameters()}
-    trainer(5).fit(plain)
-    for (name, ours), full in zip(module.named_parameters(), plain.parameters()):
-        assert (ours - full).norm() <= 0.10 * (full - before[name]).norm(), name
+    module = KeptOptimizer()
+    trainer(2).fit(module)
+    held = copy.deepcopy(module.kept.state_dict())
+
+    class FailsAtStart(lightning.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            raise RuntimeError("refused before the first step")
+
+    with pytest.raises(RuntimeError, match="refused before the first step"):
+        trainer(3, [EightBitOptimizer(min_8bit_size=1024), FailsAtStart()]).fit(module)
+    got = module.kept.state_dict()
+    assert got["state"].keys() == held["state"].keys()
+    for index, state in held["state"].items():
+        assert all(torch.equal(got["state"][index][k], v) for k, v in state.items()), index  # not through 8 bits
 
 
 def test_an_sgd_kept_between_fits_whose_states_do_not_convert_is_said_and_left_as_it_was():
