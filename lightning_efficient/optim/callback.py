@@ -116,8 +116,11 @@ class EightBitOptimizer(Callback):
         self._figures: dict[str, int] = {}
         self._device_mesh: list[int] | None = None
         self._patched_strategy: Any = None
-        # (the user's optimizer, its twin) where the user's held states before the fit: its states are cleared when
-        # training starts (they are the twin's then) and written back after the fit
+        # (the user's optimizer, its twin) for every twin of this fit: the user's schedulers step the user's optimizer
+        # again after it
+        self._twins: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []
+        # those where the user's held states before the fit: its states are cleared when training starts (they are
+        # the twin's then) and written back after the fit
         self._held_by_user: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []
         self._held_cleared = False
 
@@ -170,6 +173,7 @@ class EightBitOptimizer(Callback):
         for index, (optimizer, twin) in enumerate(zip(trainer.strategy.optimizers, replaced)):
             if twin is not optimizer:
                 rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
+                self._twins.append((optimizer, twin))
                 self._carry_held_states(optimizer, twin, index)
                 if len(twin.state):
                     # a configure_optimizers that keeps one optimizer between fits: its 32-bit states are in the twin
@@ -249,18 +253,22 @@ class EightBitOptimizer(Callback):
             return
         twin.load_state_dict(converted)
 
-    def _write_back_held_states(self, trainer: Trainer) -> None:
-        """The twins' states, dequantized, into the user's optimizers that held states before the fit (as plain
-        Lightning's fit leaves them updated in the optimizer the module keeps), which take the twins' places in the
-        strategy (its teardown moves their states as plain Lightning's does) and schedulers. Before training
-        started, the user's states are still theirs, untouched."""
+    def _hand_back_to_user(self, trainer: Trainer) -> None:
+        """Every scheduler back on the user's optimizer, which takes the hyperparameters the fit left in its twin's
+        param groups; and the twins' states, dequantized, into the user's
+        optimizers that held states before the fit (as plain Lightning's fit leaves them updated in the optimizer
+        the module keeps), which take the twins' places in the strategy (its teardown moves their states as plain
+        Lightning's does). Before training started, the user's states are still theirs, untouched."""
         held, self._held_by_user = self._held_by_user, []
         cleared, self._held_cleared = self._held_cleared, False
-        if not held:
-            return
+        twins, self._twins = self._twins, []
         configs = trainer.strategy.lr_scheduler_configs
-        for index, (optimizer, twin) in enumerate(held):
+        for optimizer, twin in twins:  # a scheduler the module keeps between fits (Lightning refuses one left on the twin)
             rebind_schedulers((config.scheduler for config in configs), twin, optimizer)
+            # the hyperparameters the fit's schedulers set (lr, momentum, betas), as plain Lightning leaves them
+            for group, twin_group in zip(optimizer.param_groups, twin.param_groups):
+                group.update({key: twin_group[key] for key in (group.keys() & twin_group.keys()) - {"params"}})
+        for index, (optimizer, twin) in enumerate(held):
             trainer.strategy.optimizers = [optimizer if o is twin else o for o in trainer.strategy.optimizers]
             if not cleared:
                 continue
@@ -427,14 +435,14 @@ class EightBitOptimizer(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.drop_overrides()
         self._restore_strategy()
-        self._write_back_held_states(trainer)
+        self._hand_back_to_user(trainer)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning skips callbacks' teardown when fit raises
         self.drop_overrides()
         self._restore_strategy()
-        self._write_back_held_states(trainer)  # the steps taken before the failure, as plain Lightning's optimizer holds them
+        self._hand_back_to_user(trainer)  # the steps taken before the failure, as plain Lightning's optimizer holds them
 
     def drop_overrides(self) -> None:
         """Remove our 32-bit overrides from bitsandbytes' process-wide manager.

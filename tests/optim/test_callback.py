@@ -1,3 +1,4 @@
+import contextlib
 import copy
 
 import bitsandbytes as bnb
@@ -80,13 +81,23 @@ def test_name_patterns_keep_32bit_and_unknown_patterns_are_refused():
         trainer(1, [EightBitOptimizer(keep_32bit=["nothing*"])]).fit(Regression())
 
 
-def test_scheduler_still_changes_the_new_optimizers_lr():
-    t = trainer(3, [EightBitOptimizer()])
+class SchedulerAtEnd(lightning.Callback):
+    """Whether the scheduler steps the optimizer Lightning trains with, when training ends."""
+
+    def on_train_end(self, trainer, pl_module):
+        self.steps_trained = trainer.lr_scheduler_configs[0].scheduler.optimizer is trainer.optimizers[0]
+
+
+def test_scheduler_still_changes_the_new_optimizers_lr_and_is_handed_back_after_the_fit():
+    seen = SchedulerAtEnd()
+    t = trainer(3, [EightBitOptimizer(), seen])
     t.fit(Regression(scheduler=True))
     optimizer = t.optimizers[0]
-    assert isinstance(optimizer, bnb.optim.AdamW8bit)
-    assert t.lr_scheduler_configs[0].scheduler.optimizer is optimizer
+    assert isinstance(optimizer, bnb.optim.AdamW8bit) and seen.steps_trained
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+    # after the fit it steps the module's own optimizer again (a module keeping both between fits: Lightning refuses
+    # a scheduler attached to an optimizer configure_optimizers did not return)
+    assert type(t.lr_scheduler_configs[0].scheduler.optimizer) is torch.optim.AdamW
 
 
 def test_no_twin_raises_or_with_strict_false_is_left_with_a_warning():
@@ -316,6 +327,25 @@ def test_an_optimizer_kept_between_fits_carries_its_states_into_the_8bit_twin_an
         trainer(5).fit(plain)
         for (name, ours), full in zip(module.named_parameters(), plain.parameters()):
             assert (ours - full).norm() <= 0.10 * (full - before[name]).norm(), name
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_kept_scheduler_steps_the_kept_optimizer_after_an_8bit_fit_whose_states_were_not_carried(optimizer):
+    # a new user's trial: a first fit 8-bit (no states to carry), or an SGD's momentum (not converted), left the kept
+    # scheduler on the twin, and the next plain fit raised
+    torch.manual_seed(0)
+    module = KeptOptimizer(optimizer=optimizer, scheduler=True)
+    if optimizer == "sgd":
+        trainer(2).fit(module)
+    with contextlib.ExitStack() as stack:
+        if optimizer == "sgd":
+            stack.enter_context(pytest.warns(UserWarning, match="do not convert to 8-bit"))
+        trainer(3, [EightBitOptimizer(min_8bit_size=1024)]).fit(module)
+    kept, scheduler = module.kept["optimizer"], module.kept["lr_scheduler"]["scheduler"]
+    assert scheduler.optimizer is kept
+    t = trainer(1)
+    t.fit(module)
+    assert t.optimizers[0] is kept and kept.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** (6 if optimizer == "sgd" else 4))
 
 
 def test_a_fit_that_fails_before_training_leaves_a_kept_optimizers_states_exactly_as_they_were():
