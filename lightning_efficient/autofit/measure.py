@@ -302,10 +302,14 @@ class SavedOptimizerState:
 
     Args:
         optimizer: the optimizer whose state to keep.
+
+    Attributes:
+        host_bytes: the bytes of the copy (on CPU resident while measuring).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        self.host_bytes = optimizer_state_bytes(optimizer)
         self.direct = _torch_state_handling(optimizer)
         if self.direct:
             self.state = {param: {key: torch.utils._pytree.tree_map(_to_host, value) for key, value in per_param.items()}
@@ -314,12 +318,6 @@ class SavedOptimizerState:
                            for group in optimizer.param_groups]
         else:
             self.state_dict = copy.deepcopy(optimizer.state_dict())
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of the copy's tensors (on CPU all of them resident while measuring)."""
-        leaves = torch.utils._pytree.tree_leaves(self.state if self.direct else self.state_dict)
-        return sum(_tensor_bytes(leaf.tensor if isinstance(leaf, _OnHost) else leaf) for leaf in leaves)
 
     def restore(self) -> None:
         """Put the state back (the copy becomes the optimizer's: call once)."""
@@ -359,11 +357,6 @@ def _torch_state_handling(optimizer: torch.optim.Optimizer) -> bool:
     kind = type(optimizer)
     return (kind.state_dict is torch.optim.Optimizer.state_dict
             and kind.load_state_dict is torch.optim.Optimizer.load_state_dict)
-
-
-def _tensor_bytes(state: Any) -> int:
-    """Bytes of the tensors in ``state`` (a nested ``state_dict``)."""
-    return sum(local_tensor(v).numel() * v.element_size() for v in torch.utils._pytree.tree_leaves(state) if isinstance(v, torch.Tensor))
 
 
 @contextlib.contextmanager

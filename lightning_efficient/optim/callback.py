@@ -116,12 +116,10 @@ class EightBitOptimizer(Callback):
         self._figures: dict[str, int] = {}
         self._device_mesh: list[int] | None = None
         self._patched_strategy: Any = None
-        # (the user's optimizer, its twin) for every twin of this fit: the user's schedulers step the user's optimizer
-        # again after it
-        self._twins: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []
-        # those where the user's held states before the fit: its states are cleared when training starts (they are
-        # the twin's then) and written back after the fit
-        self._held_by_user: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []
+        # (the user's optimizer, its twin, whether the twin holds the states the user's held before the fit) for
+        # every twin of this fit: the user's schedulers step the user's optimizer again after it; carried states are
+        # cleared from the user's when training starts (they are the twin's then) and written back after the fit
+        self._twins: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer, bool]] = []
         self._held_cleared = False
 
     # -- which parameters stay 32-bit -------------------------------------------------------
@@ -173,13 +171,9 @@ class EightBitOptimizer(Callback):
         for index, (optimizer, twin) in enumerate(zip(trainer.strategy.optimizers, replaced)):
             if twin is not optimizer:
                 rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
-                self._twins.append((optimizer, twin))
-                self._carry_held_states(optimizer, twin, index)
-                if len(twin.state):
-                    # a configure_optimizers that keeps one optimizer between fits: its 32-bit states are in the twin
-                    # now (quantized), not held twice once training starts; they come back into it, updated, after
-                    # the fit
-                    self._held_by_user.append((optimizer, twin))
+                # a configure_optimizers that keeps one optimizer between fits: its 32-bit states are in the twin now
+                # (quantized), not held twice once training starts; they come back into it, updated, after the fit
+                self._twins.append((optimizer, twin, self._carry_held_states(optimizer, twin, index)))
         trainer.strategy.optimizers = replaced
         self._report(trainer, reasons)
 
@@ -228,30 +222,30 @@ class EightBitOptimizer(Callback):
             replaced.append(twin)
         return replaced
 
-    def _carry_held_states(self, optimizer: torch.optim.Optimizer, twin: torch.optim.Optimizer, index: int) -> None:
+    def _carry_held_states(self, optimizer: torch.optim.Optimizer, twin: torch.optim.Optimizer, index: int) -> bool:
         """Load into ``twin`` (no state yet) the states ``optimizer`` held before the fit (a ``configure_optimizers``
-        that keeps one optimizer between fits), quantized as a 32-bit checkpoint's are on resume; a twin of an
-        optimizer whose states do not convert (not Adam's, or sharded) starts without them, as said."""
+        that keeps one optimizer between fits), quantized as a 32-bit checkpoint's are on resume; whether it did. A
+        twin of an optimizer whose states do not convert (not torch's Adam layout, or sharded) starts without them,
+        as said."""
         if not len(optimizer.state):
-            return
+            return False
         layouts = {param_state_layout(state) for state in optimizer.state.values()} - {None}
-        if layouts != {TORCH_32BIT}:  # bitsandbytes' own 32-bit optimizers: states in its layout, not converted here
+        why, converted = None, None
+        if layouts != {TORCH_32BIT}:  # bitsandbytes' own 32-bit optimizers: states in its layout
+            why = f"in layout {', '.join(sorted(layouts))}"
+        elif has_sharded_params(optimizer):
+            why = "of sharded (DTensor) parameters"
+        else:
+            try:
+                converted, _ = convert_optimizer_state(optimizer.state_dict(), _flat_params(optimizer), BNB_BLOCKWISE, self._uses_8bit)
+            except ValueError as error:
+                why = f"({error})"
+        if converted is None:
             rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) holds states from before "
-                           f"this fit in layout {', '.join(sorted(layouts))}, which is not converted to 8-bit here; its "
-                           "8-bit twin starts without them.")
-            return
-        if has_sharded_params(optimizer):
-            rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) holds states from before "
-                           "this fit of sharded (DTensor) parameters, which are not converted to 8-bit here; its 8-bit "
-                           "twin starts without them.")
-            return
-        try:
-            converted, _ = convert_optimizer_state(optimizer.state_dict(), _flat_params(optimizer), BNB_BLOCKWISE, self._uses_8bit)
-        except ValueError as error:
-            rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) holds states from before "
-                           f"this fit that do not convert to 8-bit ({error}); its 8-bit twin starts without them.")
-            return
+                           f"this fit that do not convert to 8-bit here {why}; its 8-bit twin starts without them.")
+            return False
         twin.load_state_dict(converted)
+        return True
 
     def _hand_back_to_user(self, trainer: Trainer) -> None:
         """Every scheduler back on the user's optimizer, which takes the hyperparameters the fit left in its twin's
@@ -259,16 +253,18 @@ class EightBitOptimizer(Callback):
         optimizers that held states before the fit (as plain Lightning's fit leaves them updated in the optimizer
         the module keeps), which take the twins' places in the strategy (its teardown moves their states as plain
         Lightning's does). Before training started, the user's states are still theirs, untouched."""
-        held, self._held_by_user = self._held_by_user, []
         cleared, self._held_cleared = self._held_cleared, False
         twins, self._twins = self._twins, []
         configs = trainer.strategy.lr_scheduler_configs
-        for optimizer, twin in twins:  # a scheduler the module keeps between fits (Lightning refuses one left on the twin)
+        for optimizer, twin, carried in twins:
+            # a scheduler the module keeps between fits (Lightning refuses one left on the twin)
             rebind_schedulers((config.scheduler for config in configs), twin, optimizer)
             # the hyperparameters the fit's schedulers set (lr, momentum, betas), as plain Lightning leaves them
             for group, twin_group in zip(optimizer.param_groups, twin.param_groups):
                 group.update({key: twin_group[key] for key in (group.keys() & twin_group.keys()) - {"params"}})
-        for index, (optimizer, twin) in enumerate(held):
+            index = next((i for i, o in enumerate(trainer.strategy.optimizers) if o is twin), None)
+            if not carried or index is None:
+                continue
             trainer.strategy.optimizers = [optimizer if o is twin else o for o in trainer.strategy.optimizers]
             if not cleared:
                 continue
@@ -324,9 +320,10 @@ class EightBitOptimizer(Callback):
             settle = getattr(optimizer, "settle_loaded_states", None)
             if callable(settle):
                 settle()
-        for optimizer, _ in self._held_by_user:  # the twin holds them now (a resume: the checkpoint's)
+        carried = [optimizer for optimizer, _, held in self._twins if held]
+        for optimizer in carried:  # the twin holds them now (a resume: the checkpoint's)
             optimizer.state.clear()
-        self._held_cleared = bool(self._held_by_user)
+        self._held_cleared = bool(carried)
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
