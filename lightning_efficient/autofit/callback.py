@@ -30,7 +30,7 @@ from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget, validate_budget
 from lightning_efficient.autofit.fit_inputs import (
     agreed_restored_state,
-    checkpoint_callback_states,
+    checkpoint_contents,
     fit_checkpoint_path,
     loader_batch_size,
     random_streams_restored,
@@ -289,11 +289,16 @@ class AutoFit(Callback):
         # read before the start is (what reading maps is handed back by then), and only where it is needed: the
         # strategy restores after AutoFit plans, or an ActivationMemory of AutoFit's may have to be there for its state
         self._checkpoint_states = {}
-        if getattr(trainer.strategy, "restore_checkpoint_after_setup", False) or (
-                self._user_activations is None and not any(isinstance(c, ActivationMemory) for c in callbacks)):
-            self._checkpoint_states = checkpoint_callback_states(*fit_checkpoint_path(trainer))
-        self._adopt_activations(trainer, self._checkpoint_states)
         wants_8bit = self.may_use_8bit
+        resumed_8bit = False
+        if getattr(trainer.strategy, "restore_checkpoint_after_setup", False) or not wants_8bit or (
+                self._user_activations is None and not any(isinstance(c, ActivationMemory) for c in callbacks)):
+            contents = checkpoint_contents(*fit_checkpoint_path(trainer))
+            self._checkpoint_states, resumed_8bit = contents.callback_states, contents.eight_bit_states
+        self._adopt_activations(trainer, self._checkpoint_states)
+        # a checkpoint with 8-bit states resumed where the search cannot pick them (32-bit only): the states are
+        # dequantized as they load (the module's own optimizer cannot read bitsandbytes' layout)
+        wants_8bit = wants_8bit or resumed_8bit
         if wants_8bit or self._user_optimizer is not None:
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read
         if trainer.strategy.root_device.type != "cuda":

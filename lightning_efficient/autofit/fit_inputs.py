@@ -10,6 +10,7 @@ import inspect
 import os
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -88,21 +89,32 @@ def fit_checkpoint_path(trainer: Trainer) -> tuple[Any, bool | None]:
     return None, None
 
 
-def checkpoint_callback_states(path: Any, weights_only: bool | None) -> dict[str, Any]:
-    """The callbacks' states a local checkpoint (a file or a distributed-checkpoint directory) holds, read
-    without loading its tensors, with the fit's ``weights_only``; empty for a remote path (Lightning loads those
-    itself, later) and for one that cannot be read this way (said once; Lightning's own load decides)."""
+@dataclass(frozen=True)
+class CheckpointContents:
+    """What AutoFit reads from the checkpoint a fit resumes from, before Lightning loads it."""
+
+    callback_states: dict[str, Any]  # the callbacks' states, by state key
+    eight_bit_states: bool  # whether an optimizer's states are in bitsandbytes' blockwise (8-bit) layout
+
+
+def checkpoint_contents(path: Any, weights_only: bool | None) -> CheckpointContents:
+    """The callbacks' states a local checkpoint (a file or a distributed-checkpoint directory) holds and whether its
+    optimizer states are 8-bit, read without loading its tensors, with the fit's ``weights_only``; nothing for a
+    remote path (Lightning loads those itself, later) and for one that cannot be read this way (said once;
+    Lightning's own load decides)."""
     if path is None or not os.path.exists(path):
-        return {}
+        return CheckpointContents({}, False)
     from lightning_efficient.optim.sharded import checkpoint_layouts
+    from lightning_efficient.optim.state import BNB_BLOCKWISE
 
     try:
-        return dict(checkpoint_layouts(path, weights_only=weights_only)[2] or {})
+        layouts, _, callbacks = checkpoint_layouts(path, weights_only=weights_only)
     except Exception as error:  # noqa: BLE001 - a format this read does not know: Lightning loads it later
         rank_zero_info(f"AutoFit: the checkpoint's callback states could not be read before Lightning loads it "
                        f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); a plan in it is reused only where "
                        "Lightning restores before AutoFit plans (not under the sharded strategies)")
-        return {}
+        return CheckpointContents({}, False)
+    return CheckpointContents(dict(callbacks or {}), any(BNB_BLOCKWISE in found for found in layouts))
 
 
 def agreed_restored_state(restored: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -24,8 +24,10 @@ Each runs, on a tiny demo GPT (4 optimizer steps of a global batch of 16, 2 epoc
    missing, and losses), and the plain fit resumed the same way; under ``ddp`` also ``resumed_unread``, the same
    resume where rank 1 read no AutoFit state (its profiles, plan, micro-batches, settings and info lines), and
    ``resumed_own_budget``, the same resume where rank 1 sets another budget (its profiles, micro-batches, lines);
-6. ``measured_resume`` (``fsdp2`` only): as 5. with another margin, so that AutoFit measures again (before
-   ModelParallelStrategy loads the checkpoint), and the plain fit resumed with that plan set by hand.
+6. ``measured_resume`` (``fsdp2`` only): as 5. with another margin and only the other optimizer states (32-bit
+   after an 8-bit plan, 8-bit after a 32-bit one), so that AutoFit measures again (before ModelParallelStrategy
+   loads the checkpoint) and the states are converted as they load, and the plain fit resumed with that plan set by
+   hand (``EightBitOptimizer(bits=32)`` dequantizing an 8-bit checkpoint).
 
 Mode ``replan`` (DDP): a measured peak above the prediction on one rank (see :func:`run_replan`).
 """
@@ -345,14 +347,17 @@ def run_replan(rank: int) -> dict[str, Any]:
             "policies": record.during["policies"], "policies_at_end": record.during["policies_at_end"], "lines": record.lines}
 
 
-def by_hand(plan: FitPlan, rank: int, min_8bit_size: int) -> list:
-    """The callbacks that set ``plan``'s block policies (this rank's) and optimizer states by hand."""
+def by_hand(plan: FitPlan, rank: int, min_8bit_size: int, resumed_from: FitPlan | None = None) -> list:
+    """The callbacks that set ``plan``'s block policies (this rank's) and optimizer states by hand; resumed from a
+    checkpoint of ``resumed_from`` with 8-bit states into a 32-bit plan, the states dequantized as they load."""
     callbacks: list = []
     mine = plan.ranks[rank]
     if any(p != "keep" for p in mine.policies):
         callbacks.append(ActivationMemory(policy=list(mine.policies)))
     if plan.optimizer == "8-bit":
         callbacks.append(EightBitOptimizer(bits=8, min_8bit_size=min_8bit_size))
+    elif resumed_from is not None and resumed_from.optimizer == "8-bit":
+        callbacks.append(EightBitOptimizer(bits=32, min_8bit_size=min_8bit_size))
     return callbacks
 
 
@@ -430,21 +435,24 @@ def run_mode(mode: str, out: Path, rank: int) -> dict[str, Any]:
         _, _, resumed, error = fit(mode, [callback], ckpt_path=out / "ckpt" / "epoch0.ckpt")
         result["resumed_own_budget"] = {"error": repr(error)} if error is not None else {
             "error": None, "profiles": len(callback.profiles), "micro": resumed.micro, "lines": resumed.lines}
-    # 6. (``fsdp2``) resumed with another margin: AutoFit measures again, before the checkpoint is loaded; and the
-    # plain fit resumed the same way with that plan set by hand
+    # 6. (``fsdp2``) resumed with another margin and the other optimizer states only: AutoFit measures again, before
+    # the checkpoint is loaded, and the states are converted shard by shard as they load; and the plain fit resumed
+    # the same way with that plan set by hand
     if mode == "fsdp2":
-        callback = AutoFit(budget=budget, margin=0.15, activation_policies=POLICIES, optimizer_options=["32-bit", "8-bit"],
+        other = ["32-bit"] if plan.optimizer == "8-bit" else ["8-bit"]
+        callback = AutoFit(budget=budget, margin=0.15, activation_policies=POLICIES, optimizer_options=other,
                            report_after_steps=2)
         _, _, resumed, error = fit(mode, [callback], ckpt_path=out / "ckpt" / "epoch0.ckpt")
         if error is not None:
             raise error
         again = callback.plan
-        _, _, reference_resumed, error = fit(mode, by_hand(again, rank, callback.min_8bit_size),
+        _, _, reference_resumed, error = fit(mode, by_hand(again, rank, callback.min_8bit_size, resumed_from=plan),
                                              ckpt_path=out / "ckpt_ref" / "epoch0.ckpt", **settings_by_hand(mode, again, rank))
         if error is not None:
             raise error
         result["measured_resume"] = {"profiles": len(callback.profiles), "plan": again.to_dict(), "micro": resumed.micro,
-                                     "reference_micro": reference_resumed.micro}
+                                     "reference_micro": reference_resumed.micro, "checkpointed_optimizer": plan.optimizer,
+                                     "eight_bit": resumed.during["eight_bit"]}
     return result
 
 

@@ -414,6 +414,32 @@ def test_an_optimizer_without_an_8bit_twin_keeps_32bit_states_and_the_plan_says_
     assert len(record.samples) == 2
 
 
+def test_a_checkpoint_with_8bit_states_resumed_by_a_32bit_only_autofit_trains_on_as_plain_lightning_dequantizing(
+        small_datamodule_kwargs, tmp_path):
+    # the search cannot pick 8-bit here, yet the checkpoint's states are in bitsandbytes' layout: AutoFit adds the
+    # converter that dequantizes them as they load (the module's AdamW cannot step them: KeyError 'exp_avg' before)
+    first = AutoFit(budget="1GiB", activation_policies=["keep"], optimizer_options=["8-bit"])
+    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path / "auto", save_last=True)], steps=2,
+         root=str(tmp_path / "auto"))
+    assert first.plan.optimizer == "8-bit"
+    resumed, record = AutoFit(budget="1GiB", activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _, _ = _fit(small_datamodule_kwargs, [resumed, record], steps=4, root=str(tmp_path / "auto"),
+                             ckpt_path=str(tmp_path / "auto" / "last.ckpt"))
+    assert resumed.plan.optimizer == "32-bit" and type(trainer.optimizers[0]) is torch.optim.AdamW
+    assert any("converted" in str(w.message) and "dequantized" in str(w.message) for w in caught)
+    # plain Lightning: the same micro-batch, 8-bit by hand, resumed with EightBitOptimizer(bits=32)
+    settings = {"batch_size": first.plan.micro_batches[0], "accumulate": first.plan.accumulation}
+    _fit(small_datamodule_kwargs, [EightBitOptimizer(min_8bit_size=first.min_8bit_size),
+                                   ModelCheckpoint(dirpath=tmp_path / "plain", save_last=True)],
+         steps=2, root=str(tmp_path / "plain"), **settings)
+    reference = Recorder()
+    _fit(small_datamodule_kwargs, [EightBitOptimizer(bits=32, min_8bit_size=first.min_8bit_size), reference], steps=4,
+         root=str(tmp_path / "plain"), ckpt_path=str(tmp_path / "plain" / "last.ckpt"), **settings)
+    assert len(record.losses) == 2 and record.losses == reference.losses
+
+
 def test_a_resume_with_another_global_batch_plans_again(small_datamodule_kwargs, tmp_path):
     first = AutoFit(budget="1GiB", optimizer_options=["32-bit"])
     _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2, root=str(tmp_path))

@@ -194,7 +194,7 @@ def test_a_resume_whose_plan_is_reusable_on_one_rank_only_plans_again_on_every_r
                for line in ranks[0]["resumed_own_budget"]["lines"])
 
 
-def test_an_fsdp2_resume_with_other_settings_measures_again_and_continues_as_plain_lightning(results):
+def test_an_fsdp2_resume_with_other_settings_and_optimizer_states_measures_again_and_continues_as_plain_lightning(results):
     # FSDP2 loads the checkpoint after on_fit_start, where AutoFit measures: measuring must leave nothing the load
     # trips on (gradients left on the sharded parameters made torch's distributed checkpoint skip the optimizer
     # states: the resumed fit restarted Adam from nothing)
@@ -202,6 +202,10 @@ def test_an_fsdp2_resume_with_other_settings_measures_again_and_continues_as_pla
         resumed = rank["measured_resume"]
         assert resumed["profiles"] == 2  # measured again (another margin)
         assert resumed["plan"]["margin"] == 0.15
+        # the other optimizer states than the checkpoint's, converted shard by shard as they load (an 8-bit
+        # checkpoint resumed 32-bit only failed with "Missing key in checkpoint state_dict: ...exp_avg")
+        assert resumed["plan"]["optimizer"] != resumed["checkpointed_optimizer"]
+        assert resumed["eight_bit"] == [resumed["plan"]["optimizer"] == "8-bit"]
         assert resumed["micro"] == resumed["reference_micro"]  # each micro-batch's step, size and loss, bitwise
 
 
