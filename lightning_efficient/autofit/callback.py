@@ -95,12 +95,12 @@ def _info_lines_left_out(prefix: str) -> Iterator[None]:
 
 
 def _ladder(candidates: list[int], below: int, most: int = 3) -> tuple[int, ...]:
-    """Up to ``most`` of ``candidates`` under ``below``, geometrically spaced (each at most half the one above it),
-    none under 2."""
+    """Up to ``most`` of ``candidates`` under ``below``, geometrically spaced (each at most half the one above it).
+    One is among them where it is near enough: a model that cannot train on one sample leaves it out when measured."""
     chosen: list[int] = []
     limit = below // 2
     while len(chosen) < most:
-        fitting = [m for m in candidates if 2 <= m <= limit]
+        fitting = [m for m in candidates if 1 <= m <= limit]
         if not fitting:
             break
         chosen.append(max(fitting))
@@ -473,9 +473,10 @@ class AutoFit(Callback):
             m2 = min(max(batch_size, 2), per_rank)
             sizes = (max(1, m2 // 2), m2)
             micro_batches = None
-            # smaller candidates are timed too (a CPU's time per sample is not a line in the micro-batch): up to three,
-            # each at most half the one above, none below 2 (a model may not train on one sample); none on a resume
-            # that keeps the checkpoint's micro-batch
+            # smaller candidates are timed too (a CPU's time per sample is not a line in the micro-batch, below the
+            # smallest timed size least of all: the demo's grid read one sample faster a sample than two, which the
+            # line through two and four put slower): up to three, each at most half the one above; none on a resume that
+            # keeps the checkpoint's micro-batch
             candidates = [2**k for k in range(per_rank.bit_length())] if heterogeneous else divisors(per_rank)
             ladder = _ladder(candidates, sizes[0]) if keep_micro_batch is None else ()
         else:

@@ -191,7 +191,9 @@ def measure_rank(
             # of MiB in a test process)
             if (m1, m2) == sizes:
                 peak2, time2 = timed(m2, as_in_a_fit=True)
-            smaller = sorted({size for size in ladder if 0 < size < m1})  # below the smaller size, once it has moved
+            # below the smaller size, once it has moved; one sample only where the warm-up ran on it (not where it
+            # failed, nor in lockstep, where one rank failing on it would leave the others waiting)
+            smaller = sorted({size for size in ladder if small <= size < m1})
             times = [(size, timed(size)[1]) for size in smaller]
             # second readings (see above); not of the larger size where it missed the budget (as above)
             once = dict(times)

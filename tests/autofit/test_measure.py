@@ -71,12 +71,12 @@ def _planned_sizes(monkeypatch, budget: str, search_micro_batch: bool = True, **
 
 
 def test_each_size_is_read_once_and_only_those_that_could_overtake_the_fastest_twice(monkeypatch):
-    # per sample: 16 -> 4 ms, 8 -> 6.5 ms, 4 -> 11.5 ms, 2 -> 21.5 ms: only 16 could be picked, and a second reading
+    # per sample: 16 -> 4 ms, 8 -> 6.5 ms, 4 -> 11.5 ms, 2 -> 21.5 ms, 1 -> 41.5 ms: only 16 could be picked, and a second reading
     # of it could only make it faster still
     sizes, fit = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.04, per_sample_s=0.0015)
     # a one-sample warm-up; 8 and 16, each after a one-sample micro-step into gradients set to None (as an
     # accumulation window's first micro-step leaves them); the ladder below 8 once; nothing again
-    assert sizes == [1, 1, 8, 1, 16, 2, 4]
+    assert sizes == [1, 1, 8, 1, 16, 1, 2, 4]
     assert fit.plan.ranks[0].micro_batch == 16
 
 
@@ -85,7 +85,7 @@ def test_a_size_whose_first_reading_noise_slowed_is_read_again_and_its_least_rea
     # exact and the sizes tie); 8's first reading costs 2**-11 s more (noise): 3% slower a sample, within 10% of the
     # least, so it is read again; 16, the largest of those reading the least, is not
     sizes, fit = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.0, per_sample_s=2**-9, one_off={8: 2**-11})
-    assert sizes == [1, 1, 8, 1, 16, 2, 4, 2, 4, 1, 8]
+    assert sizes == [1, 1, 8, 1, 16, 1, 2, 4, 1, 2, 4, 1, 8]
     assert fit.profiles[0].step_s == (8 * 2**-9, 16 * 2**-9)
     assert fit.plan.ranks[0].micro_batch == 16  # every size alike per sample: the largest within 3%
 
@@ -101,10 +101,10 @@ def test_the_second_reading_of_a_measured_size_accumulates_into_gradients_a_smal
     trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, callbacks=[AutoFit(budget="4GiB", optimizer_options=["32-bit"])])
     trainer.fit(module)
-    planning = list(zip(module.sizes, module.gradients_unset))[:11]
+    planning = list(zip(module.sizes, module.gradients_unset))[:13]
     # every size alike per sample (no fixed cost a micro-step): 8 is read again, 16 (the largest of the least) is not
-    assert planning == [(1, True), (1, True), (8, False), (1, True), (16, False), (2, False), (4, False), (2, False), (4, False),
-                        (1, True), (8, False)]
+    assert planning == [(1, True), (1, True), (8, False), (1, True), (16, False), (1, False), (2, False), (4, False),
+                        (1, False), (2, False), (4, False), (1, True), (8, False)]
 
 
 def test_a_ladder_size_as_fast_per_sample_as_the_fastest_is_read_again(monkeypatch):
@@ -112,14 +112,14 @@ def test_a_ladder_size_as_fast_per_sample_as_the_fastest_is_read_again(monkeypat
     sizes, _ = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.0, per_sample_s=2**-9)
     # every size again but the largest of those reading the least (16, where all read alike): the ladder's alone, 8
     # after a window's first micro-step
-    assert sizes == [1, 1, 8, 1, 16, 2, 4, 2, 4, 1, 8]
+    assert sizes == [1, 1, 8, 1, 16, 1, 2, 4, 1, 2, 4, 1, 8]
 
 
 def test_the_larger_size_is_not_read_again_where_its_peak_missed_the_budget(monkeypatch):
     # 16 MiB a sample: 8 holds about 128 MiB, 16 about 256 MiB, over the 200 MiB budget; the ladder is timed against
     # 8 (6.5 ms a sample), which 4 (11.5 ms) and 2 (21.5 ms) are far above
     sizes, fit = _planned_sizes(monkeypatch, "200MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=16 * MiB)
-    assert sizes == [1, 1, 8, 1, 16, 2, 4, 1, 8]
+    assert sizes == [1, 1, 8, 1, 16, 1, 2, 4, 1, 8]
     assert fit.plan.ranks[0].micro_batch == 8
 
 
@@ -149,21 +149,22 @@ def test_a_measured_size_slower_per_sample_than_a_smaller_one_is_read_again():
 def test_a_one_off_cost_on_the_larger_size_does_not_hide_it(monkeypatch):
     # 16's first step costs a second more: read once, it would be ten times slower per sample than 8 and 8 picked
     sizes, fit = _planned_sizes(monkeypatch, "4GiB", overhead_s=0.04, per_sample_s=0.0015, one_off={16: 1.0})
-    assert sizes == [1, 1, 8, 1, 16, 2, 4, 1, 16]  # not 8, the least per sample after the first readings
+    assert sizes == [1, 1, 8, 1, 16, 1, 2, 4, 1, 16]  # not 8, the least per sample after the first readings
     assert fit.plan.ranks[0].micro_batch == 16
 
 
 def test_a_one_off_cost_on_the_smaller_size_does_not_hide_it_where_the_larger_missed_the_budget(monkeypatch):
     sizes, fit = _planned_sizes(monkeypatch, "200MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=16 * MiB,
                                 one_off={8: 1.0})
-    assert sizes == [1, 1, 8, 1, 16, 2, 4, 1, 8]  # not 4, the least per sample after the first readings
+    assert sizes == [1, 1, 8, 1, 16, 1, 2, 4, 1, 8]  # not 4, the least per sample after the first readings
     assert fit.plan.ranks[0].micro_batch == 8
 
 
 def test_sizes_moved_down_read_the_smaller_again_as_the_anchor_below_the_larger_that_missed(monkeypatch):
-    # 64 MiB a sample and 400 MiB: 8 misses, so the sizes become 4 and 8 (8 not run again) and the ladder below 4 is 2
+    # 64 MiB a sample and 400 MiB: 8 misses, so the sizes become 4 and 8 (8 not run again) and the ladder below 4 is
+    # 1 and 2
     sizes, fit = _planned_sizes(monkeypatch, "400MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=64 * MiB)
-    assert sizes == [1, 1, 8, 1, 4, 2, 1, 4]
+    assert sizes == [1, 1, 8, 1, 4, 1, 2, 1, 4]
     assert fit.profiles[0].sizes == (4, 8) and fit.plan.ranks[0].micro_batch == 4
 
 

@@ -280,14 +280,16 @@ def test_blocks_matter_where_keeping_every_block_fits_nowhere_or_only_at_a_slowe
     assert blocks_matter([replace(profile(10 * MiB), blocks=[])], **settings_)  # nothing fits with every block kept
 
 
-def test_the_timed_ladder_is_at_most_three_geometric_sizes_of_at_least_two():
+def test_the_timed_ladder_is_at_most_three_geometric_sizes():
     from lightning_efficient.autofit.callback import _ladder
 
-    assert _ladder(divisors(16), 8) == (2, 4)  # 1 left out: a model may not train on one sample
+    # one sample too (a model that cannot train on it leaves it out when measured)
+    assert _ladder(divisors(16), 8) == (1, 2, 4)
     assert _ladder(divisors(720), 360) == (45, 90, 180)  # not the 20 divisors under 360
-    assert _ladder(divisors(12), 6) == (3,)
+    assert _ladder(divisors(12), 6) == (1, 3)
     assert _ladder([2**k for k in range(7)], 32) == (4, 8, 16)
-    assert _ladder(divisors(4), 2) == ()
+    assert _ladder(divisors(4), 2) == (1,)
+    assert _ladder(divisors(4), 1) == ()
 
 
 @pytest.mark.parametrize(("policies", "expected"), [
