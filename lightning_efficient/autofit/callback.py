@@ -96,7 +96,8 @@ def _info_lines_left_out(prefix: str) -> Iterator[None]:
 
 def _ladder(candidates: list[int], below: int, most: int = 3) -> tuple[int, ...]:
     """Up to ``most`` of ``candidates`` under ``below``, geometrically spaced (each at most half the one above it).
-    One is among them where it is near enough: a model that cannot train on one sample leaves it out when measured."""
+    One is among them where it is near enough: it is left out when measured where the model cannot train on one sample
+    or the ranks run in step (see :func:`~lightning_efficient.autofit.measure.measure_rank`)."""
     chosen: list[int] = []
     limit = below // 2
     while len(chosen) < most:
@@ -266,9 +267,12 @@ class AutoFit(Callback):
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
+        user = self._user_optimizer  # a plan priced for its states is not reused without it (nor it for another)
         return {"precision": self._precision, "budget": self.budget, "margin": self.margin, "search_micro_batch": self.search_micro_batch,
                 "activation_policies": list(self.activation_policies), "optimizer_options": list(self.optimizer_options),
-                "blocks": self.blocks}
+                "blocks": self.blocks, "min_8bit_size": self.min_8bit_size,
+                "optimizer_as_set": None if user is None else {"bits": user.bits, "paged": user.paged, "offload": user.offload,
+                                                               "min_8bit_size": user.min_8bit_size}}
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -287,17 +291,20 @@ class AutoFit(Callback):
                 "budget; drop ActivationMemory, or give it a fixed policy for AutoFit to keep"
             )
         # read before the start is (what reading maps is handed back by then), and only where it is needed: the
-        # strategy restores after AutoFit plans, or an ActivationMemory of AutoFit's may have to be there for its state
+        # strategy restores after AutoFit plans, an ActivationMemory of AutoFit's may have to be there for its state, or
+        # the search may pick 32-bit states only (the checkpoint's may be 8-bit)
         self._checkpoint_states = {}
         wants_8bit = self.may_use_8bit
         resumed_8bit = False
         if getattr(trainer.strategy, "restore_checkpoint_after_setup", False) or not wants_8bit or (
                 self._user_activations is None and not any(isinstance(c, ActivationMemory) for c in callbacks)):
             contents = checkpoint_contents(*fit_checkpoint_path(trainer))
-            self._checkpoint_states, resumed_8bit = contents.callback_states, contents.eight_bit_states
+            self._checkpoint_states = contents.callback_states
+            resumed_8bit = contents.eight_bit_states or not contents.read  # (not read: they may be)
         self._adopt_activations(trainer, self._checkpoint_states)
         # a checkpoint with 8-bit states resumed where the search cannot pick them (32-bit only): the states are
-        # dequantized as they load (the module's own optimizer cannot read bitsandbytes' layout)
+        # dequantized as they load (the module's own optimizer cannot read bitsandbytes' layout); with 32-bit states
+        # the converter leaves them as they are, so a rank that could not read the checkpoint adds it all the same
         wants_8bit = wants_8bit or resumed_8bit
         if wants_8bit or self._user_optimizer is not None:
             bitsandbytes()  # its import (native libraries) is not training memory: loaded before the start is read

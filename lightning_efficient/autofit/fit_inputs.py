@@ -95,15 +95,18 @@ class CheckpointContents:
 
     callback_states: dict[str, Any]  # the callbacks' states, by state key
     eight_bit_states: bool  # whether an optimizer's states are in bitsandbytes' blockwise (8-bit) layout
+    read: bool = True  # False: a checkpoint that could not be read early (remote, or a format this read does not know)
 
 
 def checkpoint_contents(path: Any, weights_only: bool | None) -> CheckpointContents:
     """The callbacks' states a local checkpoint (a file or a distributed-checkpoint directory) holds and whether its
-    optimizer states are 8-bit, read without loading its tensors, with the fit's ``weights_only``; nothing for a
-    remote path (Lightning loads those itself, later) and for one that cannot be read this way (said once;
-    Lightning's own load decides)."""
-    if path is None or not os.path.exists(path):
+    optimizer states are 8-bit, read without loading its tensors, with the fit's ``weights_only``; nothing (and
+    ``read`` False) for a remote path (Lightning loads those itself, later) and for one that cannot be read this way
+    (said once; Lightning's own load decides); nothing for no checkpoint."""
+    if path is None:
         return CheckpointContents({}, False)
+    if not os.path.exists(path):
+        return CheckpointContents({}, False, read=False)
     from lightning_efficient.optim.sharded import checkpoint_layouts
     from lightning_efficient.optim.state import BNB_BLOCKWISE
 
@@ -113,7 +116,7 @@ def checkpoint_contents(path: Any, weights_only: bool | None) -> CheckpointConte
         rank_zero_info(f"AutoFit: the checkpoint's callback states could not be read before Lightning loads it "
                        f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); a plan in it is reused only where "
                        "Lightning restores before AutoFit plans (not under the sharded strategies)")
-        return CheckpointContents({}, False)
+        return CheckpointContents({}, False, read=False)
     return CheckpointContents(dict(callbacks or {}), any(BNB_BLOCKWISE in found for found in layouts))
 
 

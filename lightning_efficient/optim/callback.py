@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -16,7 +17,13 @@ from lightning_efficient._validation import require, require_bool, require_choic
 from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.offload import host_offloaded, repaged_on_load
 from lightning_efficient.optim.schedulers import rebind_schedulers
-from lightning_efficient.optim.sharded import checkpoint_layouts, has_sharded_params, install_layout_hooks, shard_mesh
+from lightning_efficient.optim.sharded import (
+    checkpoint_layouts,
+    has_sharded_params,
+    install_layout_hooks,
+    quantized_state_names,
+    shard_mesh,
+)
 from lightning_efficient.optim.state import (
     BNB_BLOCKWISE,
     TORCH_32BIT,
@@ -56,8 +63,9 @@ class EightBitOptimizer(Callback):
     Checkpoints resume exactly. A checkpoint whose Adam/AdamW states are in the other layout is
     converted on load with a warning: a 32-bit checkpoint's moments are quantized for the 8-bit
     optimizer, and with ``bits=32`` (keep the module's own 32-bit optimizer) an 8-bit checkpoint's
-    moments are dequantized, so a run can switch mid-way. The bitsandbytes version and the state
-    layout are recorded in the checkpoint.
+    moments are dequantized, so a run can switch mid-way. The bitsandbytes version, the state
+    layout and the settings that say which parameters were 8-bit (``min_8bit_size``, ``keep_32bit``,
+    ``embeddings_32bit``: a sharded resume into 32-bit reads them) are recorded in the checkpoint.
 
     Under FSDP2 (Lightning's ``ModelParallelStrategy``; parameters are DTensors) bitsandbytes steps
     each rank's local shard and a rank holds about 2.05 bytes of state per *local* parameter
@@ -123,20 +131,26 @@ class EightBitOptimizer(Callback):
         self._held_cleared = False
 
     # -- which parameters stay 32-bit -------------------------------------------------------
-    def _kept_32bit(self, pl_module: LightningModule) -> dict[int, str]:
+    def _kept_32bit(self, pl_module: LightningModule, keep_32bit: list[str] | None = None,
+                    embeddings_32bit: bool | None = None) -> dict[int, str]:
+        """Why each parameter keeping 32-bit states does (by ``id``), under this callback's settings or those given
+        (a checkpoint's: then patterns that match nothing are not refused)."""
+        own = keep_32bit is None and embeddings_32bit is None
+        keep_32bit = self.keep_32bit if keep_32bit is None else keep_32bit
+        embeddings_32bit = self.embeddings_32bit if embeddings_32bit is None else embeddings_32bit
         reasons: dict[int, str] = {}
-        if self.embeddings_32bit:
+        if embeddings_32bit:
             for module in pl_module.modules():
                 if isinstance(module, nn.Embedding):
                     reasons[id(module.weight)] = "embedding"
         matched = False
         for name, param in pl_module.named_parameters():
-            if any(fnmatch.fnmatch(name, pattern) for pattern in self.keep_32bit):
+            if any(fnmatch.fnmatch(name, pattern) for pattern in keep_32bit):
                 matched = True  # also when the parameter is 32-bit already for another reason (an embedding)
                 reasons.setdefault(id(param), "pattern")
-        if self.keep_32bit and not matched:
+        if own and keep_32bit and not matched:
             names = [n for n, _ in pl_module.named_parameters()][:10]
-            raise ValueError(f"keep_32bit={self.keep_32bit!r} matches no parameter name; names look like {names}")
+            raise ValueError(f"keep_32bit={keep_32bit!r} matches no parameter name; names look like {names}")
         return reasons
 
     def _uses_8bit(self, param: torch.Tensor) -> bool:
@@ -382,10 +396,21 @@ class EightBitOptimizer(Callback):
         """
         layouts, group_keys, callbacks = checkpoint_layouts(path)
         self._check_saved_mesh(layouts, callbacks)
-        kept = self._kept_32bit(pl_module) if self.bits == 32 else {}
+        # which parameters the saving run held 8-bit: read from the checkpoint's keys where they name every parameter;
+        # else by the settings it recorded (checkpoints from before they were: by this callback's own)
+        saved = (callbacks or {}).get(self.state_key)
+        saved = saved if isinstance(saved, dict) else {}
+        min_8bit_size = int(saved.get("min_8bit_size", self.min_8bit_size))
+        kept = self._kept_32bit(pl_module, list(saved.get("keep_32bit", self.keep_32bit)),
+                                bool(saved.get("embeddings_32bit", self.embeddings_32bit))) if self.bits == 32 else {}
+        names = {id(param): name for name, param in pl_module.named_parameters()}
+        by_name = quantized_state_names(path) if self.bits == 32 else {}
 
-        def was_8bit(param: torch.Tensor) -> bool:  # the same settings as the run that saved
-            return param.numel() >= self.min_8bit_size and id(param) not in kept
+        def was_8bit_in(optimizer: torch.optim.Optimizer, index: int) -> Callable[[torch.Tensor], bool]:
+            stated, quantized = by_name.get(index, (set(), set()))
+            if all(names.get(id(p)) in stated for p in _flat_params(optimizer)):
+                return lambda param: names[id(param)] in quantized
+            return lambda param: param.numel() >= min_8bit_size and id(param) not in kept
 
         for index, (optimizer, found, groups) in enumerate(zip(trainer.strategy.optimizers, layouts, group_keys)):
             if not has_sharded_params(optimizer) or not found:
@@ -396,7 +421,7 @@ class EightBitOptimizer(Callback):
                     optimizer.saved_layout, optimizer.saved_group_keys = TORCH_32BIT, groups
             else:
                 other = BNB_BLOCKWISE
-                expect = install_layout_hooks(optimizer, was_8bit)
+                expect = install_layout_hooks(optimizer, was_8bit_in(optimizer, index))
                 if BNB_BLOCKWISE in found:
                     expect(BNB_BLOCKWISE, groups)
             if other in found:
@@ -425,14 +450,17 @@ class EightBitOptimizer(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        # with the settings that say which parameters were 8-bit: a sharded resume needs them before it loads the states
         return {"bitsandbytes_version": bitsandbytes().__version__, "bits": self.bits, "layout": BNB_BLOCKWISE if self.bits == 8 else TORCH_32BIT,
-                "device_mesh": self._device_mesh}
+                "device_mesh": self._device_mesh, "min_8bit_size": self.min_8bit_size, "keep_32bit": list(self.keep_32bit),
+                "embeddings_32bit": self.embeddings_32bit}
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.drop_overrides()
         self._restore_strategy()
         self._hand_back_to_user(trainer)
+        self._loaded_checkpoint = None  # a fit that ended before on_fit_start (a plan-only fit) leaves it
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -440,6 +468,7 @@ class EightBitOptimizer(Callback):
         self.drop_overrides()
         self._restore_strategy()
         self._hand_back_to_user(trainer)  # the steps taken before the failure, as plain Lightning's optimizer holds them
+        self._loaded_checkpoint = None
 
     def drop_overrides(self) -> None:
         """Remove our 32-bit overrides from bitsandbytes' process-wide manager.

@@ -57,6 +57,7 @@ __all__ = [
     "load_sharded",
     "local_state",
     "max_local_blocks",
+    "quantized_state_names",
     "save_sharded",
     "saved_state",
     "shard_mesh",
@@ -369,6 +370,31 @@ def install_layout_hooks(
         mode.update(layout=layout, group_keys=group_keys)
 
     return expect
+
+
+def quantized_state_names(path: Any) -> dict[int, tuple[set[str], set[str]]]:
+    """Per optimizer index of a distributed-checkpoint directory: the names of the parameters it holds states for,
+    and of those whose states are 8-bit (bitsandbytes' blockwise ``absmax1`` beside them). Read from its metadata
+    alone; empty for a file (its states are keyed by index, not by name)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_dir():
+        return {}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    found: dict[int, tuple[set[str], set[str]]] = {}
+    for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        head, _, rest = key.partition(".")
+        if not head.startswith("optimizer_") or not rest.startswith("state."):
+            continue
+        name, _, leaf = rest[len("state."):].rpartition(".")
+        name = name.removesuffix(f".{_BNB_WRAPPED_KEY}")
+        stated, quantized = found.setdefault(int(head[len("optimizer_"):]), (set(), set()))
+        stated.add(name)
+        if leaf == "absmax1":
+            quantized.add(name)
+    return found
 
 
 def checkpoint_layouts(path: Any, weights_only: bool | None = False) -> tuple[list[set[str]], list[list[set[str]]], dict | None]:

@@ -27,7 +27,12 @@ Each runs, on a tiny demo GPT (4 optimizer steps of a global batch of 16, 2 epoc
 6. ``measured_resume`` (``fsdp2`` only): as 5. with another margin and only the other optimizer states (32-bit
    after an 8-bit plan, 8-bit after a 32-bit one), so that AutoFit measures again (before ModelParallelStrategy
    loads the checkpoint) and the states are converted as they load, and the plain fit resumed with that plan set by
-   hand (``EightBitOptimizer(bits=32)`` dequantizing an 8-bit checkpoint).
+   hand (``EightBitOptimizer(bits=32)`` dequantizing an 8-bit checkpoint);
+7. ``resumed_32bit_only`` (``ddp`` and ``fsdp2``; under FSDP2 from a distributed checkpoint recording no
+   settings, as older ones, and from a full-state file): a plain fit with ``EightBitOptimizer(min_8bit_size=1024)``
+   and a checkpoint at the end of epoch 0, resumed by an AutoFit that may pick 32-bit states only (micro-batch not
+   searched) and by plain Lightning with ``EightBitOptimizer(bits=32, min_8bit_size=1024)``: the plan, each
+   micro-batch's loss, the optimizer's class.
 
 Mode ``replan`` (DDP): a measured peak above the prediction on one rank (see :func:`run_replan`).
 """
@@ -96,6 +101,7 @@ POLICIES = ["keep", "selective", "checkpoint"]
 # the blocks hold most activations: several MiB each at micro-batch 8, far above the readings' noise
 REPLAN_MODEL = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 4, "seq_len": SEQ}
 RESUMED = ("ddp", "fsdp2")  # the modes also resumed from a checkpoint (a file under DDP, a directory under FSDP2)
+MIN_8BIT_SIZE = 1024  # step 7's 8-bit fit: the attention's 3,072-element weights 8-bit too (AutoFit's 4,096 keeps them 32-bit)
 TIMEOUT = timedelta(seconds=90)  # a rank left alone in a collective fails instead of hanging
 
 
@@ -228,14 +234,15 @@ class Lines(logging.Handler):
 LINES = Lines()
 
 
-def strategy_for(mode: str, caps: list[int] | None = None) -> Any:
+def strategy_for(mode: str, caps: list[int] | None = None, distributed_checkpoint: bool = True) -> Any:
     common = {"process_group_backend": "gloo", "timeout": TIMEOUT}
     if mode == "ddp":
         return DDPStrategy(**common)
     if mode == "hetero_ddp":
         return HeterogeneousDDPStrategy(global_batch_size=GLOBAL_BATCH, shares=[1.0, 1.0], max_micro_batch=caps, **common)
     if mode == "fsdp2":
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **common)
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=distributed_checkpoint, **common)
     assert mode == "hetero_fsdp", mode
     return HeterogeneousFSDPStrategy(global_batch_size=GLOBAL_BATCH, shares=[1.0, 1.0], max_micro_batch=caps, **common)
 
@@ -245,8 +252,8 @@ def heterogeneous(mode: str) -> bool:
 
 
 def fit(mode: str, callbacks: list, *, batch_size: int = LOADER_BATCH, accumulate: int | None = None, caps=None,
-        ckpt_dir: Path | None = None, ckpt_path: Path | None = None,
-        model: dict | None = None, steps: int = STEPS) -> tuple[lightning.Trainer, Tiny, Record, Exception | None]:
+        ckpt_dir: Path | None = None, ckpt_path: Path | None = None, model: dict | None = None, steps: int = STEPS,
+        distributed_checkpoint: bool = True) -> tuple[lightning.Trainer, Tiny, Record, Exception | None]:
     """One fit of ``mode``; a ValueError it raised is returned, not raised (a plan-only fit returns normally)."""
     record = Record()
     if ckpt_dir is not None:
@@ -255,7 +262,7 @@ def fit(mode: str, callbacks: list, *, batch_size: int = LOADER_BATCH, accumulat
     if accumulate is None:
         accumulate = 1 if heterogeneous(mode) else ACCUMULATE
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy_for(mode, caps), max_steps=steps, logger=False,
+        accelerator="cpu", devices=2, strategy=strategy_for(mode, caps, distributed_checkpoint), max_steps=steps, logger=False,
         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, accumulate_grad_batches=accumulate, callbacks=[*callbacks, record],
     )
@@ -305,6 +312,20 @@ def unread_on_rank_one(budget: list[int]) -> AutoFit:
                 self._restored = None
 
     return UnreadOnRankOne(budget=budget, activation_policies=POLICIES, optimizer_options=["32-bit", "8-bit"], report_after_steps=2)
+
+
+class SettingsUnrecorded(EightBitOptimizer):
+    """:class:`EightBitOptimizer` saving the state its checkpoints held before they recorded which parameters were
+    8-bit (``min_8bit_size``, ``keep_32bit``, ``embeddings_32bit``)."""
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return "EightBitOptimizer"
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k not in ("min_8bit_size", "keep_32bit", "embeddings_32bit")}
 
 
 def rank_one_budget(profiles: list[RankProfile], margin: float) -> int:
@@ -453,6 +474,32 @@ def run_mode(mode: str, out: Path, rank: int) -> dict[str, Any]:
         result["measured_resume"] = {"profiles": len(callback.profiles), "plan": again.to_dict(), "micro": resumed.micro,
                                      "reference_micro": reference_resumed.micro, "checkpointed_optimizer": plan.optimizer,
                                      "eight_bit": resumed.during["eight_bit"]}
+    # 7. (``ddp`` and ``fsdp2``) a plain 8-bit fit with another min_8bit_size than AutoFit's, resumed by an AutoFit
+    # that may pick 32-bit states only (the micro-batch kept): the states are dequantized as they load; and the plain
+    # fit resumed with EightBitOptimizer(bits=32) given the saving run's min_8bit_size. Under FSDP2 twice: from a
+    # distributed checkpoint whose EightBitOptimizer state records no settings (as before they were recorded: which
+    # parameters were 8-bit read from its keys), and from a full-state file (read from the settings it records)
+    if mode in RESUMED:
+        result["resumed_32bit_only"] = {}
+        for variant in ("distributed", "full-state file") if mode == "fsdp2" else ("file",):
+            where, distributed = out / f"ckpt8-{variant.split()[0]}", variant == "distributed"
+            saving = (SettingsUnrecorded if distributed else EightBitOptimizer)(min_8bit_size=MIN_8BIT_SIZE)
+            _, _, _, error = fit(mode, [saving], ckpt_dir=where, distributed_checkpoint=distributed)
+            if error is not None:
+                raise error
+            callback = AutoFit(budget=[BIG, BIG], activation_policies=["keep"], optimizer_options=["32-bit"],
+                               search_micro_batch=False)
+            _, _, resumed, error = fit(mode, [callback], ckpt_path=where / "epoch0.ckpt", distributed_checkpoint=distributed)
+            if error is not None:
+                raise error
+            # the saving run's settings given by hand: which parameters were 8-bit is then known, not read
+            _, _, reference_resumed, error = fit(mode, [EightBitOptimizer(bits=32, min_8bit_size=MIN_8BIT_SIZE)],
+                                                 ckpt_path=where / "epoch0.ckpt", distributed_checkpoint=distributed)
+            if error is not None:
+                raise error
+            result["resumed_32bit_only"][variant] = {"plan": callback.plan.to_dict(), "micro": resumed.micro,
+                                                     "eight_bit": resumed.during["eight_bit"],
+                                                     "reference_micro": reference_resumed.micro}
     return result
 
 

@@ -414,30 +414,44 @@ def test_an_optimizer_without_an_8bit_twin_keeps_32bit_states_and_the_plan_says_
     assert len(record.samples) == 2
 
 
+@pytest.mark.parametrize("user_activations", [False, True])
 def test_a_checkpoint_with_8bit_states_resumed_by_a_32bit_only_autofit_trains_on_as_plain_lightning_dequantizing(
-        small_datamodule_kwargs, tmp_path):
+        small_datamodule_kwargs, tmp_path, user_activations):
     # the search cannot pick 8-bit here, yet the checkpoint's states are in bitsandbytes' layout: AutoFit adds the
-    # converter that dequantizes them as they load (the module's AdamW cannot step them: KeyError 'exp_avg' before)
+    # converter that dequantizes them as they load (the module's AdamW cannot step them: KeyError 'exp_avg' before);
+    # with an ActivationMemory of the user's, AutoFit reads the checkpoint early for this alone
+    mine = (lambda: [ActivationMemory(policy="keep")]) if user_activations else list
     first = AutoFit(budget="1GiB", activation_policies=["keep"], optimizer_options=["8-bit"])
-    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path / "auto", save_last=True)], steps=2,
+    _fit(small_datamodule_kwargs, [first, *mine(), ModelCheckpoint(dirpath=tmp_path / "auto", save_last=True)], steps=2,
          root=str(tmp_path / "auto"))
     assert first.plan.optimizer == "8-bit"
     resumed, record = AutoFit(budget="1GiB", activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer, _, _ = _fit(small_datamodule_kwargs, [resumed, record], steps=4, root=str(tmp_path / "auto"),
+        trainer, _, _ = _fit(small_datamodule_kwargs, [resumed, *mine(), record], steps=4, root=str(tmp_path / "auto"),
                              ckpt_path=str(tmp_path / "auto" / "last.ckpt"))
     assert resumed.plan.optimizer == "32-bit" and type(trainer.optimizers[0]) is torch.optim.AdamW
     assert any("converted" in str(w.message) and "dequantized" in str(w.message) for w in caught)
     # plain Lightning: the same micro-batch, 8-bit by hand, resumed with EightBitOptimizer(bits=32)
     settings = {"batch_size": first.plan.micro_batches[0], "accumulate": first.plan.accumulation}
-    _fit(small_datamodule_kwargs, [EightBitOptimizer(min_8bit_size=first.min_8bit_size),
+    _fit(small_datamodule_kwargs, [EightBitOptimizer(min_8bit_size=first.min_8bit_size), *mine(),
                                    ModelCheckpoint(dirpath=tmp_path / "plain", save_last=True)],
          steps=2, root=str(tmp_path / "plain"), **settings)
     reference = Recorder()
-    _fit(small_datamodule_kwargs, [EightBitOptimizer(bits=32, min_8bit_size=first.min_8bit_size), reference], steps=4,
+    _fit(small_datamodule_kwargs, [EightBitOptimizer(bits=32, min_8bit_size=first.min_8bit_size), *mine(), reference], steps=4,
          root=str(tmp_path / "plain"), ckpt_path=str(tmp_path / "plain" / "last.ckpt"), **settings)
     assert len(record.losses) == 2 and record.losses == reference.losses
+
+
+def test_a_plan_made_beside_a_users_eight_bit_optimizer_is_not_reused_by_a_resume_without_it(small_datamodule_kwargs, tmp_path):
+    # the plan was priced for the states that callback set ("as set"); without it they are AutoFit's to choose
+    first = AutoFit(budget="1GiB", activation_policies=["keep"])
+    _fit(small_datamodule_kwargs, [first, EightBitOptimizer(), ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2,
+         root=str(tmp_path))
+    assert first.plan.optimizer == "as set"
+    resumed = AutoFit(budget="1GiB", activation_policies=["keep"])
+    _fit(small_datamodule_kwargs, [resumed], steps=4, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.profiles and resumed.plan.optimizer in ("32-bit", "8-bit")
 
 
 def test_a_resume_with_another_global_batch_plans_again(small_datamodule_kwargs, tmp_path):
@@ -446,8 +460,11 @@ def test_a_resume_with_another_global_batch_plans_again(small_datamodule_kwargs,
     resumed, record = AutoFit(budget="1GiB", optimizer_options=["32-bit"]), Recorder()
     # twice the global batch by accumulation: the checkpoint's plan (8 a step) does not apply; measured again, and
     # its micro-batch kept (a mid-epoch resume needs the DataLoader's batch as it was)
-    _fit(small_datamodule_kwargs, [resumed, record], steps=4, accumulate=2, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
+    trainer, _, _ = _fit(small_datamodule_kwargs, [resumed, record], steps=4, accumulate=2, root=str(tmp_path),
+                         ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.profiles and resumed.plan.samples_per_step == 16
+    # 32-bit states resumed where the search picks 32-bit only: no converter added
+    assert not any(isinstance(c, EightBitOptimizer) for c in trainer.callbacks)
     assert resumed.plan.micro_batches == first.plan.micro_batches
     assert any("kept from the checkpoint's plan" in note for note in resumed.plan.notes)
     assert record.samples == [16, 16]

@@ -209,6 +209,21 @@ def test_an_fsdp2_resume_with_other_settings_and_optimizer_states_measures_again
         assert resumed["micro"] == resumed["reference_micro"]  # each micro-batch's step, size and loss, bitwise
 
 
+@pytest.mark.parametrize("mode", RESUMED)
+def test_an_8bit_checkpoint_resumed_by_a_32bit_only_autofit_trains_on_as_plain_lightning_dequantizing(results, mode):
+    # saved with min_8bit_size=1024 (AutoFit's is 4096): under FSDP2 the load template is given in the saved layout;
+    # which parameters were 8-bit was guessed from the converter's own settings, and the states loaded wrong, silently
+    # (a distributed checkpoint recording no settings, as older ones: read from its keys; a full-state file: from the
+    # settings it records)
+    for rank in results[mode]:
+        variants = rank["resumed_32bit_only"]
+        assert sorted(variants) == (["distributed", "full-state file"] if mode == "fsdp2" else ["file"])
+        for resumed in variants.values():
+            assert resumed["plan"]["optimizer"] == "32-bit" and resumed["eight_bit"] == [False]
+            assert sorted({step for step, _, _ in resumed["micro"]}) == [2, 3]  # the steps after the checkpoint's
+            assert resumed["micro"] == resumed["reference_micro"]  # each micro-batch's step, size and loss, bitwise
+
+
 def test_a_measured_peak_above_the_prediction_on_one_rank_re_plans_the_block_policies_on_every_rank(results):
     # DDP, every block kept at micro-batch 8 within the budget; rank 1 then holds 15% of its budget
     # more during every micro-step than AutoFit measured: after 3 steps the block policies are planned
