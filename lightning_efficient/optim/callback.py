@@ -402,9 +402,9 @@ class EightBitOptimizer(Callback):
         saved = saved if isinstance(saved, dict) else {}
         min_8bit_size = int(saved.get("min_8bit_size", self.min_8bit_size))
         kept = self._kept_32bit(pl_module, list(saved.get("keep_32bit", self.keep_32bit)),
-                                bool(saved.get("embeddings_32bit", self.embeddings_32bit))) if self.bits == 32 else {}
+                                bool(saved.get("embeddings_32bit", self.embeddings_32bit)))
         names = {id(param): name for name, param in pl_module.named_parameters()}
-        by_name = quantized_state_names(path) if self.bits == 32 else {}
+        by_name = quantized_state_names(path) if any(BNB_BLOCKWISE in found for found in layouts) else {}
 
         def was_8bit_in(optimizer: torch.optim.Optimizer, index: int) -> Callable[[torch.Tensor], bool]:
             stated, quantized = by_name.get(index, (set(), set()))
@@ -419,6 +419,8 @@ class EightBitOptimizer(Callback):
                 other = TORCH_32BIT
                 if TORCH_32BIT in found:
                     optimizer.saved_layout, optimizer.saved_group_keys = TORCH_32BIT, groups
+                if BNB_BLOCKWISE in found:
+                    self._refuse_other_8bit_parameters(optimizer, index, was_8bit_in(optimizer, index), names, saved)
             else:
                 other = BNB_BLOCKWISE
                 expect = install_layout_hooks(optimizer, was_8bit_in(optimizer, index))
@@ -429,6 +431,23 @@ class EightBitOptimizer(Callback):
                     f"EightBitOptimizer: optimizer {index}'s checkpoint holds {other} states; they are converted to "
                     f"{BNB_BLOCKWISE if other == TORCH_32BIT else TORCH_32BIT} shard by shard as they load, to keep training."
                 )
+
+    def _refuse_other_8bit_parameters(self, twin: torch.optim.Optimizer, index: int, was_8bit: Callable[[torch.Tensor], bool],
+                                      names: dict[int, str], saved: dict[str, Any]) -> None:
+        """Refuse a sharded 8-bit checkpoint whose parameters were 8-bit where ``twin``'s are not (or the other way):
+        loaded into the twin's template, 8-bit codes would land in 32-bit states (silently) or be missing."""
+        differ = [(names.get(id(p), "?"), was_8bit(p)) for p in _flat_params(twin) if was_8bit(p) != twin._eight_bit(p)]
+        if not differ:
+            return
+        shown = ", ".join(f"{name} ({'8-bit' if then else '32-bit'} in the checkpoint)" for name, then in differ[:5])
+        recorded = {k: saved[k] for k in ("min_8bit_size", "keep_32bit", "embeddings_32bit") if k in saved}
+        raise ValueError(
+            f"EightBitOptimizer: optimizer {index}'s checkpoint holds {len(differ)} parameter(s) in another state "
+            f"precision than this run gives them: {shown}. Resume with the saving run's settings"
+            f"{f' ({recorded})' if recorded else ''} (this run: min_8bit_size={self.min_8bit_size}, "
+            f"keep_32bit={self.keep_32bit}, embeddings_32bit={self.embeddings_32bit}); to change them, resume once "
+            "with EightBitOptimizer(bits=32) (dequantized), save, and resume from that checkpoint."
+        )
 
     def _convert_loaded_states(self, trainer: Trainer) -> None:
         if self._loaded_checkpoint is None:

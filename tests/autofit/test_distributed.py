@@ -224,6 +224,17 @@ def test_an_8bit_checkpoint_resumed_by_a_32bit_only_autofit_trains_on_as_plain_l
             assert resumed["micro"] == resumed["reference_micro"]  # each micro-batch's step, size and loss, bitwise
 
 
+def test_an_fsdp2_8bit_checkpoint_resumed_8bit_with_other_settings_is_refused_before_anything_trains(results):
+    # saved with min_8bit_size=1024, resumed with 4096: the attention's weights were 8-bit and would be 32-bit; their
+    # codes loaded into the 32-bit states, silently (a new user's trial)
+    for rank in results["fsdp2"]:
+        refused = rank["resumed_8bit_other_settings"]
+        assert refused["micro"] == []
+        assert refused["error"] is not None and "another state precision" in refused["error"]
+        assert "blocks.0.attn.qkv.weight (8-bit in the checkpoint)" in refused["error"]
+        assert "this run: min_8bit_size=4096" in refused["error"]  # (the checkpoint records no settings: read from its keys)
+
+
 def test_a_measured_peak_above_the_prediction_on_one_rank_re_plans_the_block_policies_on_every_rank(results):
     # DDP, every block kept at micro-batch 8 within the budget; rank 1 then holds 15% of its budget
     # more during every micro-step than AutoFit measured: after 3 steps the block policies are planned
