@@ -29,7 +29,7 @@ bitsandbytes would hold it; an 8-bit state is dequantized shard by shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from math import prod
 from typing import Any
@@ -372,25 +372,32 @@ def install_layout_hooks(
     return expect
 
 
+def _optimizer_keys(path: Any) -> Iterator[tuple[int, str]]:
+    """``(optimizer index, the rest of the key)`` for every optimizer key of a distributed-checkpoint directory's
+    metadata (``optimizer_<index>.<rest>``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        head, _, rest = key.partition(".")
+        if head.startswith("optimizer_"):
+            yield int(head[len("optimizer_"):]), rest
+
+
 def quantized_state_names(path: Any) -> dict[int, tuple[set[str], set[str]]]:
     """Per optimizer index of a distributed-checkpoint directory: the names of the parameters it holds states for,
     and of those whose states are 8-bit (bitsandbytes' blockwise ``absmax1`` beside them). Read from its metadata
     alone; empty for a file (its states are keyed by index, not by name)."""
     from pathlib import Path
 
-    path = Path(path)
-    if not path.is_dir():
+    if not Path(path).is_dir():
         return {}
-    from torch.distributed.checkpoint import FileSystemReader
-
     found: dict[int, tuple[set[str], set[str]]] = {}
-    for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
-        head, _, rest = key.partition(".")
-        if not head.startswith("optimizer_") or not rest.startswith("state."):
+    for index, rest in _optimizer_keys(path):
+        if not rest.startswith("state."):
             continue
         name, _, leaf = rest[len("state."):].rpartition(".")
         name = name.removesuffix(f".{_BNB_WRAPPED_KEY}")
-        stated, quantized = found.setdefault(int(head[len("optimizer_"):]), (set(), set()))
+        stated, quantized = found.setdefault(index, (set(), set()))
         stated.add(name)
         if leaf == "absmax1":
             quantized.add(name)
@@ -410,14 +417,7 @@ def checkpoint_layouts(path: Any, weights_only: bool | None = False) -> tuple[li
     layouts: dict[int, set[str]] = {}
     group_keys: dict[int, dict[int, set[str]]] = {}
     if path.is_dir():
-        from torch.distributed.checkpoint import FileSystemReader
-
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        for key in keys:
-            head, _, rest = key.partition(".")
-            if not head.startswith("optimizer_"):
-                continue
-            index = int(head[len("optimizer_"):])
+        for index, rest in _optimizer_keys(path):
             if rest.startswith("param_groups."):
                 _, group, name = rest.split(".", 2)
                 group_keys.setdefault(index, {}).setdefault(int(group), set()).add(name)
