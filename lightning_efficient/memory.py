@@ -16,6 +16,7 @@ import os
 import resource
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -242,14 +243,44 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def reset_peak_rss() -> bool:
-    """Reset the peak RSS to the current RSS (Linux ``clear_refs``); False where that is not possible."""
+_OPEN_METERS: weakref.WeakSet[PeakMemory] = weakref.WeakSet()
+"""The meters reset and not yet dropped: each reset of the process's one peak first hands them the peak it drops."""
+
+
+def device_peak_bytes(device: torch.device) -> int:
+    """The device's peak since its last reset: ``torch.cuda.max_memory_allocated`` on CUDA, else the process's peak
+    RSS (``VmHWM``)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
+
+
+def reset_peak(device: torch.device) -> bool:
+    """Reset the device's peak (CUDA's peak allocation, else the process's peak RSS: Linux ``clear_refs``), first
+    handing the peak it drops to every open :class:`PeakMemory` of that device, so that one reader's reset does not
+    shorten another's window (AutoFit measuring inside a MemoryReport's training window, a benchmark's meter around
+    AutoFit's planning); False where the peak RSS cannot be reset."""
+    watching = [m for m in list(_OPEN_METERS) if (m.device.type == "cuda") == (device.type == "cuda")
+                and (device.type != "cuda" or m.device == device)]
+    if watching:
+        dropped = device_peak_bytes(device)
+        for meter in watching:
+            meter.dropped_peak_bytes = max(meter.dropped_peak_bytes, dropped)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
     try:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
         return True
     except OSError:
         return False
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS to the current RSS (Linux ``clear_refs``; see :func:`reset_peak`); False where that is
+    not possible."""
+    return reset_peak(torch.device("cpu"))
 
 
 def current_rss_bytes() -> int:
@@ -354,6 +385,10 @@ class PeakMemory:
     (the RSS when the fit started, as :func:`fit_start_rss_bytes` reads it), with freed heap handed back first
     (:func:`release_free_memory`).
 
+    The process has one peak per device, which each meter resets to start its own: a reset through
+    :func:`reset_peak` hands the peak it drops to the other meters open, so each reads the highest since its own
+    reset, whatever was reset in between.
+
     Args:
         device: the device the fit runs on.
         start_rss_bytes: the RSS the CPU figure is counted above.
@@ -364,21 +399,23 @@ class PeakMemory:
     def __init__(self, device: torch.device, start_rss_bytes: int = 0) -> None:
         self.device = device
         self.start_rss_bytes = start_rss_bytes
+        self.dropped_peak_bytes = 0  # the highest peak another reset dropped since this meter's own reset
 
-    def reset(self) -> None:
-        """Start a new peak from what is held now (on CPU where the peak cannot be reset, warns once: the
-        readings are then the process's all-time peak)."""
-        release_free_memory(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif not reset_peak_rss() and not PeakMemory._warned:
+    def reset(self, release: bool = True) -> None:
+        """Start a new peak from what is held now (``release``: with freed memory handed back first; on CPU where
+        the peak cannot be reset, warns once: the readings are then the process's all-time peak)."""
+        if release:
+            release_free_memory(self.device)
+        if not reset_peak(self.device) and not PeakMemory._warned:
             PeakMemory._warned = True
             warnings.warn("PeakMemory: this system cannot reset the peak RSS (/proc/self/clear_refs): each reading is "
                           "the process's peak so far, not the peak since the reset", stacklevel=2)
+        self.dropped_peak_bytes = 0
+        _OPEN_METERS.add(self)
 
     def read(self) -> int:
         """The peak since the last :meth:`reset`, in bytes."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return max(0, peak_rss_bytes() - self.start_rss_bytes)
+            return max(device_peak_bytes(self.device), self.dropped_peak_bytes)
+        return max(0, max(peak_rss_bytes(), self.dropped_peak_bytes) - self.start_rss_bytes)

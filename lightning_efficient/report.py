@@ -19,6 +19,7 @@ from lightning_efficient._torch import synchronize
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.memory import (
     ParameterStorages,
+    PeakMemory,
     SavedTensorCounter,
     first_tensor,
     fit_start_rss_bytes,
@@ -26,7 +27,6 @@ from lightning_efficient.memory import (
     optimizer_state_bytes,
     parameter_bytes,
     peak_rss_bytes,
-    reset_peak_rss,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
 
@@ -170,6 +170,8 @@ class MemoryReport(Callback):
         self._sampling = False
         self._run: dict[str, Any] = {}
         self._first_step_pending = False
+        self._rss_peak: PeakMemory | None = None  # the training window's peaks (from the first step)
+        self._cuda_peak: PeakMemory | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -190,9 +192,13 @@ class MemoryReport(Callback):
 
     def _reset_peaks(self, pl_module: LightningModule) -> None:
         """Start the peaks and the step counters afresh: what ran before the first step is not training."""
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
-        reset_peak_rss()
+        # meters, not the process's one peak: another callback resetting it mid-fit (AutoFit measuring again) shortens
+        # no window of this report's
+        self._rss_peak = PeakMemory(torch.device("cpu"))
+        self._rss_peak.reset(release=False)
+        self._cuda_peak = PeakMemory(pl_module.device) if pl_module.device.type == "cuda" else None
+        if self._cuda_peak is not None:
+            self._cuda_peak.reset(release=False)
         self._step_times.clear()
         self._tokens.clear()
         self._samples.clear()
@@ -271,10 +277,11 @@ class MemoryReport(Callback):
 
     def _read_peaks(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The peaks since training started (not only at sampled steps) and the other callbacks' figures."""
-        self._figures["peak_rss_bytes"] = peak_rss_bytes()
+        self._figures["peak_rss_bytes"] = self._rss_peak.read() if self._rss_peak is not None else peak_rss_bytes()
         self._figures["rss_above_start_bytes"] = max(0, self._figures["peak_rss_bytes"] - self._start_rss)
         if pl_module.device.type == "cuda":
-            self._figures["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(pl_module.device)
+            self._figures["cuda_max_allocated_bytes"] = (self._cuda_peak.read() if self._cuda_peak is not None
+                                                         else torch.cuda.max_memory_allocated(pl_module.device))
         for callback in trainer.callbacks:
             if callback is not self and callable(getattr(callback, "memory_figures", None)):
                 self._figures.update(callback.memory_figures())

@@ -10,7 +10,9 @@ import torch
 
 from lightning_efficient import memory
 from lightning_efficient.memory import (
+    PeakMemory,
     SavedTensorCounter,
+    current_rss_bytes,
     distinct_storage_bytes,
     optimizer_state_bytes,
     peak_rss_bytes,
@@ -68,6 +70,20 @@ def test_peak_rss_reset_and_read():
     assert peak_rss_bytes() > 0
     assert reset_peak_rss() is True
     assert peak_rss_bytes() > 0
+
+
+def test_a_meter_reads_the_peak_since_its_own_reset_though_another_reset_the_process_peak_in_between():
+    outer = PeakMemory(torch.device("cpu"), start_rss_bytes=current_rss_bytes())
+    outer.reset()
+    held = torch.ones(64 * 2**20 // 4)  # 64 MiB touched, then freed (a fresh mapping: handed back at once)
+    del held
+    inner = PeakMemory(torch.device("cpu"), start_rss_bytes=current_rss_bytes())
+    inner.reset()  # resets the process's one peak (VmHWM) to what is held now
+    assert peak_rss_bytes() < outer.start_rss_bytes + 48 * 2**20  # the process's peak no longer shows the 64 MiB
+    assert outer.read() >= 60 * 2**20  # the outer meter still does
+    assert inner.read() < 48 * 2**20
+    outer.reset()  # its own reset starts its window afresh
+    assert outer.read() < 48 * 2**20
 
 
 _MKL_BUFFERS = """

@@ -17,9 +17,9 @@ Per model:
   and measured peak, tokens/s measured as for the grid, its planning seconds and their worth in
   training steps; also the peak while it planned (before the first step, outside AutoFit's own
   measured window). It runs :data:`RUNS` times per budget, each run followed by a fresh fit of the
-  best grid point within the budget: the grid's best is the fastest of 40 noisy readings (a reading
-  flattered by the noise between processes), so the speed ratio is also taken against it measured
-  again, interleaved with AutoFit's runs;
+  best grid point within the budget (every other run preceded by it instead): the grid's best is the
+  fastest of 40 noisy readings (a reading flattered by the noise between processes), so the speed ratio
+  is also taken against it measured again, interleaved with AutoFit's runs;
 * speed under glibc's default allocator: every fit above runs with ``MALLOC_MMAP_THRESHOLD_=131072`` (the
   harness's setting, so that RSS counts what is held), under which each allocation over 128 KiB is a fresh
   mapping faulted in page by page: fits run 1.2-2x slower than under glibc's default, and micro-batch 1
@@ -82,7 +82,7 @@ WARMUP, TIMED = 2, 8
 QUICK_WARMUP, QUICK_TIMED = 1, 2
 #: AutoFit's runs per budget, each followed by a fresh fit of the best grid point within it (interleaved): the
 #: grid's best is the fastest of 40 noisy readings, so it is measured again beside AutoFit's
-RUNS, QUICK_RUNS = 2, 1
+RUNS, QUICK_RUNS = 3, 1
 #: a grid point's tokens/s in a fit under glibc's default allocator (its peak is the harness setting's)
 DEFAULT_ALLOCATOR = "default_allocator_tokens_per_s"
 #: the issue's goals
@@ -166,14 +166,15 @@ def _meter(warmup: int, eight_bit: bool):
     """A callback measuring a fit as AutoFit does (built here so Lightning is imported only in a worker).
 
     Its ``setup`` reads the RSS the peaks are counted above (bitsandbytes loaded first when the fit may
-    use it, as AutoFit does: a library's import is not training memory) and resets the peak RSS; at the
-    start of training it notes the peak so far (the planning or the batch-size search before the first
-    step), then resets the peak; at the end of training it reads it. Each optimizer step's time runs from the end of the previous one (the first from its
-    first micro-batch's start), as AutoFit times them; the step time is the median after ``warmup``.
+    use it, as AutoFit does: a library's import is not training memory) and opens a peak meter; at the
+    start of training it reads the peak so far (the planning or the batch-size search before the first
+    step: a meter keeps what AutoFit's own readings reset), then opens another; at the end of training it reads
+    it. Each optimizer step's time runs from the end of the previous one (the first from its first micro-batch's
+    start), as AutoFit times them; the step time is the median after ``warmup``.
     """
     from lightning.pytorch import Callback
 
-    from lightning_efficient.memory import PeakMemory, fit_start_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from lightning_efficient.memory import PeakMemory, fit_start_rss_bytes
     from lightning_efficient.optim._bnb import bitsandbytes
 
     class Meter(Callback):
@@ -189,10 +190,12 @@ def _meter(warmup: int, eight_bit: bool):
             if eight_bit:
                 bitsandbytes()
             self.start_rss = fit_start_rss_bytes()  # as AutoFit and MemoryReport read the fit's start
-            reset_peak_rss()
+            # a meter, not the process's one peak, which AutoFit resets for each of its readings
+            self._before = PeakMemory(pl_module.device, self.start_rss)
+            self._before.reset(release=False)
 
         def on_train_start(self, trainer, pl_module) -> None:
-            self.before_training_peak = max(0, peak_rss_bytes() - self.start_rss)
+            self.before_training_peak = self._before.read()
             self._meter = PeakMemory(pl_module.device, self.start_rss)
             self._meter.reset()
 
@@ -427,22 +430,26 @@ def autofit(model: str, quick: bool) -> dict[str, Any]:
         by_hand, again_as_users_train = [], []
         for index in range(QUICK_RUNS if quick else RUNS):
             print(f"[autofit] {model}/autofit/{name} run {index + 1} ...", file=sys.stderr, flush=True)
+            # every other run measures the best point first: neither side always runs right after the other
+            best_first = index % 2 == 1
+            if best is not None and best_first:
+                again.extend(_tokens_per_s_of(_child("point_main", model, *_parse_point(best[0]), quick)))
             run = _child("autofit_main", model, budget, quick)
             if first is None or ("tokens_per_s" in run and "tokens_per_s" not in first):  # the first that trained
                 first = run
             if "tokens_per_s" in run:
                 tokens.append(run["tokens_per_s"])
                 picks.append(f"mb{run['micro_batch']}x{run['accumulation']} {run['optimizer']} {run['policies']}")
-            if best is not None:
-                micro, optimizer, policy = _parse_point(best[0])
-                measured = _child("point_main", model, micro, optimizer, policy, quick)
-                if "tokens_per_s" in measured:
-                    again.append(measured["tokens_per_s"])
-            # under glibc's default allocator: this run's plan fitted by hand, then the best point by those timings
+            if best is not None and not best_first:
+                again.extend(_tokens_per_s_of(_child("point_main", model, *_parse_point(best[0]), quick)))
+            # under glibc's default allocator: this run's plan fitted by hand and the best point by those timings (in
+            # the same alternating order)
             if "tokens_per_s" in run and best_as_users_train is not None:
-                plan = _child("point_main", model, run["micro_batch"], run["optimizer"], run["policy_list"], quick,
-                              default_allocator=True)
-                point = _child("point_main", model, *_parse_point(best_as_users_train[0]), quick, default_allocator=True)
+                fits = {"plan": ("point_main", model, run["micro_batch"], run["optimizer"], run["policy_list"], quick),
+                        "point": ("point_main", model, *_parse_point(best_as_users_train[0]), quick)}
+                done = {key: _child(*fits[key], default_allocator=True)
+                        for key in (("point", "plan") if best_first else ("plan", "point"))}
+                plan, point = done["plan"], done["point"]
                 if "tokens_per_s" in plan and "tokens_per_s" in point:
                     by_hand.append(plan["tokens_per_s"])
                     again_as_users_train.append(point["tokens_per_s"])
@@ -462,6 +469,11 @@ def autofit(model: str, quick: bool) -> dict[str, Any]:
             figures[f"{name}_ratio_same_run_default_allocator"] = statistics.median(
                 run["plan_default_allocator_tokens_per_s"]) / statistics.median(run["best_again_default_allocator_tokens_per_s"])
     return figures
+
+
+def _tokens_per_s_of(measured: dict[str, Any]) -> list[float]:
+    """A fit's tokens/s as a list of one (none where it failed)."""
+    return [measured["tokens_per_s"]] if "tokens_per_s" in measured else []
 
 
 def _parse_point(name: str) -> tuple[int, str, str]:
@@ -582,9 +594,10 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
         "`pick's grid ratio`: the grid's own tokens/s at AutoFit's pick (when it is a grid point: one policy for every "
         "block) over the best's — the pick's quality without the noise between processes. `same-run ratio`: the median "
         f"tokens/s of AutoFit's {RUNS} runs over the median of the best grid point's fits made again, each right after "
-        "one of them (fresh processes, interleaved): the grid's best is the fastest of 40 noisy readings, which "
+        "or, every other run, right before one of them (fresh processes, interleaved): the grid's best is the fastest of 40 noisy readings, which "
         "flatters it; the speed goal is judged on this ratio where it was measured. `planning peak`: the peak "
-        "while AutoFit planned (before the first step; outside its measured window). Predictions and planning are of "
+        "while AutoFit planned (before the first step; outside its measured window; every reading counted, though each "
+        "resets the process's peak RSS). Predictions and planning are of "
         "the first run.",
         "",
         "| model | budget | budget MiB | best grid point | its tokens/s | its peak MiB | AutoFit pick | AutoFit tokens/s "
@@ -767,8 +780,8 @@ CASE = register(
             "budgets of 1.5x, 0.6x and 0.35x the default configuration's peak RSS, for the demo GPT (vocab 4096, 4 "
             "layers, d_model 128, seq 128, full logits) and a transformers Llama (hidden 128, 4 layers, vocab 4096, "
             "fused loss), on the standard library corpus (200 files). Duration of the full run, measured on 2 cores: "
-            "44 to 75 minutes (208 fresh processes: 104 grid fits, half of them timed again under glibc's default "
-            "allocator, 12 AutoFit runs each with its plan by hand and the best point again, 6 finder searches); "
+            "35 to 75 minutes (232 fresh processes: 104 grid fits, half of them timed again under glibc's default "
+            "allocator, 18 AutoFit runs each with its plan by hand and the best point again, 6 finder searches); "
             "--quick: 23 processes, about 3-4 minutes."
         ),
         baseline="demo/grid",

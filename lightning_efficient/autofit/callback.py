@@ -5,6 +5,7 @@ states' precision for the most tokens per second that fit."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import statistics
 import time
@@ -59,6 +60,7 @@ from lightning_efficient.autofit.model import (
     replan,
     search,
 )
+from lightning_efficient.balance.probe import is_out_of_memory
 from lightning_efficient.memory import (
     ParameterStorages,
     PeakMemory,
@@ -73,6 +75,9 @@ from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.sharded import has_sharded_params
 from lightning_efficient.optim.twins import eight_bit_classes, find_twin, is_stateless, paged_refusal
+
+CONFIRM_ROUNDS = 3
+"""Readings of picks beyond the measured micro-batch sizes, at most, before the first step."""
 
 OptimizerChoice = Literal["32-bit", "8-bit", "8-bit paged", "8-bit offload"]
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
@@ -261,6 +266,7 @@ class AutoFit(Callback):
         self._step_times: list[float] = []
         self._measured: list[dict[str, float]] | None = None
         self.planning_s = 0.0
+        self.planning_peak_bytes = 0  # this rank's peak while planning (CUDA: allocated; CPU: RSS above the fit's start)
         self._trainer_rank = 0
         self._precision: str | None = None
         self._micro_searched = False
@@ -365,6 +371,8 @@ class AutoFit(Callback):
             saved = states.get(self.state_key)
             restored = dict(saved) if saved else None
         started = time.perf_counter()
+        planning = PeakMemory(pl_module.device, self._start_rss)  # the peak while planning, through every reading's reset
+        planning.reset(release=False)
         older = older_collections()
         restored = agreed_restored_state(restored)
         plan, failure = None, None
@@ -402,11 +410,23 @@ class AutoFit(Callback):
             raise
         self._release_what_measuring_left(older, pl_module.device)
         self.planning_s = time.perf_counter() - started
+        self.planning_peak_bytes = planning.read()
         self._plan = plan
-        rank_zero_info(plan_table(plan) + f"\n  {'reused' if reused else 'planned'} in {self.planning_s:.2f} s")
+        rank_zero_info(plan_table(plan) + f"\n  {'reused' if reused else 'planned'} in {self.planning_s:.2f} s"
+                       + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
         self._apply(plan, trainer, pl_module)
+
+    def _planning_peak_line(self, plan: FitPlan, rank: int) -> str:
+        """The peak while planning (this rank's), and why it may be above the budget."""
+        budget = plan.budgets[rank]
+        line = f", peak while planning {self.planning_peak_bytes / 2**20:,.1f} MiB"
+        if self.planning_peak_bytes > budget:
+            line += (f", above the budget ({budget / 2**20:,.1f} MiB): AutoFit reads micro-batches that may miss the "
+                     "budget to find those that fit (on CPU holding a copy of the run's state to put back); on a GPU of "
+                     "the budget's size such a reading runs out of memory, which AutoFit takes as the same answer")
+        return line
 
     def _release_what_measuring_left(self, older: int, device: torch.device) -> None:
         # on CPU the fit's memory is its RSS: the library code only measuring ran (every policy, every optimizer option)
@@ -558,13 +578,25 @@ class AutoFit(Callback):
             return searched and any(r.micro_batch > p.sizes[1] and sum(p.line(p.peak_bytes)[k] * r.micro_batch ** k for k in (0, 1))
                                     <= p.budget_bytes for r, p in zip(plan.ranks, self._profiles))
 
-        if beyond_measured(plan):
-            plan = self._confirmed(plan, self._profiles, strategy, batches, notes, again)
+        def confirmed(plan: FitPlan) -> FitPlan:
+            # each reading that moves the pick onto another micro-batch beyond the measured sizes (one that ran out of
+            # memory moves it down) reads that one too, a few times at most
+            for _ in range(CONFIRM_ROUNDS):
+                if not beyond_measured(plan):
+                    break
+                read, plan = plan, self._confirmed(plan, self._profiles, strategy, batches, notes, again)
+                if plan is read:
+                    break
+            return plan
+
+        plan = confirmed(plan)
         if fixed is None and self._unprofiled is None:  # AutoFit chose the block policies
             timed = plan
             plan = self._priced(plan, trainer, pl_module, batches, notes, again)
-            if plan is not timed and beyond_measured(plan):  # priced out of its pick, onto a micro-batch not read yet
-                plan = self._confirmed(plan, self._profiles, strategy, batches, notes, again)
+            if plan is not timed:  # priced out of its pick, perhaps onto a micro-batch not read yet
+                plan = confirmed(plan)
+        notes.extend(f"rank {rank}: micro-batch {p.out_of_memory_at} ran out of memory while measuring; no plan uses it "
+                     "or a larger one" for rank, p in enumerate(self._profiles) if p.out_of_memory_at is not None)
         plan.notes.extend(notes)
         return plan
 
@@ -603,17 +635,27 @@ class AutoFit(Callback):
         rank = strategy.global_rank
         mine, profile = plan.ranks[rank], profiles[rank]
         reading, failure = None, None
+        size = max(mine.micro_batch, profile.sizes[1])
         try:
-            size = max(mine.micro_batch, profile.sizes[1])
             reading = (size, *measure_peak(strategy, batches, size, self._meter))
         except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
-            failure = error
+            if is_out_of_memory(error) and not _in_lockstep(strategy.lightning_module):
+                reading = (size, None, None)  # no plan on this rank may use it (leaving here drops the step's tensors)
+            else:
+                failure = error
+        if reading is not None and reading[1] is None:
+            gc.collect()
+            release_free_memory(strategy.root_device)
         readings = gather_or_raise_together(reading, failure, "AutoFit could not measure its pick")
         updated: list[RankProfile] = []
         moved: dict[int, set[str]] = {}  # each size whose reading moved the prediction: what moved (peak, time)
         for (size, peak, seconds), p in zip(readings, profiles):
             if size <= p.sizes[1]:
                 updated.append(p)
+                continue
+            if peak is None:
+                moved.setdefault(size, set()).add("out of memory")
+                updated.append(replace(p, out_of_memory_at=min(size, p.out_of_memory_at or size)))
                 continue
             p0, p1 = p.line(p.peak_bytes)
             if seconds > p.micro_step_seconds(size) * (1 + CLOSE):

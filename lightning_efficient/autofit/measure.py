@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from lightning_efficient._torch import synchronize
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.profile import profile_blocks
 from lightning_efficient.autofit.model import OptimizerOption, RankProfile
-from lightning_efficient.balance.probe import release_optimizer_state
+from lightning_efficient.balance.probe import is_out_of_memory, release_optimizer_state
 from lightning_efficient.memory import (
     PeakMemory,
     collect_young_garbage,
@@ -139,18 +140,30 @@ def measure_rank(
             loss.backward()
         del loss
 
-    def timed(size: int, as_in_a_fit: bool = False) -> tuple[int, float]:
+    def timed(size: int, as_in_a_fit: bool = False, may_run_out: bool = True) -> tuple[int | None, float]:
+        """``(peak, seconds)`` of a micro-step at ``size``; ``(None, inf)`` where it ran out of memory (only above the
+        smallest size, ``may_run_out``, and not in lockstep, where the other ranks would be left in a collective)."""
         collect_young_garbage()  # no step before is counted in this one (see _as_a_window_leaves_gradients)
         meter.reset()
         if as_in_a_fit:
             _as_a_window_leaves_gradients(module, lambda: forward_backward(min(small, m1)))
         synchronize(device)
         start = time.perf_counter()
-        forward_backward(size)
+        ran_out = False
+        try:
+            forward_backward(size)
+        except Exception as error:
+            if not (may_run_out and size > smallest and not lockstep and is_out_of_memory(error)):
+                raise
+            ran_out = True  # leaving the handler drops the error and the frames holding the step's tensors
         synchronize(device)
         elapsed = time.perf_counter() - start
         peak = meter.read()
         module.zero_grad(set_to_none=False)  # the gradients stay held, as in a real accumulation
+        if ran_out:
+            gc.collect()
+            release_free_memory(device)
+            return None, math.inf
         return peak, elapsed
 
     m1, m2 = sizes
@@ -179,10 +192,13 @@ def measure_rank(
             # each reading of a measured size (its peak is what the plan predicts) finds the gradients as a fit's
             # micro-step at that size does
             peak1, time1 = timed(m1, as_in_a_fit=True)
-            # where the smaller size already misses the budget less the margin (usable_bytes): the larger one is not
-            # run (on a device of that size it would not fit), both sizes move down
+            # where the smaller size already misses the budget less the margin (usable_bytes), or runs out of memory:
+            # the larger one is not run (on a device of that size it would not fit), both sizes move down
             usable = budget_bytes if usable_bytes is None else usable_bytes
-            while peak1 > usable and m1 > smallest and not lockstep:
+            out_of_memory_at: int | None = None  # the least size that ran out of memory: no plan may use it or more
+            while (peak1 is None or peak1 > usable) and m1 > smallest and not lockstep:
+                if peak1 is None:
+                    out_of_memory_at = m1
                 m1, m2 = max(smallest, m1 // 2), m1
                 peak2, time2 = peak1, time1
                 peak1, time1 = timed(m1, as_in_a_fit=True)
@@ -191,10 +207,17 @@ def measure_rank(
             # of MiB in a test process)
             if (m1, m2) == sizes:
                 peak2, time2 = timed(m2, as_in_a_fit=True)
+                if peak2 is None:
+                    out_of_memory_at = m2
+            if peak2 is None:  # the larger size ran out of memory: the line runs through two sizes that trained
+                m2, peak2, time2 = m1, peak1, time1
+                if m1 > smallest:
+                    m1 = max(smallest, m1 // 2)
+                    peak1, time1 = timed(m1, as_in_a_fit=True, may_run_out=False)
             # below the smaller size, once it has moved; one sample only where the warm-up ran on it (not where it
             # failed, nor in lockstep, where one rank failing on it would leave the others waiting)
             smaller = sorted({size for size in ladder if small <= size < m1})
-            times = [(size, timed(size)[1]) for size in smaller]
+            times = [(size, timed(size, may_run_out=False)[1]) for size in smaller]
             # second readings (see above); not of the larger size where it missed the budget (as above)
             once = dict(times)
             again = set()
@@ -206,13 +229,13 @@ def measure_rank(
                     again.add(m1)
             for size in sorted(again.union(worth_reading_again(once, lockstep=lockstep, first_shapes=(m1, m2)))):
                 if size == m1 and m1 != m2:
-                    again1, retime1 = timed(m1, as_in_a_fit=True)
+                    again1, retime1 = timed(m1, as_in_a_fit=True, may_run_out=False)
                     peak1, time1 = max(peak1, again1), min(time1, retime1)
                 elif size == m2 and m1 != m2:
-                    again2, retime2 = timed(m2, as_in_a_fit=True)
+                    again2, retime2 = timed(m2, as_in_a_fit=True, may_run_out=False)
                     peak2, time2 = max(peak2, again2), min(time2, retime2)
                 else:
-                    times.append((size, timed(size)[1]))
+                    times.append((size, timed(size, may_run_out=False)[1]))
             profiles: list[BlockProfile] = []
             if blocks:
                 profiles = _profile_blocks(strategy, batches, m1, blocks, exclude, _profiled_policies(policies, fixed_policies),
@@ -227,7 +250,7 @@ def measure_rank(
         sizes=(m1, m2), peak_bytes=(peak1, peak2), step_s=(time1, time2), run_state_bytes=run_state,
         blocks=profiles, blocks_size=m1, options=measured, budget_bytes=budget_bytes,
         tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies, times=times,
-        smallest_micro_batch=smallest,
+        smallest_micro_batch=smallest, out_of_memory_at=out_of_memory_at,
     )
 
 

@@ -87,6 +87,8 @@ class RankProfile:
             only); with ``sizes`` and ``step_s`` they make the time model (:meth:`micro_step_seconds`).
         smallest_micro_batch: the smallest micro-batch the model trains on (2 where a step on one sample failed:
             a BatchNorm's statistics).
+        out_of_memory_at: the least micro-batch that ran out of device memory while measuring (None: none did); no
+            plan uses it or a larger one on this rank.
     """
 
     sizes: tuple[int, int]
@@ -102,6 +104,11 @@ class RankProfile:
     unmeasured_bytes: int = 0
     times: list[tuple[int, float]] = field(default_factory=list)
     smallest_micro_batch: int = 1
+    out_of_memory_at: int | None = None
+
+    def fits_device(self, micro: int) -> bool:
+        """Whether ``micro`` is below the least micro-batch that ran out of memory while measuring."""
+        return self.out_of_memory_at is None or micro < self.out_of_memory_at
 
     def time_points(self) -> list[tuple[int, float]]:
         """Every timed micro-batch size with its least reading, in increasing size."""
@@ -356,17 +363,30 @@ def search(
         micro_batches = list(range(1, samples_per_step + 1)) if heterogeneous else divisors(per_rank)
     smallest = max(p.smallest_micro_batch for p in profiles)
     micro_batches = [m for m in micro_batches if m >= smallest] or micro_batches  # none: the fit fails as it would
+    per_rank_allowed = [[m for m in micro_batches if p.fits_device(m)] for p in profiles]
+    common = [m for m in micro_batches if all(p.fits_device(m) for p in profiles)]
+    if not (all(per_rank_allowed) if heterogeneous else common):
+        raise BudgetTooSmall(_out_of_memory_message(profiles, micro_batches))
     plans: list[FitPlan] = []
     for index in range(len(names)):
         options = [p.options[index] for p in profiles]
         if heterogeneous:
-            plans.extend(_heterogeneous(profiles, options, [micro_batches] * world, samples_per_step, margin, policies))
+            plans.extend(_heterogeneous(profiles, options, per_rank_allowed, samples_per_step, margin, policies))
         else:
-            plans.extend(_uniform(profiles, options, micro_batches, per_rank, margin, policies))
+            plans.extend(_uniform(profiles, options, common, per_rank, margin, policies))
     best = _pick(plans)
     if best is None:
-        raise BudgetTooSmall(_infeasible_message(profiles, micro_batches, margin, policies))
+        raise BudgetTooSmall(_infeasible_message(profiles, common if not heterogeneous else micro_batches, margin, policies))
     return best
+
+
+def _out_of_memory_message(profiles: list[RankProfile], micro_batches: list[int]) -> str:
+    """Why no allowed micro-batch is left: each rank's that ran out of memory while measuring."""
+    ran_out = "; ".join(f"rank {rank}: micro-batch {p.out_of_memory_at} ran out of device memory while AutoFit measured it"
+                        for rank, p in enumerate(profiles) if p.out_of_memory_at is not None)
+    return (f"AutoFit: no configuration fits: the micro-batches allowed, {micro_batches}, are none of them below the "
+            f"least that ran out of memory ({ran_out}); let AutoFit choose the micro-batch (a `batch_size` attribute "
+            "read by train_dataloader()) or lower it")
 
 
 def blocks_matter(profiles: list[RankProfile], *, samples_per_step: int, heterogeneous: bool, margin: float,

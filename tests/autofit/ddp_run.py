@@ -35,7 +35,9 @@ Each runs, on a tiny demo GPT (4 optimizer steps of a global batch of 16, 2 epoc
    micro-batch's loss, the optimizer's class; under FSDP2 also ``resumed_8bit_other_settings``, the distributed one
    resumed by ``EightBitOptimizer()`` (min_8bit_size 4096): the error and the micro-batches trained.
 
-Mode ``replan`` (DDP): a measured peak above the prediction on one rank (see :func:`run_replan`).
+Mode ``replan`` (DDP): a measured peak above the prediction on one rank (see :func:`run_replan`). Mode
+``out_of_memory`` (DDP and hetero_ddp): rank 1's device runs out of memory above 3 samples (see
+:func:`run_out_of_memory`).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ POLICIES = ["keep", "selective", "checkpoint"]
 REPLAN_MODEL = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 4, "seq_len": SEQ}
 RESUMED = ("ddp", "fsdp2")  # the modes also resumed from a checkpoint (a file under DDP, a directory under FSDP2)
 MIN_8BIT_SIZE = 1024  # step 7's 8-bit fit: the attention's 3,072-element weights 8-bit too (AutoFit's 4,096 keeps them 32-bit)
+RANK_ONE_HOLDS = 3  # mode out_of_memory: the most samples rank 1's device holds a micro-step
 TIMEOUT = timedelta(seconds=90)  # a rank left alone in a collective fails instead of hanging
 
 
@@ -254,7 +257,7 @@ def heterogeneous(mode: str) -> bool:
 
 def fit(mode: str, callbacks: list, *, batch_size: int = LOADER_BATCH, accumulate: int | None = None, caps=None,
         ckpt_dir: Path | None = None, ckpt_path: Path | None = None, model: dict | None = None, steps: int = STEPS,
-        distributed_checkpoint: bool = True) -> tuple[lightning.Trainer, Tiny, Record, Exception | None]:
+        distributed_checkpoint: bool = True, module_class: type = Tiny) -> tuple[lightning.Trainer, Tiny, Record, Exception | None]:
     """One fit of ``mode``; a ValueError it raised is returned, not raised (a plan-only fit returns normally)."""
     record = Record()
     if ckpt_dir is not None:
@@ -267,7 +270,7 @@ def fit(mode: str, callbacks: list, *, batch_size: int = LOADER_BATCH, accumulat
         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, accumulate_grad_batches=accumulate, callbacks=[*callbacks, record],
     )
-    module = Tiny(batch_size, sharded="fsdp" in mode, model=model)
+    module = module_class(batch_size, sharded="fsdp" in mode, model=model)
     start = len(LINES.lines)
     error = None
     with warnings.catch_warnings(record=True) as caught:
@@ -367,6 +370,32 @@ def run_replan(rank: int) -> dict[str, Any]:
         raise error
     return {"budget": budget, "applied": record.during["plan"], "plan": callback.plan.to_dict(), "measured": callback.measured,
             "policies": record.during["policies"], "policies_at_end": record.during["policies_at_end"], "lines": record.lines}
+
+
+class SmallDeviceOnRankOne(Tiny):
+    """:class:`Tiny` whose rank 1 holds at most :data:`RANK_ONE_HOLDS` samples a micro-step: a forward of more raises
+    the error a CUDA device raises when it runs out of memory."""
+
+    @override
+    def forward(self, input_ids, *args, **kwargs):
+        if self.global_rank == 1 and input_ids.shape[0] > RANK_ONE_HOLDS:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {input_ids.shape[0]} samples' activations")
+        return super().forward(input_ids, *args, **kwargs)
+
+
+def run_out_of_memory(rank: int) -> dict[str, Any]:
+    """Under ``ddp`` and ``hetero_ddp``: AutoFit with a large budget where rank 1's device runs out of memory above
+    :data:`RANK_ONE_HOLDS` samples (the first sizes measured are 2 and 4): each rank's profile, the plan, the
+    micro-batches each rank trained."""
+    found = {}
+    for mode in ("ddp", "hetero_ddp"):
+        callback = AutoFit(budget=[BIG, BIG], activation_policies=["keep"], optimizer_options=["32-bit"])
+        _, _, record, error = fit(mode, [callback], module_class=SmallDeviceOnRankOne)
+        if error is not None:
+            raise error
+        found[mode] = {"out_of_memory_at": [p.out_of_memory_at for p in callback.profiles], "plan": callback.plan.to_dict(),
+                       "micro": record.micro}
+    return found
 
 
 def by_hand(plan: FitPlan, rank: int, min_8bit_size: int, resumed_from: FitPlan | None = None) -> list:
@@ -520,7 +549,8 @@ def main(out: Path, modes: list[str], rank: int) -> None:
     for mode in modes:
         started = time.perf_counter()
         try:
-            results[mode] = run_replan(rank) if mode == "replan" else run_mode(mode, out / mode, rank)
+            results[mode] = (run_replan(rank) if mode == "replan" else run_out_of_memory(rank) if mode == "out_of_memory"
+                             else run_mode(mode, out / mode, rank))
         except Exception as error:  # noqa: BLE001 - reported against the mode by the test
             results[mode] = {"error": "".join(traceback.format_exception(error))[-3000:]}
         results[mode]["seconds"] = time.perf_counter() - started

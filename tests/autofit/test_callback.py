@@ -54,9 +54,10 @@ class Recorder(lightning.Callback):
 WIDE_HEAD = {**tiny_gpt_kwargs(), "vocab_size": 8192, "seq_len": 256}
 
 
-def _fit(kwargs, callbacks, *, batch_size=8, accumulate=1, steps=3, root=None, ckpt_path=None, seed=0, wide=False):
+def _fit(kwargs, callbacks, *, batch_size=8, accumulate=1, steps=3, root=None, ckpt_path=None, seed=0, wide=False,
+         model_class=DemoGPT):
     lightning.seed_everything(seed)
-    model = DemoGPT(**(WIDE_HEAD if wide else tiny_gpt_kwargs()))
+    model = model_class(**(WIDE_HEAD if wide else tiny_gpt_kwargs()))
     data = CorpusDataModule(**{**kwargs, "batch_size": batch_size, **({"seq_len": 256} if wide else {})})
     trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
                                 enable_checkpointing=root is not None, default_root_dir=root, enable_progress_bar=False,
@@ -860,3 +861,62 @@ def test_garbage_earlier_work_left_is_not_counted_in_the_start_and_no_automatic_
     with pytest.raises(BudgetTooSmall):
         fit_beside_garbage(CollectingGPT(**WIDE_HEAD), [AutoFit(budget="1MB")])
     assert gc.isenabled()
+
+
+def _holding(samples: int) -> type:
+    """A demo GPT on a device that holds at most ``samples`` samples a micro-step: a forward of more raises the error
+    a CUDA device raises when it runs out of memory. Each forward also costs 20 ms more (a launch overhead), so that
+    the larger micro-batches are clearly the faster a sample: the search reaches for those beyond the sizes measured."""
+
+    class SmallDeviceGPT(DemoGPT):
+        def forward(self, input_ids, *args, **kwargs):
+            if input_ids.shape[0] > samples:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {input_ids.shape[0]} samples' activations")
+            time.sleep(0.02)
+            return super().forward(input_ids, *args, **kwargs)
+
+    return SmallDeviceGPT
+
+
+@pytest.mark.parametrize(("holds", "batch_size", "accumulate", "ran_out_at"), [
+    (3, 8, 1, 4),  # the first size measured (4 of the 8 a step) runs out: the sizes move down
+    (5, 4, 4, 8),  # the measured sizes (2 and 4) fit; the picks beyond them, 16 then 8, run out when read
+])
+def test_micro_batches_that_run_out_of_memory_while_measuring_are_left_out_and_the_fit_equals_plain_lightning(
+        small_datamodule_kwargs, holds, batch_size, accumulate, ran_out_at):
+    model_class = _holding(holds)
+    fit, record = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
+    _, model, _ = _fit(small_datamodule_kwargs, [fit, record], batch_size=batch_size, accumulate=accumulate,
+                       model_class=model_class)
+    micro, steps = fit.plan.micro_batches[0], fit.plan.accumulation
+    assert fit.profiles[0].out_of_memory_at == ran_out_at
+    assert micro <= holds and micro * steps == batch_size * accumulate
+    assert f"micro-batch {ran_out_at} ran out of memory while measuring" in " ".join(fit.plan.notes)
+    assert record.samples == [batch_size * accumulate] * 3
+    plain = Recorder()
+    _, plain_model, _ = _fit(small_datamodule_kwargs, [plain], batch_size=micro, accumulate=steps, model_class=model_class)
+    assert plain.losses == record.losses
+    for a, b in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_micro_batch_the_user_fixed_that_runs_out_of_memory_while_measuring_is_refused_before_the_first_step(
+        small_datamodule_kwargs):
+    record = Recorder()
+    fit = AutoFit(budget="8GiB", search_micro_batch=False, optimizer_options=["32-bit"])
+    with pytest.raises(BudgetTooSmall, match=r"micro-batch 8 ran out of device memory while AutoFit measured it"):
+        _fit(small_datamodule_kwargs, [fit, record], model_class=_holding(4))
+    assert record.samples == [] and record._samples == 0
+
+
+def test_the_peak_while_planning_counts_every_reading_and_is_printed_with_the_plan(small_datamodule_kwargs, lightning_caplog):
+    # a budget well below micro-batch 4's peak: the first size read (4 of 8) misses it and the sizes move down
+    budget = int(_profile_figures(small_datamodule_kwargs).peak_bytes[0] * 0.85)
+    fit = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"], plan_only=True)
+    _fit(small_datamodule_kwargs, [fit], wide=True)
+    assert fit.profiles[0].sizes[0] < 4
+    # every reading is in the peak (micro-batch 4's above the budget), though each later one reset the process's peak
+    assert fit.planning_peak_bytes >= max(fit.profiles[0].peak_bytes)
+    assert fit.planning_peak_bytes > budget
+    printed = lightning_caplog.text
+    assert f"peak while planning {fit.planning_peak_bytes / MiB:,.1f} MiB, above the budget ({budget / MiB:,.1f} MiB)" in printed

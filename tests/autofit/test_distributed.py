@@ -21,6 +21,7 @@ from tests.ddp import run_script
 
 HERE = Path(__file__).parent
 MODES = ("ddp", "hetero_ddp", "fsdp2", "hetero_fsdp")
+EXTRA = ("replan", "out_of_memory")  # ddp_run.py's other modes
 RESUMED = ("ddp", "fsdp2")  # as in ddp_run.py
 GLOBAL_BATCH, LOADER_BATCH, ACCUMULATE, STEPS = 16, 4, 2, 4  # as in ddp_run.py
 BIG, TINY = 512 * 2**20, 64 * 2**10
@@ -33,12 +34,12 @@ def results(tmp_path_factory):
     # MKL's memory manager off: it caches work buffers per matrix shape, sized by the kernels it picks for this CPU
     # (tens of MiB beside these models' few); with it off the readings are the steps' own on any CPU
     env = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "MKL_DISABLE_FAST_MM": "1"}
-    run_script(HERE / "ddp_run.py", out, *MODES, "replan", timeout=600, env=env)
+    run_script(HERE / "ddp_run.py", out, *MODES, *EXTRA, timeout=600, env=env)
     results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank, result in enumerate(results):
-        for mode in (*MODES, "replan"):
+        for mode in (*MODES, *EXTRA):
             assert "error" not in result.get(mode, {"error": "missing"}), f"rank {rank}, {mode}: {result.get(mode)}"
-    return {mode: [result[mode] for result in results] for mode in (*MODES, "replan")}
+    return {mode: [result[mode] for result in results] for mode in (*MODES, *EXTRA)}
 
 
 def _samples_per_step(ranks, key):
@@ -251,6 +252,23 @@ def test_a_measured_peak_above_the_prediction_on_one_rank_re_plans_the_block_pol
         policies = final["ranks"][rank]["policies"]
         assert result["policies_at_end"] == (policies if any(p != "keep" for p in policies) else None)
     assert any("planned again" in line for line in ranks[0]["lines"]), ranks[0]["lines"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "hetero_ddp"])
+def test_a_rank_whose_device_runs_out_of_memory_while_measuring_gets_a_plan_it_can_run_and_every_step_trains(results, mode):
+    # rank 1's device holds at most 3 samples a micro-step; the first sizes measured are 2 and 4
+    ranks = [rank[mode] for rank in results["out_of_memory"]]
+    assert [rank["out_of_memory_at"] for rank in ranks] == [[None, 4]] * 2  # every rank gathered the same profiles
+    plan = ranks[0]["plan"]
+    assert ranks[1]["plan"] == plan
+    assert any("rank 1: micro-batch 4 ran out of memory while measuring" in note for note in plan["notes"])
+    caps = [choice["micro_batch"] for choice in plan["ranks"]]
+    if mode == "ddp":  # one micro-batch for every rank: below rank 1's
+        assert caps[0] == caps[1] <= 2 and plan["accumulation"] * caps[0] == GLOBAL_BATCH // 2
+    else:  # rank 1's cap bound by its device, rank 0's not
+        assert caps[1] <= 3
+    assert all(size <= 3 for _, size, _ in ranks[1]["micro"])
+    assert _samples_per_step(results["out_of_memory"], mode) == dict.fromkeys(range(STEPS), GLOBAL_BATCH)
 
 
 def test_a_re_plan_keeps_each_rank_micro_batch_and_plans_its_blocks_for_it():
