@@ -247,6 +247,14 @@ _OPEN_METERS: weakref.WeakSet[PeakMemory] = weakref.WeakSet()
 """The meters reset and not yet dropped: each reset of the process's one peak first hands them the peak it drops."""
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index where it is CUDA's current one named without (``cuda`` is ``cuda:0`` there)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_peak_bytes(device: torch.device) -> int:
     """The device's peak since its last reset: ``torch.cuda.max_memory_allocated`` on CUDA, else the process's peak
     RSS (``VmHWM``)."""
@@ -260,6 +268,7 @@ def reset_peak(device: torch.device) -> bool:
     handing the peak it drops to every open :class:`PeakMemory` of that device, so that one reader's reset does not
     shorten another's window (AutoFit measuring inside a MemoryReport's training window, a benchmark's meter around
     AutoFit's planning); False where the peak RSS cannot be reset."""
+    device = _indexed(device)
     watching = [m for m in list(_OPEN_METERS) if (m.device.type == "cuda") == (device.type == "cuda")
                 and (device.type != "cuda" or m.device == device)]
     if watching:
@@ -397,7 +406,7 @@ class PeakMemory:
     _warned = False
 
     def __init__(self, device: torch.device, start_rss_bytes: int = 0) -> None:
-        self.device = device
+        self.device = _indexed(device)
         self.start_rss_bytes = start_rss_bytes
         self.dropped_peak_bytes = 0  # the highest peak another reset dropped since this meter's own reset
 

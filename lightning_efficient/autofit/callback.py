@@ -77,7 +77,16 @@ from lightning_efficient.optim.sharded import has_sharded_params
 from lightning_efficient.optim.twins import eight_bit_classes, find_twin, is_stateless, paged_refusal
 
 CONFIRM_ROUNDS = 3
-"""Readings of picks beyond the measured micro-batch sizes, at most, before the first step."""
+"""Readings of picks beyond the measured micro-batch sizes, at most, each time the pick is checked (after the search,
+and again after the pick's block policies were priced up)."""
+
+RAN_OUT = -1.0
+"""A timed reading that ran out of memory (gathered from every rank in place of its seconds)."""
+
+
+def _ran_out(profile: RankProfile, size: int) -> RankProfile:
+    """``profile`` where no plan uses ``size`` or more (a reading there ran out of memory, or one above it did)."""
+    return replace(profile, out_of_memory_at=min(size, profile.out_of_memory_at or size))
 
 OptimizerChoice = Literal["32-bit", "8-bit", "8-bit paged", "8-bit offload"]
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
@@ -359,6 +368,7 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._plan = None  # a fit refused below shows no earlier fit's plan
+        self.planning_peak_bytes = 0
         self._measured, self._step_times, self._step_started = None, [], None
         self._measured_against = []
         self._unprofiled = None
@@ -425,7 +435,8 @@ class AutoFit(Callback):
         if self.planning_peak_bytes > budget:
             line += (f", above the budget ({budget / 2**20:,.1f} MiB): AutoFit reads micro-batches that may miss the "
                      "budget to find those that fit (on CPU holding a copy of the run's state to put back); on a GPU of "
-                     "the budget's size such a reading runs out of memory, which AutoFit takes as the same answer")
+                     "the budget's size such a reading runs out of memory, which AutoFit takes as the same answer (not "
+                     "under FSDP2 or a SyncBatchNorm, where the ranks measure in step)")
         return line
 
     def _release_what_measuring_left(self, older: int, device: torch.device) -> None:
@@ -578,16 +589,29 @@ class AutoFit(Callback):
             return searched and any(r.micro_batch > p.sizes[1] and sum(p.line(p.peak_bytes)[k] * r.micro_batch ** k for k in (0, 1))
                                     <= p.budget_bytes for r, p in zip(plan.ranks, self._profiles))
 
+        def to_read(plan: FitPlan) -> list[int]:
+            return [max(r.micro_batch, p.sizes[1]) for r, p in zip(plan.ranks, self._profiles)]
+
         def confirmed(plan: FitPlan) -> FitPlan:
             # each reading that moves the pick onto another micro-batch beyond the measured sizes (one that ran out of
-            # memory moves it down) reads that one too, a few times at most
+            # memory moves it down) reads that one too, a few times at most; a size once read is not read again
+            read: list[set[int]] = [set() for _ in self._profiles]
             for _ in range(CONFIRM_ROUNDS):
-                if not beyond_measured(plan):
-                    break
-                read, plan = plan, self._confirmed(plan, self._profiles, strategy, batches, notes, again)
-                if plan is read:
-                    break
-            return plan
+                if not beyond_measured(plan) or all(s in done for s, done in zip(to_read(plan), read)):
+                    return plan
+                for size, done in zip(to_read(plan), read):
+                    done.add(size)
+                plan = self._confirmed(plan, self._profiles, strategy, batches, notes, again)
+            if not beyond_measured(plan) or all(s in done for s, done in zip(to_read(plan), read)):
+                return plan
+            # the readings ran out with a pick still unread: where one ran out of memory, no plan goes beyond the largest
+            # size that trained
+            capped = [p if p.out_of_memory_at is None else replace(p, out_of_memory_at=min(
+                p.out_of_memory_at, max(m for m, _ in p.time_points()) + 1)) for p in self._profiles]
+            if capped == self._profiles:
+                return plan
+            self._profiles = capped
+            return again(capped)
 
         plan = confirmed(plan)
         if fixed is None and self._unprofiled is None:  # AutoFit chose the block policies
@@ -595,8 +619,8 @@ class AutoFit(Callback):
             plan = self._priced(plan, trainer, pl_module, batches, notes, again)
             if plan is not timed:  # priced out of its pick, perhaps onto a micro-batch not read yet
                 plan = confirmed(plan)
-        notes.extend(f"rank {rank}: micro-batch {p.out_of_memory_at} ran out of memory while measuring; no plan uses it "
-                     "or a larger one" for rank, p in enumerate(self._profiles) if p.out_of_memory_at is not None)
+        notes.extend(f"rank {rank}: no micro-batch of {p.out_of_memory_at} or more (one ran out of memory while measuring)"
+                     for rank, p in enumerate(self._profiles) if p.out_of_memory_at is not None)
         plan.notes.extend(notes)
         return plan
 
@@ -650,12 +674,12 @@ class AutoFit(Callback):
         updated: list[RankProfile] = []
         moved: dict[int, set[str]] = {}  # each size whose reading moved the prediction: what moved (peak, time)
         for (size, peak, seconds), p in zip(readings, profiles):
+            if peak is None:  # no plan on this rank goes half way (or more) from the largest measured size to it
+                moved.setdefault(size, set()).add("out of memory")
+                updated.append(_ran_out(p, max(p.sizes[1] + 1, (size + p.sizes[1] + 1) // 2)))
+                continue
             if size <= p.sizes[1]:
                 updated.append(p)
-                continue
-            if peak is None:
-                moved.setdefault(size, set()).add("out of memory")
-                updated.append(replace(p, out_of_memory_at=min(size, p.out_of_memory_at or size)))
                 continue
             p0, p1 = p.line(p.peak_bytes)
             if seconds > p.micro_step_seconds(size) * (1 + CLOSE):
@@ -695,17 +719,32 @@ class AutoFit(Callback):
                 try:
                     reading = self._time_with_policies(mine, trainer, pl_module, batches) if timed else None
                 except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
-                    failure = error
+                    if is_out_of_memory(error) and not lockstep:
+                        reading = RAN_OUT  # leaving here drops the step's tensors
+                    else:
+                        failure = error
+                if reading == RAN_OUT:
+                    gc.collect()
+                    release_free_memory(pl_module.device)
                 gathered = gather_or_raise_together(reading, failure, "AutoFit could not time its pick")
+                if RAN_OUT in gathered:
+                    break
                 readings = [g if r is None else r if g is None else min(r, g) for r, g in zip(readings, gathered)]
                 repriced = [None if s is None else priced_by_reading(p, c, s) for p, c, s in zip(self._profiles, plan.ranks, readings)]
                 if all(r is None for r in repriced):  # within the prediction (on the second attempt: at the lower reading)
                     return plan
-            self._profiles = [p if r is None else r for p, r in zip(self._profiles, repriced)]
-            slowest = max(s / c.micro_step_s for s, c, r in zip(readings, plan.ranks, repriced) if r is not None)
-            counts = "; ".join(_counts(r.policies) for r in plan.ranks)
-            notes.append(f"an earlier pick's block policies ({counts}) ran {slowest - 1:.0%} above its predicted micro-step: "
-                         "priced up by that reading and planned again")
+            if RAN_OUT in gathered:  # that rank's micro-batch is planned no more, with any block policies
+                ran_out = [c.micro_batch for c, g in zip(plan.ranks, gathered) if g == RAN_OUT]
+                self._profiles = [_ran_out(p, c.micro_batch) if g == RAN_OUT else p
+                                  for p, c, g in zip(self._profiles, plan.ranks, gathered)]
+                notes.append(f"an earlier pick ran out of memory with its block policies applied (micro-batch "
+                             f"{', '.join(map(str, ran_out))}): planned again below it")
+            else:
+                self._profiles = [p if r is None else r for p, r in zip(self._profiles, repriced)]
+                slowest = max(s / c.micro_step_s for s, c, r in zip(readings, plan.ranks, repriced) if r is not None)
+                counts = "; ".join(_counts(r.policies) for r in plan.ranks)
+                notes.append(f"an earlier pick's block policies ({counts}) ran {slowest - 1:.0%} above its predicted micro-step: "
+                             "priced up by that reading and planned again")
             plan = again(self._profiles)
         return plan
 
