@@ -780,7 +780,7 @@ CASE = register(
             "budgets of 1.5x, 0.6x and 0.35x the default configuration's peak RSS, for the demo GPT (vocab 4096, 4 "
             "layers, d_model 128, seq 128, full logits) and a transformers Llama (hidden 128, 4 layers, vocab 4096, "
             "fused loss), on the standard library corpus (200 files). Duration of the full run, measured on 2 cores: "
-            "35 to 75 minutes (232 fresh processes: 104 grid fits, half of them timed again under glibc's default "
+            "32 to 75 minutes (232 fresh processes: 104 grid fits, half of them timed again under glibc's default "
             "allocator, 18 AutoFit runs each with its plan by hand and the best point again, 6 finder searches); "
             "--quick: 23 processes, about 3-4 minutes."
         ),
