@@ -619,8 +619,8 @@ class AutoFit(Callback):
             plan = self._priced(plan, trainer, pl_module, batches, notes, again)
             if plan is not timed:  # priced out of its pick, perhaps onto a micro-batch not read yet
                 plan = confirmed(plan)
-        notes.extend(f"rank {rank}: no micro-batch of {p.out_of_memory_at} or more (one ran out of memory while measuring)"
-                     for rank, p in enumerate(self._profiles) if p.out_of_memory_at is not None)
+        notes.extend(f"rank {rank}: no micro-batch of {p.out_of_memory_at} or more (a reading at or above it ran out of "
+                     "memory while measuring)" for rank, p in enumerate(self._profiles) if p.out_of_memory_at is not None)
         plan.notes.extend(notes)
         return plan
 
@@ -673,9 +673,10 @@ class AutoFit(Callback):
         readings = gather_or_raise_together(reading, failure, "AutoFit could not measure its pick")
         updated: list[RankProfile] = []
         moved: dict[int, set[str]] = {}  # each size whose reading moved the prediction: what moved (peak, time)
-        for (size, peak, seconds), p in zip(readings, profiles):
+        ran_out: list[str] = []  # each size that ran out of memory, and on which rank
+        for rank_read, ((size, peak, seconds), p) in enumerate(zip(readings, profiles)):
             if peak is None:  # no plan on this rank goes half way (or more) from the largest measured size to it
-                moved.setdefault(size, set()).add("out of memory")
+                ran_out.append(f"{size} on rank {rank_read}")
                 updated.append(_ran_out(p, max(p.sizes[1] + 1, (size + p.sizes[1] + 1) // 2)))
                 continue
             if size <= p.sizes[1]:
@@ -692,10 +693,13 @@ class AutoFit(Callback):
                 p = replace(p, times=[*p.times, (size, seconds)])
             updated.append(p)
         self._profiles = updated
-        if not moved:
+        if not moved and not ran_out:
             return plan
-        read = "; ".join(f"{size}: {' and '.join(sorted(what, reverse=True))}" for size, what in sorted(moved.items()))
-        notes.append(f"an earlier pick's micro-batch read above its prediction ({read}): planned again with its reading")
+        if ran_out:
+            notes.append(f"an earlier pick's micro-batch ran out of memory when read ({', '.join(ran_out)}): planned again below it")
+        if moved:
+            read = "; ".join(f"{size}: {' and '.join(sorted(what, reverse=True))}" for size, what in sorted(moved.items()))
+            notes.append(f"an earlier pick's micro-batch read above its prediction ({read}): planned again with its reading")
         return again(updated)
 
     def _priced(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule, batches: Any, notes: list[str],

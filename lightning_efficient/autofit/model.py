@@ -381,12 +381,14 @@ def search(
 
 
 def _out_of_memory_message(profiles: list[RankProfile], micro_batches: list[int]) -> str:
-    """Why no allowed micro-batch is left: each rank's that ran out of memory while measuring."""
-    ran_out = "; ".join(f"rank {rank}: micro-batch {p.out_of_memory_at} ran out of device memory while AutoFit measured it"
+    """Why no allowed micro-batch is left: each rank's least size that ran out of memory while measuring."""
+    ran_out = "; ".join(f"rank {rank}'s device ran out of memory at {p.out_of_memory_at} samples"
                         for rank, p in enumerate(profiles) if p.out_of_memory_at is not None)
-    return (f"AutoFit: no configuration fits: the micro-batches allowed, {micro_batches}, are none of them below the "
-            f"least that ran out of memory ({ran_out}); let AutoFit choose the micro-batch (a `batch_size` attribute "
-            "read by train_dataloader()) or lower it")
+    allowed = ", ".join(map(str, micro_batches))
+    return (f"AutoFit: the micro-batch{'es' if len(micro_batches) > 1 else ''} allowed ({allowed}) cannot run: {ran_out} "
+            "while AutoFit measured it. Lower the DataLoader's batch size (with accumulate_grad_batches raised to keep "
+            "the global batch), or let AutoFit choose the micro-batch: search_micro_batch=True and a `batch_size` "
+            "attribute that train_dataloader() reads")
 
 
 def blocks_matter(profiles: list[RankProfile], *, samples_per_step: int, heterogeneous: bool, margin: float,

@@ -885,14 +885,14 @@ def _holding(samples: int) -> type:
     return SmallDeviceGPT
 
 
-@pytest.mark.parametrize(("holds", "batch_size", "accumulate", "none_from"), [
-    (3, 8, 1, 4),  # the first size measured (4 of the 8 a step) runs out: the sizes move down
+@pytest.mark.parametrize(("holds", "batch_size", "accumulate", "none_from", "read_out"), [
+    (3, 8, 1, 4, []),  # the first size measured (4 of the 8 a step) runs out: the sizes move down
     # the measured sizes (2 and 4) fit; the pick beyond them, 16, runs out when read: none from half way (10), then
     # the next, 8, runs out too: none from 6
-    (5, 4, 4, 6),
+    (5, 4, 4, 6, ["16 on rank 0", "8 on rank 0"]),
 ])
 def test_micro_batches_that_run_out_of_memory_while_measuring_are_left_out_and_the_fit_equals_plain_lightning(
-        small_datamodule_kwargs, holds, batch_size, accumulate, none_from):
+        small_datamodule_kwargs, holds, batch_size, accumulate, none_from, read_out):
     model_class = _holding(holds)
     fit, record = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
     _, model, _ = _fit(small_datamodule_kwargs, [fit, record], batch_size=batch_size, accumulate=accumulate,
@@ -900,7 +900,9 @@ def test_micro_batches_that_run_out_of_memory_while_measuring_are_left_out_and_t
     micro, steps = fit.plan.micro_batches[0], fit.plan.accumulation
     assert fit.profiles[0].out_of_memory_at == none_from
     assert micro <= holds and micro * steps == batch_size * accumulate
-    assert f"rank 0: no micro-batch of {none_from} or more (one ran out of memory while measuring)" in fit.plan.notes
+    assert f"rank 0: no micro-batch of {none_from} or more (a reading at or above it ran out of memory while measuring)" in fit.plan.notes
+    assert [n for n in fit.plan.notes if "ran out of memory when read" in n] == [
+        f"an earlier pick's micro-batch ran out of memory when read ({size}): planned again below it" for size in read_out]
     assert record.samples == [batch_size * accumulate] * 3
     plain = Recorder()
     _, plain_model, _ = _fit(small_datamodule_kwargs, [plain], batch_size=micro, accumulate=steps, model_class=model_class)
@@ -913,7 +915,8 @@ def test_a_micro_batch_the_user_fixed_that_runs_out_of_memory_while_measuring_is
         small_datamodule_kwargs):
     record = Recorder()
     fit = AutoFit(budget="8GiB", search_micro_batch=False, optimizer_options=["32-bit"])
-    with pytest.raises(BudgetTooSmall, match=r"micro-batch 8 ran out of device memory while AutoFit measured it"):
+    with pytest.raises(BudgetTooSmall, match=r"the micro-batch allowed \(8\) cannot run: rank 0's device ran out of memory at 8 "
+                                         r"samples while AutoFit measured it.*search_micro_batch=True"):
         _fit(small_datamodule_kwargs, [fit, record], model_class=_holding(4))
     assert record.samples == [] and record._samples == 0
 
