@@ -5,7 +5,6 @@ states' precision for the most tokens per second that fit."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import statistics
 import time
@@ -41,6 +40,7 @@ from lightning_efficient.autofit.measure import (
     OptimizerSpec,
     _in_lockstep,
     can_resize,
+    free_what_running_out_left,
     measure_blocks,
     measure_peak,
     measure_rank,
@@ -596,18 +596,22 @@ class AutoFit(Callback):
             # each reading that moves the pick onto another micro-batch beyond the measured sizes (one that ran out of
             # memory moves it down) reads that one too, a few times at most; a size once read is not read again
             read: list[set[int]] = [set() for _ in self._profiles]
+
+            def settled(plan: FitPlan) -> bool:
+                return not beyond_measured(plan) or all(s in done for s, done in zip(to_read(plan), read))
+
             for _ in range(CONFIRM_ROUNDS):
-                if not beyond_measured(plan) or all(s in done for s, done in zip(to_read(plan), read)):
+                if settled(plan):
                     return plan
                 for size, done in zip(to_read(plan), read):
                     done.add(size)
                 plan = self._confirmed(plan, self._profiles, strategy, batches, notes, again)
-            if not beyond_measured(plan) or all(s in done for s, done in zip(to_read(plan), read)):
+            if settled(plan):
                 return plan
             # the readings ran out with a pick still unread: where one ran out of memory, no plan goes beyond the largest
             # size that trained
-            capped = [p if p.out_of_memory_at is None else replace(p, out_of_memory_at=min(
-                p.out_of_memory_at, max(m for m, _ in p.time_points()) + 1)) for p in self._profiles]
+            capped = [p if p.out_of_memory_at is None else _ran_out(p, max(m for m, _ in p.time_points()) + 1)
+                      for p in self._profiles]
             if capped == self._profiles:
                 return plan
             self._profiles = capped
@@ -668,8 +672,7 @@ class AutoFit(Callback):
             else:
                 failure = error
         if reading is not None and reading[1] is None:
-            gc.collect()
-            release_free_memory(strategy.root_device)
+            free_what_running_out_left(strategy.root_device)
         readings = gather_or_raise_together(reading, failure, "AutoFit could not measure its pick")
         updated: list[RankProfile] = []
         moved: dict[int, set[str]] = {}  # each size whose reading moved the prediction: what moved (peak, time)
@@ -728,8 +731,7 @@ class AutoFit(Callback):
                     else:
                         failure = error
                 if reading == RAN_OUT:
-                    gc.collect()
-                    release_free_memory(pl_module.device)
+                    free_what_running_out_left(pl_module.device)
                 gathered = gather_or_raise_together(reading, failure, "AutoFit could not time its pick")
                 if RAN_OUT in gathered:
                     break
