@@ -139,7 +139,7 @@ SIZES: dict[str, dict[str, Any]] = {
             "probe_steps": 2, "budget": 0.5, "min_offload_bytes": None,
             "linear_ce": (16384, 2048, 32000)},
     "smoke": {"model": {"vocab_size": 512, "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32},
-              "batch": 2, "warm": 2, "timed": 2, "exact_steps": 2, "probe_batch": 8, "probe_headroom": None,
+              "batch": 2, "warm": 2, "timed": 2, "exact_steps": 4, "probe_batch": 8, "probe_headroom": None,
               # the toy model saves half its bytes outside the blocks, and no tensor of 64 KiB (the default)
               "probe_steps": 2, "budget": 0.75, "min_offload_bytes": 0, "linear_ce": (256, 32, 512)},
 }
@@ -438,8 +438,11 @@ class Bench:
         extra = list(callbacks or [])
         checkpoints = self.workdir / name
         if save_at_epoch_end:
-            extra.append(ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1, every_n_epochs=1,
-                                         save_on_train_epoch_end=True))
+            # saved after the epoch's last batch (on_train_batch_end), not in on_train_epoch_end: Lightning resumes a
+            # checkpoint taken there by running the unfinished epoch 0 again from a fresh iterator (its first batch as
+            # "batch 2"), so the resumed run trained other batches than the uninterrupted one (the first H200 run)
+            extra.append(ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1,
+                                         every_n_train_steps=steps_per_epoch or steps))
         trainer = lightning.Trainer(
             accelerator=self.device.type, devices=1, strategy=strategy, precision=PRECISION, max_steps=steps,
             max_epochs=-1, logger=False, enable_checkpointing=save_at_epoch_end, enable_progress_bar=False,
@@ -469,11 +472,18 @@ class Bench:
 
     @contextlib.contextmanager
     def deterministic(self) -> Iterator[None]:
-        """Deterministic algorithms (warn only) for the numerical fits; the warned ops are noted."""
+        """Deterministic algorithms (warn only) for the numerical fits; the warned ops are noted.
+
+        On CUDA attention runs on SDPA's math backend: with ``warn_only`` the fused backends (cuDNN's, chosen
+        on an H200, flash and memory-efficient) only warn and keep their non-deterministic backward, which
+        made the first H200 run's controls (the same fit twice) differ by 1% of the largest gradient."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         before, before_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, (
+                    sdpa_kernel(SDPBackend.MATH) if self.on_cuda else contextlib.nullcontext()):
                 warnings.simplefilter("always")
                 yield
             for warning in caught:
@@ -1381,20 +1391,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
         bench = Bench(device, sizes, set(args.perturb), Path(workdir))
         selected = [name for name in CHECKS if not args.only or name in args.only]
-        for name in selected:
+        for done, name in enumerate(selected, 1):
             try:
                 CHECKS[name](bench)
             except Exception as error:  # noqa: BLE001 - a failure while making rows is a failure, not a crash
                 bench.add(name, "-", "rows", None, None, f"error: {type(error).__name__}: {error}".splitlines()[0][:150])
+            if args.out is not None and done < len(selected):  # a run cut short still leaves the rows it made
+                write_table(args.out, header, bench, start, f"partial: {done} of {len(selected)} checks")
+    lines = write_table(args.out, header, bench, start)
+    print("\n".join(lines[2:]))
+    return 1 if any(r.result.startswith(RESULTS_THAT_FAIL) for r in bench.rows) else 0
+
+
+def write_table(out: Path | None, header: str, bench: Bench, start: float, status: str = "") -> list[str]:
+    """The table with its notes as lines, also written to ``out`` when given."""
     failed = [r for r in bench.rows if r.result.startswith(RESULTS_THAT_FAIL)]
     lines = [header, "", table(bench.rows), ""]
     lines += [f"not deterministic during the numerical fits: {text}" for text in sorted(bench.nondeterministic)]
-    lines.append(f"gpu_check: {len(failed)} failed check(s) or error(s); {time.perf_counter() - start:.0f} s")
-    print("\n".join(lines[2:]))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
-    return 1 if failed else 0
+    lines.append(f"gpu_check: {len(failed)} failed check(s) or error(s); {time.perf_counter() - start:.0f} s"
+                 + (f" ({status})" if status else ""))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 if __name__ == "__main__":
