@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_efficient._validation import require, require_bool, require_choice, require_int
 from lightning_efficient.optim._bnb import bitsandbytes
-from lightning_efficient.optim.offload import host_offloaded, repaged_on_load
+from lightning_efficient.optim.offload import host_offloaded, repaged_on_load, share_quantization_maps
 from lightning_efficient.optim.schedulers import rebind_schedulers
 from lightning_efficient.optim.sharded import (
     checkpoint_layouts,
@@ -331,6 +331,7 @@ class EightBitOptimizer(Callback):
         # Lightning moves every loaded optimizer state to the device after load_state_dict: offloaded
         # and paged states go back where they belong before the first forward
         for optimizer in trainer.optimizers:
+            share_quantization_maps(optimizer)  # a loaded state holds a copy of them per parameter
             settle = getattr(optimizer, "settle_loaded_states", None)
             if callable(settle):
                 settle()

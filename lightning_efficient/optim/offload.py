@@ -315,6 +315,27 @@ class _HostOffloadMixin:
         self._loaded = False
 
 
+def share_quantization_maps(optimizer: torch.optim.Optimizer) -> int:
+    """Point every parameter's ``qmap1``/``qmap2`` at one tensor per key and device, as bitsandbytes holds them.
+
+    bitsandbytes gives every 8-bit state the same two quantization maps; a loaded state holds its own copy per
+    parameter (one ``load_state_dict`` moves each state to the device apart): 2 KiB a parameter, which an offloaded
+    optimizer leaves on the device (0.1 MiB for a 110M GPT on an H200). Only maps equal to the first one are
+    shared. Returns how many were re-pointed."""
+    shared: dict[tuple[str, torch.device], Tensor] = {}
+    count = 0
+    for state in optimizer.state.values():
+        for key in _SHARED_KEYS:
+            value = state.get(key) if isinstance(state, dict) else None
+            if type(value) is not Tensor:
+                continue
+            first = shared.setdefault((key, value.device), value)
+            if first is not value and torch.equal(first, value):
+                state[key] = first
+                count += 1
+    return count
+
+
 @cache
 def host_offloaded(cls: type) -> type:
     """A subclass of the bitsandbytes optimizer ``cls`` whose states live in host memory between steps."""

@@ -145,6 +145,35 @@ def test_resume_is_exact(tmp_path, resume_at):
         assert torch.equal(a, b), name
 
 
+class QuantizationMaps(lightning.Callback):
+    """The distinct qmap1 and qmap2 tensors of the 8-bit states at the end of training."""
+
+    def on_train_end(self, trainer, pl_module):
+        states = [s for s in trainer.optimizers[0].state.values() if "qmap1" in s]
+        self.count = len(states)
+        self.maps = {key: {id(s[key]) for s in states} for key in ("qmap1", "qmap2")}
+
+
+def test_a_resumed_8bit_optimizer_holds_one_quantization_map_each_as_bitsandbytes_does(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    straight, resumed = QuantizationMaps(), QuantizationMaps()
+    trainer(8, [EightBitOptimizer(embeddings_32bit=False), saver, straight], enable_checkpointing=True).fit(Regression())
+    # as a CUDA resume loads it: each parameter's maps moved to the device apart (on CPU torch.load keeps them shared)
+    checkpoint = torch.load(tmp_path / "step=4.ckpt", weights_only=True)
+    for state in checkpoint["optimizer_states"][0]["state"].values():
+        inner = state.get("__bnb_optimizer_quant_state__", state)
+        for key in ("qmap1", "qmap2"):
+            if key in inner:
+                inner[key] = inner[key].clone()
+    torch.save(checkpoint, tmp_path / "apart.ckpt")
+    trainer(8, [EightBitOptimizer(embeddings_32bit=False), resumed]).fit(Regression(), ckpt_path=tmp_path / "apart.ckpt")
+    assert straight.count == resumed.count == 2  # the embedding and the hidden layer
+    assert straight.maps == {key: {next(iter(ids))} for key, ids in straight.maps.items()}
+    assert all(len(ids) == 1 for ids in resumed.maps.values()), resumed.maps
+
+
 def test_32bit_checkpoint_into_8bit_and_back(tmp_path):
     from lightning_efficient.optim.state import BNB_BLOCKWISE, convert_optimizer_state
 
