@@ -17,9 +17,13 @@ strides and offset from it.
   and on CPU lets tests drive the whole logic).
 * :class:`DiskOffload`: each saved storage is written once by a background writer into a private
   directory (mode 0700) and read back in backward, the previous block's files prefetched by reader
-  threads. A file is removed as soon as autograd frees its saved tensors (after backward, or when
-  an exception drops the graph), and :meth:`DiskOffload.clear` removes whatever is left. A failed
-  write raises :class:`DiskFullError` (path and bytes) on the training thread.
+  threads. A CUDA storage is first copied to pinned host memory on the device-to-host stream and
+  its device memory is free again once that copy is done, whatever the writer's backlog; the
+  bytes waiting for the writer are bounded (``max_pending_bytes``: forward waits for the disk
+  beyond it), and a file whose block's backward has already run is not written. A file is removed
+  as soon as autograd frees its saved tensors (after backward, or when an exception drops the
+  graph), and :meth:`DiskOffload.clear` removes whatever is left. A failed write raises
+  :class:`DiskFullError` (path and bytes) on the training thread.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -90,26 +95,42 @@ def _remove(path: str) -> None:
 
 
 class _StorageFile:
-    """One saved storage on disk (or still in memory while its write is under way).
+    """One saved storage on disk (or still in host memory while its write is under way).
 
     Tensors that share a storage (a tensor saved by two ops, views such as ``q``/``k``/``v`` of one
     projection) share one file: it holds the whole storage, and each :class:`_DiskView` restores
-    its own shape, strides and offset from it.
+    its own shape, strides and offset from it. A device storage is first copied to (pinned) host
+    memory on a side stream, and the device memory is free again once that copy is done; the writer
+    writes the host copy. The writer holds the file weakly: a file that backward has already
+    released (its block's gradients computed from the bytes still in memory) is not written.
     """
 
     def __init__(self, store: DiskOffload, path: Path, tensor: Tensor) -> None:
         self.path = path
         self.device = tensor.device
         self.nbytes = tensor.untyped_storage().nbytes()
-        whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
-        self._bytes: Tensor | None = whole  # the storage itself, until it is on disk
+        whole = _whole(tensor)
+        self._streams = store._streams if tensor.device.type == store._streams.device_type else None
+        self._copied: object = None
+        host = whole
+        if self._streams is not None:
+            host, self._copied = self._streams.copy_to_host(whole)
+            self._streams.release_after_copy(whole)  # its memory is handed out again only once the copy is done
+        self._bytes: Tensor | None = host  # host bytes (the storage itself for a CPU tensor) until on disk
+        self._on_device: Tensor | None = None
         self._read: Future | None = None
-        self._write: Future = store._writer.submit(self._write_file, store, whole)
+        self._write: Future = store._submit_write(self)
         weakref.finalize(self, _remove, str(path))
 
-    def _write_file(self, store: DiskOffload, whole: Tensor) -> None:
+    def write(self, store: DiskOffload) -> None:
+        """Write the host bytes to the file (on the writer thread) and release them."""
+        host = self._bytes
+        if host is None:
+            return
+        if self._copied is not None:
+            self._streams.wait_on_host(self._copied)
         try:
-            whole.detach().cpu().numpy().tofile(self.path)
+            host.numpy().tofile(self.path)
         except OSError as error:
             failure = DiskFullError(
                 f"disk offload could not write {self.nbytes:,} bytes to {self.path}: {error.strerror or error}"
@@ -130,14 +151,20 @@ class _StorageFile:
             self._read = reader.submit(self._read_file)
 
     def load(self) -> Tensor:
-        """The storage's bytes (a flat uint8 tensor), from memory if the write has not finished, else the file."""
-        whole = self._bytes
-        if whole is not None:
-            return whole
+        """The storage's bytes on its device (a flat uint8 tensor): from host memory if the write has not finished
+        (copied back to the device once), else from the file (read once); shared by the storage's views."""
+        host = self._bytes
+        if host is not None:
+            if self._streams is None:
+                return host  # a CPU storage: the bytes themselves
+            if self._on_device is None:
+                self._streams.wait(self._copied, self.device)
+                self._on_device = host.to(self.device, non_blocking=True)
+            return self._on_device
         if self._read is None:
             self._read = Future()
             self._read.set_result(self._read_file())
-        return self._read.result()  # read once, shared by the storage's views
+        return self._read.result()
 
 
 class _DiskView:
@@ -180,13 +207,25 @@ class DiskOffload(_BlockHooks):
     directory made read-only) raises :class:`DiskFullError`, naming the path and the bytes, on the
     training thread: at the next pack or unpack, or at :meth:`check`.
 
+    A CUDA storage is copied to pinned host memory on a side stream (its device memory is handed out again once
+    the copy is done) and the writer writes that copy; a CPU storage is written as it is. At most
+    ``max_pending_bytes`` wait for the writer (one storage larger than that waits alone): forward goes no faster
+    than the disk, so neither device nor host memory grows with the writer's backlog. A storage whose saved
+    tensors backward has already released is not written at all.
+
     Args:
         directory: where the private directory is made (None: the system's temporary directory).
         min_bytes: tensors smaller than this stay in memory.
         exclude: tensors never moved (the model's parameters and buffers).
+        max_pending_bytes: the most bytes waiting for the writer before forward waits for it.
+
+    Raises:
+        ValueError: for a ``max_pending_bytes`` under 1.
     """
 
-    def __init__(self, directory: str | None = None, min_bytes: int = 0, exclude: Exclude = lambda t: False) -> None:
+    def __init__(self, directory: str | None = None, min_bytes: int = 0, exclude: Exclude = lambda t: False, *,
+                 max_pending_bytes: int = 2**30, _streams: _SyncStreams | _CudaStreams | None = None) -> None:
+        require_int("max_pending_bytes", max_pending_bytes, 1)
         parent = Path(directory).expanduser() if directory else Path(tempfile.gettempdir())
         parent.mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="lightning_efficient_activations_", dir=parent))
@@ -202,6 +241,35 @@ class DiskOffload(_BlockHooks):
         self._files: dict[tuple[str, int], tuple[weakref.ref, weakref.ref]] = {}
         self._error: DiskFullError | None = None
         self.bytes_written = 0
+        self.max_pending_bytes = max_pending_bytes
+        self._streams = _streams if _streams is not None else _CudaStreams()
+        self._pending = 0  # bytes submitted to the writer and not yet written (or skipped)
+        self._room = threading.Condition()
+
+    def _submit_write(self, file: _StorageFile) -> Future:
+        """Queue ``file``'s write, holding it weakly (see :class:`_StorageFile`); its bytes count as pending until done."""
+        with self._room:
+            self._pending += file.nbytes
+
+        def write(ref: weakref.ref, nbytes: int) -> None:
+            try:
+                file = ref()
+                if file is not None:
+                    file.write(self)
+            finally:
+                with self._room:
+                    self._pending -= nbytes
+                    self._room.notify_all()
+
+        return self._writer.submit(write, weakref.ref(file), file.nbytes)
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Block until ``nbytes`` more fit under ``max_pending_bytes`` (or nothing is pending): forward goes no faster
+        than the disk takes the bytes, so the host copies (and, before them, the device storages) waiting for the
+        writer stay bounded."""
+        with self._room:
+            while self._pending and self._pending + nbytes > self.max_pending_bytes and self._error is None:
+                self._room.wait(timeout=1.0)
 
     def _failed(self, error: DiskFullError) -> None:
         if self._error is None:
@@ -233,6 +301,8 @@ class DiskOffload(_BlockHooks):
             raise DiskFullError(
                 f"disk offload needs {nbytes:,} more bytes at {self.root} but the disk has {free:,} free"
             )
+        self._wait_for_room(nbytes)
+        self.check()
         file = _StorageFile(self, self.root / f"{next(self._counter)}.bin", tensor)
         self._files[key] = (weakref.ref(tensor), weakref.ref(file))
         self._by_block.setdefault(block_index, weakref.WeakSet()).add(file)
@@ -335,6 +405,13 @@ class _SyncStreams:
         event.done = True
         self.waits += 1
 
+    def wait_on_host(self, event: _Event) -> None:
+        """Block the calling thread until ``event`` has happened (a synchronous copy: at once)."""
+        event.done = True
+
+    def release_after_copy(self, whole: Tensor) -> None:
+        """Nothing to do: the copy is done when :meth:`copy_to_host` returns."""
+
     def is_done(self, event: _Event) -> bool:
         """Whether ``event`` has happened."""
         return event.done
@@ -395,6 +472,15 @@ class _CudaStreams:
     def wait(self, event: torch.cuda.Event, device: torch.device) -> None:
         """Make ``device``'s current stream wait for ``event`` (the host does not wait)."""
         torch.cuda.current_stream(device).wait_event(event)
+
+    def wait_on_host(self, event: torch.cuda.Event) -> None:
+        """Block the calling thread until ``event`` has happened."""
+        event.synchronize()
+
+    def release_after_copy(self, whole: Tensor) -> None:
+        """Let ``whole``'s memory go when its last reference does, but handed out again only once the copies to the
+        host queued so far are done (the allocator waits for the device-to-host stream)."""
+        whole.record_stream(self._streams(whole.device)[0])
 
     def is_done(self, event: torch.cuda.Event) -> bool:
         """Whether ``event`` has happened."""

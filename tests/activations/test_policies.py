@@ -127,6 +127,107 @@ def test_a_full_disk_names_the_path_and_the_bytes(tmp_path, monkeypatch):
     disk.close()
 
 
+class _DeviceStoragesSeen(DiskOffload):
+    """Disk offload that keeps a weak reference to every storage it takes (through a stand-in device: CPU tensors
+    copied to "host" by ``_SyncStreams``, as CUDA tensors are to pinned memory) and the pending bytes at each write
+    queued."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.storages: list = []
+        self.pending_seen: list[int] = []
+        self.largest = 0
+
+    def _pack(self, block_index, tensor):
+        packed = super()._pack(block_index, tensor)
+        if packed is not tensor:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            self.storages.append(StorageWeakRef(tensor.untyped_storage()))
+            self.largest = max(self.largest, tensor.untyped_storage().nbytes())
+        return packed
+
+    def _submit_write(self, file):
+        future = super()._submit_write(file)
+        self.pending_seen.append(self._pending)
+        return future
+
+
+def _disk_offloaded(model, disk):
+    for index, (_, block) in enumerate(find_blocks(model)):
+        wrap_block(block, "disk", hooks=lambda i=index: disk.hooks(i))
+
+
+def test_disk_offload_lets_each_device_storage_go_once_copied_out_and_writes_only_what_backward_still_needs(tmp_path):
+    """A device storage is copied to host memory and no longer held by the disk store, however far behind the
+    writer is (on an H200 the writer's backlog held every step's saved tensors on the device: 24 GiB peak against
+    7 GiB kept); a file whose block's backward ran before its turn is not written at all."""
+    from lightning_efficient.activations.offload import _SyncStreams
+
+    torch.manual_seed(0)
+    model = _demo()
+    reference = _grads(model, _demo_loss)
+    disk = _DeviceStoragesSeen(str(tmp_path), min_bytes=0, exclude=_exclude(model), _streams=_SyncStreams("cpu", pending=True))
+    _disk_offloaded(model, disk)
+    import threading
+
+    gate = threading.Event()
+    disk._writer.submit(gate.wait)  # the writer is busy: nothing is written yet
+    try:
+        torch.manual_seed(123)
+        model.zero_grad()
+        loss = _demo_loss(model)
+        gc.collect()
+        assert disk.storages and all(ref.expired() for ref in disk.storages)  # only the host copies are held
+        assert disk.bytes_written == 0 and disk._pending > 0
+        loss.backward()
+        del loss
+        gc.collect()
+    finally:
+        gate.set()  # the writer thread ends with the test, whatever it asserted
+    disk.flush()
+    assert disk.bytes_written == 0 and disk.files() == [] and disk._pending == 0  # backward needed none of them
+    for name, param in model.named_parameters():
+        assert (param.grad - reference[name]).abs().max() <= 1e-12, name
+    disk.close()
+
+
+@pytest.mark.parametrize("stand_in_device", [False, True], ids=["cpu", "stand_in_device"])
+def test_disk_offload_keeps_at_most_max_pending_bytes_waiting_for_the_writer(tmp_path, stand_in_device):
+    from lightning_efficient.activations.offload import _StorageFile, _SyncStreams
+
+    torch.manual_seed(0)
+    model = _demo()
+    reference = _grads(model, _demo_loss)
+    limit = 100_000  # a few of the tiny demo's saved storages (the largest is 64 KiB)
+    streams = {"_streams": _SyncStreams("cpu", pending=True)} if stand_in_device else {}
+    disk = _DeviceStoragesSeen(str(tmp_path), min_bytes=0, exclude=_exclude(model), max_pending_bytes=limit, **streams)
+    _disk_offloaded(model, disk)
+    write = _StorageFile.write
+
+    def slow_write(self, store):  # a disk slower than the forward
+        import time
+
+        time.sleep(0.002)
+        write(self, store)
+
+    _StorageFile.write = slow_write
+    try:
+        got = _grads(model, _demo_loss)
+    finally:
+        _StorageFile.write = write
+    assert len(disk.pending_seen) > 5
+    assert max(disk.pending_seen) <= max(limit, disk.largest), (max(disk.pending_seen), disk.largest)
+    for name, grad in reference.items():
+        assert (got[name] - grad).abs().max() <= 1e-12, name
+    disk.close()
+
+
+def test_disk_offload_refuses_a_max_pending_bytes_under_one(tmp_path):
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        DiskOffload(str(tmp_path), max_pending_bytes=0)
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy='swap'"):
         wrap_block(torch.nn.Linear(2, 2), "swap")
