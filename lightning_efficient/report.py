@@ -400,15 +400,21 @@ class MemoryReport(Callback):
         Path(path).expanduser().write_text(json.dumps(self.report(), indent=2, sort_keys=True))
 
     @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # the states and gradients a sampled step can miss: its first micro-batch of an accumulation window comes before
+        # any optimizer step (no states yet) and before the backward that makes the gradients. Read here, not at fit
+        # end: Lightning's teardown (before on_fit_end) moves a CUDA run's states to the CPU one parameter at a time,
+        # which copies a tensor the parameters share (bitsandbytes' quantization maps) once per parameter
+        if self._step_times:
+            self._raise("optimizer_state_bytes", sum(optimizer_state_bytes(o) for o in trainer.optimizers))
+            if gradients := gradient_bytes(pl_module):
+                self._raise("gradient_bytes", gradients)
+
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_counter()
         if self._step_times:  # the final figures cover every step, and what other callbacks read after the last sample
             self._read_peaks(trainer, pl_module)
-            # and the states and gradients a sampled step can miss: its first micro-batch of an accumulation window
-            # comes before any optimizer step (no states yet) and before the backward that makes the gradients
-            self._raise("optimizer_state_bytes", sum(optimizer_state_bytes(o) for o in trainer.optimizers))
-            if gradients := gradient_bytes(pl_module):
-                self._raise("gradient_bytes", gradients)
         self._gather(trainer, pl_module)
         self._finish()
 

@@ -372,3 +372,39 @@ def test_state_and_gradient_bytes_are_read_under_accumulation_where_the_sampled_
                                                    for t in state.values() if torch.is_tensor(t))
     assert figures["optimizer_state_bytes"] >= 2 * parameters  # AdamW's two moments
     assert figures["gradient_bytes"] == parameters
+
+
+class _TeardownMovesStates(lightning.pytorch.strategies.SingleDeviceStrategy):
+    """On teardown, every optimizer state tensor becomes a copy of its own, as a CUDA run's states moved to the CPU
+    one parameter at a time do (torch's ``.to("cpu")`` of a CPU tensor is the tensor itself)."""
+
+    def teardown(self) -> None:
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        state[key] = value.clone()
+        super().teardown()
+
+
+def test_the_state_bytes_are_read_before_teardown_moves_the_states(small_datamodule_kwargs):
+    # bitsandbytes' 8-bit states share two quantization maps; the CUDA teardown's move to the CPU copies them per
+    # parameter, which read 2 KiB more per 8-bit parameter on an H200 (the report read again at fit end)
+    from lightning_efficient import EightBitOptimizer
+
+    report = MemoryReport(every_n_steps=1, log=False, print_table=False)
+    states = _StatesAtTrainEnd()
+    trainer = lightning.Trainer(accelerator="cpu", strategy=_TeardownMovesStates(torch.device("cpu")), max_steps=2,
+                                limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[EightBitOptimizer(embeddings_32bit=False), report, states])
+    trainer.fit(DemoGPT(**{**tiny_gpt_kwargs(), "d_model": 64}), datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    assert states.eight_bit >= 2  # several parameters share the maps
+    assert report.report()["optimizer_state_bytes"] == states.bytes
+
+
+class _StatesAtTrainEnd(lightning.Callback):
+    def on_train_end(self, trainer, pl_module):
+        from lightning_efficient.memory import optimizer_state_bytes
+
+        self.bytes = optimizer_state_bytes(trainer.optimizers[0])
+        self.eight_bit = sum(1 for s in trainer.optimizers[0].state.values() if "qmap1" in s)
