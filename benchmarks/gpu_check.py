@@ -622,8 +622,10 @@ def check_activations(b: Bench) -> None:
         if variant == "offload":
             b.cuda_only("activations", variant, "host_offload_bytes_per_step", fit.figures.get("host_offload_bytes_per_step"))
         if variant == "disk":
-            written = fit.figures.get("activation_disk_written_bytes")
-            b.add("activations", variant, "disk_written_bytes_per_step", None if written is None else written / max(1, b.sizes["warm"] + b.sizes["timed"]))
+            steps = max(1, b.sizes["warm"] + b.sizes["timed"])
+            for what in ("offloaded", "written"):  # taken out of memory; written (less what backward used first)
+                moved = fit.figures.get(f"activation_disk_{what}_bytes")
+                b.add("activations", variant, f"disk_{what}_bytes_per_step", None if moved is None else moved / steps)
 
     offload, checkpoint = b.get("activations/offload"), b.get("activations/checkpoint")
     if base is None or offload is None or checkpoint is None:

@@ -71,8 +71,8 @@ def test_smoke_runs_every_check_on_cpu_and_every_numerical_check_passes(tmp_path
     assert fsdp2[("memory_report", "report_activation_bytes")][5] == "pass (equals plain fsdp2's count)"
     assert fsdp2[("memory_report", "report_parameter_bytes")][5] == "pass (the model's bytes)"
     # the disk policy really moved bytes at toy sizes (the size threshold is 0 in --smoke)
-    written = [row for row in rows if row[:3] == ["activations", "disk", "disk_written_bytes_per_step"]]
-    assert written and written[0][3] not in ("-", "0.0 MiB"), written
+    moved = [row for row in rows if row[:3] == ["activations", "disk", "disk_offloaded_bytes_per_step"]]
+    assert moved and moved[0][3] not in ("-", "0.0 MiB"), moved
     # offload's share is of the bytes it can move: the blocks' saved bytes less autocast's weight copies
     # (bf16-mixed on CPU casts the weights too)
     share = {row[2]: row[4] for row in rows if row[:2] == ["activations", "offload"]}  # of blocks_saved_bytes

@@ -106,7 +106,7 @@ class ActivationMemory(Callback):
         self._profiles: list[BlockProfile] = []
         self._plan_summary: Plan | None = None
         self._use_cache_off: list[Any] = []
-        self._disk_written: int | None = None  # what the last fit's disk offload wrote
+        self._disk_figures: dict[str, int] = {}  # what the last fit's disk offload took out of memory and wrote
         self._warned_cpu_offload = False
         self._exclude: ParameterStorages | None = None
 
@@ -120,7 +120,7 @@ class ActivationMemory(Callback):
                 "parameters ready twice or never; use reentrant=False."
             )
         self._plan, self._rank_plans, self._plan_summary, self._profiles = None, None, None, []
-        self._disk_written = None
+        self._disk_figures = {}
         self._block_list = find_blocks(pl_module, self.blocks)
         if self._exclude is not None:
             self._exclude.stop()
@@ -317,15 +317,12 @@ class ActivationMemory(Callback):
 
     # -- reporting, checkpoints, clean-up -----------------------------------------------------
     def memory_figures(self) -> dict[str, int]:
-        """The planned activation bytes and what disk offload wrote, for :class:`MemoryReport`."""
+        """The planned activation bytes and what disk offload took out of memory and wrote, for :class:`MemoryReport`."""
         figures: dict[str, int] = {}
         if self._plan_summary is not None:
             figures["activation_planned_bytes"] = self._plan_summary.held_bytes
             figures["activation_all_kept_bytes"] = self._plan_summary.baseline_bytes
-        if self._disk is not None:
-            figures["activation_disk_written_bytes"] = self._disk.bytes_written
-        elif self._disk_written is not None:
-            figures["activation_disk_written_bytes"] = self._disk_written
+        figures.update(_disk_byte_figures(self._disk) if self._disk is not None else self._disk_figures)
         return figures
 
     @property
@@ -370,7 +367,7 @@ class ActivationMemory(Callback):
         self._use_cache_off = []
         disk, self._disk, self._host = self._disk, None, None
         if disk is not None:
-            self._disk_written = disk.bytes_written
+            self._disk_figures = _disk_byte_figures(disk)
             disk.close()
 
     @override
@@ -382,3 +379,9 @@ class ActivationMemory(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._restored = None  # a fit that never reached on_train_start (resumed at its end) leaves none behind
         self._undo()
+
+
+def _disk_byte_figures(disk: DiskOffload) -> dict[str, int]:
+    """Disk offload's bytes: taken out of memory (every saved storage it moved), and written (less the files whose
+    block's backward ran before the writer reached them, which it skips: that share varies with timing)."""
+    return {"activation_disk_offloaded_bytes": disk.bytes_offloaded, "activation_disk_written_bytes": disk.bytes_written}

@@ -240,7 +240,8 @@ class DiskOffload(_BlockHooks):
         # lives, so does the storage, so its address cannot belong to another storage
         self._files: dict[tuple[str, int], tuple[weakref.ref, weakref.ref]] = {}
         self._error: DiskFullError | None = None
-        self.bytes_written = 0
+        self.bytes_written = 0  # what the writer wrote (not the files backward released before their turn)
+        self.bytes_offloaded = 0  # what the store took out of memory (every storage, written or not)
         self.max_pending_bytes = max_pending_bytes
         self._streams = _streams if _streams is not None else _CudaStreams()
         self._pending = 0  # bytes submitted to the writer and not yet written (or skipped)
@@ -304,6 +305,7 @@ class DiskOffload(_BlockHooks):
         self._wait_for_room(nbytes)
         self.check()
         file = _StorageFile(self, self.root / f"{next(self._counter)}.bin", tensor)
+        self.bytes_offloaded += nbytes
         self._files[key] = (weakref.ref(tensor), weakref.ref(file))
         self._by_block.setdefault(block_index, weakref.WeakSet()).add(file)
         return file

@@ -220,7 +220,7 @@ def test_a_fit_that_raises_leaves_nothing_behind_and_the_callback_fits_again(tmp
     again = _Losses()
     lightning.seed_everything(1)
     _trainer([callback, again], steps=3).fit(model, _loader())
-    assert callback.plan == ["disk", "disk"] and callback.memory_figures()["activation_disk_written_bytes"] > 0
+    assert callback.plan == ["disk", "disk"] and callback.memory_figures()["activation_disk_offloaded_bytes"] > 0
     fresh_model = DemoGPT(**tiny_gpt_kwargs())
     fresh_model.load_state_dict(after_failure)
     fresh = _Losses()

@@ -87,8 +87,10 @@ def test_activation_bytes_under_fsdp2_count_no_weights(ranks, one_device) -> Non
         assert _ok(rank["activations-auto"], "auto")["profiles"] == auto["profiles"]
         assert rank["activations-auto"]["baseline_bytes"] == auto["baseline_bytes"] > 0
         assert rank["activations-auto"]["plan"] == auto["plan"]
-        written = _ok(rank["activations-disk"], "disk")["figures"]["activation_disk_written_bytes"]
-        assert written == disk["figures"]["activation_disk_written_bytes"] > 0
+        figures = _ok(rank["activations-disk"], "disk")["figures"]
+        # what it took out of memory (what it wrote leaves out the files backward released before the writer's turn)
+        assert figures["activation_disk_offloaded_bytes"] == disk["figures"]["activation_disk_offloaded_bytes"] > 0
+        assert figures["activation_disk_written_bytes"] <= figures["activation_disk_offloaded_bytes"]
         assert _ok(rank["report"], "report")["report"]["activation_bytes"] == report["report"]["activation_bytes"] > 0
 
 
