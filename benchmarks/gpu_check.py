@@ -1,8 +1,10 @@
 """Every CUDA path in one run: ``python benchmarks/gpu_check.py`` (sized for under 8 minutes on one H200).
 
-Expected runtime: about 5-6 minutes on one H200 by estimate (about 47 fits of a few steps each, the
-FSDP2 rows' 17 among them, two with AutoFit's planning, and four optimizer twins of a few steps); it
-has not run on a GPU yet, none having been lent to this project. ``--smoke``: 40-70 s on 2 CPU cores.
+Runtime on one H200 (2026-12-04): about 4 minutes (about 47 fits of a few steps each, the FSDP2 rows'
+17 among them, two with AutoFit's planning, and four optimizer twins of a few steps): 158 s before
+disk offload waited for the disk, and 193 s for all but AutoFit's after (its two disk fits run at the
+disk's speed, about 1 s a step); AutoFit's rows took 23 s. Give a run 6 minutes. The table is written
+to ``--out`` after each check, so a run cut short keeps its rows. ``--smoke``: 5-10 s on 2 CPU cores.
 
 Prints ONE table (check, variant, metric, value, ratio to the check's baseline — for a comparison of
 tensors, the largest per-tensor ``max|diff| / max|reference|`` —, result) and exits non-zero when
