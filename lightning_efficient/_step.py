@@ -60,16 +60,6 @@ def _metric_states(module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
             for m in module.modules() if isinstance(m, Metric)]
 
 
-def _host_copy(tensor: Tensor) -> Tensor:
-    """A copy of ``tensor`` in host memory: for a plain CUDA tensor, pinned and copied without the host waiting (the
-    copy back is queued on the same stream, after it): a pageable, synchronous copy took 0.18 s a call for the 110M
-    GPT on an H200, five calls and a third of AutoFit's planning. Other tensors (FSDP2's DTensors, CPU ones):
-    ``.to("cpu")``."""
-    if type(tensor) is Tensor and tensor.is_cuda:
-        return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor.detach(), non_blocking=True)
-    return tensor.detach().to("cpu", copy=True)
-
-
 @contextlib.contextmanager
 def restored_run_state(strategy: Any) -> Iterator[None]:
     """Put the module's parameters and buffers (non-persistent ones too), its torchmetrics metrics' states, the
@@ -79,7 +69,9 @@ def restored_run_state(strategy: Any) -> Iterator[None]:
     none loses whatever the body created (it is created again at the first real step).
     """
     module = strategy.lightning_module
-    saved_tensors = {name: _host_copy(t) for name, t in run_state_tensors(module).items()}
+    # to host memory, pageable and synchronous: 0.18 s a call for the 110M GPT on an H200 (a third of AutoFit's planning
+    # there), but pinned copies would stay in torch's pinned-memory cache, up to twice the model's state, for the process
+    saved_tensors = {name: t.detach().to("cpu", copy=True) for name, t in run_state_tensors(module).items()}
     metrics = _metric_states(module)
     had_state = [len(optimizer.state) > 0 for optimizer in strategy.optimizers]
     devices = [strategy.root_device] if strategy.root_device.type == "cuda" else []
@@ -93,8 +85,7 @@ def restored_run_state(strategy: Any) -> Iterator[None]:
                     optimizer.state.clear()
             with torch.no_grad():
                 for name, tensor in run_state_tensors(module).items():
-                    saved = saved_tensors[name]
-                    tensor.copy_(saved, non_blocking=saved.is_pinned())
+                    tensor.copy_(saved_tensors[name])
             for metric, values in metrics:
                 for name, value in values.items():
                     setattr(metric, name, value)

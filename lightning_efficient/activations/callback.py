@@ -367,8 +367,8 @@ class ActivationMemory(Callback):
         self._use_cache_off = []
         disk, self._disk, self._host = self._disk, None, None
         if disk is not None:
+            disk.close()  # its flush may still write
             self._disk_figures = _disk_byte_figures(disk)
-            disk.close()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -382,6 +382,7 @@ class ActivationMemory(Callback):
 
 
 def _disk_byte_figures(disk: DiskOffload) -> dict[str, int]:
-    """Disk offload's bytes: taken out of memory (every saved storage it moved), and written (less the files whose
-    block's backward ran before the writer reached them, which it skips: that share varies with timing)."""
+    """Disk offload's bytes: handed to it (every saved storage it took; on a device copied out at once, on CPU held until
+    written), and written (less the files whose block's backward ran before the writer reached them, which it skips:
+    that share varies with timing)."""
     return {"activation_disk_offloaded_bytes": disk.bytes_offloaded, "activation_disk_written_bytes": disk.bytes_written}

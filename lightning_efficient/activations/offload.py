@@ -99,10 +99,11 @@ class _StorageFile:
 
     Tensors that share a storage (a tensor saved by two ops, views such as ``q``/``k``/``v`` of one
     projection) share one file: it holds the whole storage, and each :class:`_DiskView` restores
-    its own shape, strides and offset from it. A device storage is first copied to (pinned) host
-    memory on a side stream, and the device memory is free again once that copy is done; the writer
-    writes the host copy. The writer holds the file weakly: a file that backward has already
-    released (its block's gradients computed from the bytes still in memory) is not written.
+    its own shape, strides and offset from it. A CUDA storage is first copied to pinned host memory
+    on a side stream, and the device memory is free again once that copy is done; another
+    accelerator's is copied to host memory at once; a CPU storage is written as it is. The writer
+    holds the file weakly: a file that backward has already released (its block's gradients computed
+    from the bytes still in memory) is not written.
     """
 
     def __init__(self, store: DiskOffload, path: Path, tensor: Tensor) -> None:
@@ -114,8 +115,11 @@ class _StorageFile:
         self._copied: object = None
         host = whole
         if self._streams is not None:
-            host, self._copied = self._streams.copy_to_host(whole)
+            host, self._copied = self._streams.copy_to_host(whole, blocking_event=True)  # the writer sleeps, not spins
             self._streams.release_after_copy(whole)  # its memory is handed out again only once the copy is done
+        elif whole.device.type != "cpu":  # an accelerator without side streams here (MPS, XPU): copied now
+            host = whole.cpu()
+        self._a_copy = host is not whole  # else the storage's own bytes (a CPU storage)
         self._bytes: Tensor | None = host  # host bytes (the storage itself for a CPU tensor) until on disk
         self._on_device: Tensor | None = None
         self._read: Future | None = None
@@ -123,20 +127,23 @@ class _StorageFile:
         weakref.finalize(self, _remove, str(path))
 
     def write(self, store: DiskOffload) -> None:
-        """Write the host bytes to the file (on the writer thread) and release them."""
+        """Write the host bytes to the file (on the writer thread) and release them; a failure is recorded for the
+        training thread (:meth:`DiskOffload.check`), not raised here, where nothing would read it and its traceback
+        would hold this file's bytes."""
         host = self._bytes
-        if host is None:
+        if host is None or self._on_device is not None:  # backward has read it back already: no need to write
             return
-        if self._copied is not None:
-            self._streams.wait_on_host(self._copied)
         try:
+            if self._copied is not None:
+                self._streams.wait_on_host(self._copied)
             host.numpy().tofile(self.path)
         except OSError as error:
-            failure = DiskFullError(
-                f"disk offload could not write {self.nbytes:,} bytes to {self.path}: {error.strerror or error}"
-            )
-            store._failed(failure)
-            raise failure from error
+            store._failed(DiskFullError(
+                f"disk offload could not write {self.nbytes:,} bytes to {self.path}: {error.strerror or error}"))
+            return
+        except Exception as error:  # noqa: BLE001 - a CUDA error at the copy's event, say: the training thread raises it
+            store._failed(error)
+            return
         store.bytes_written += self.nbytes  # only this thread adds to it
         self._bytes = None  # on disk now: release the memory
 
@@ -147,19 +154,21 @@ class _StorageFile:
 
     def prefetch(self, reader: ThreadPoolExecutor) -> None:
         """Start reading the file back in the background."""
-        if self._read is None and self._bytes is None:
+        if self._read is None and self._bytes is None and self._on_device is None:
             self._read = reader.submit(self._read_file)
 
     def load(self) -> Tensor:
         """The storage's bytes on its device (a flat uint8 tensor): from host memory if the write has not finished
         (copied back to the device once), else from the file (read once); shared by the storage's views."""
+        if self._on_device is not None:  # read back from host memory for an earlier view
+            return self._on_device
         host = self._bytes
         if host is not None:
-            if self._streams is None:
+            if not self._a_copy:
                 return host  # a CPU storage: the bytes themselves
-            if self._on_device is None:
+            if self._copied is not None:
                 self._streams.wait(self._copied, self.device)
-                self._on_device = host.to(self.device, non_blocking=True)
+            self._on_device = host.to(self.device, non_blocking=True)
             return self._on_device
         if self._read is None:
             self._read = Future()
@@ -239,7 +248,7 @@ class DiskOffload(_BlockHooks):
         # storage key -> (a weak reference to a tensor on that storage, its file): while the tensor
         # lives, so does the storage, so its address cannot belong to another storage
         self._files: dict[tuple[str, int], tuple[weakref.ref, weakref.ref]] = {}
-        self._error: DiskFullError | None = None
+        self._error: Exception | None = None  # the first failed write's (a DiskFullError where the disk refused it)
         self.bytes_written = 0  # what the writer wrote (not the files backward released before their turn)
         self.bytes_offloaded = 0  # what the store took out of memory (every storage, written or not)
         self.max_pending_bytes = max_pending_bytes
@@ -249,20 +258,26 @@ class DiskOffload(_BlockHooks):
 
     def _submit_write(self, file: _StorageFile) -> Future:
         """Queue ``file``'s write, holding it weakly (see :class:`_StorageFile`); its bytes count as pending until done."""
-        with self._room:
-            self._pending += file.nbytes
-
         def write(ref: weakref.ref, nbytes: int) -> None:
             try:
                 file = ref()
                 if file is not None:
                     file.write(self)
             finally:
-                with self._room:
-                    self._pending -= nbytes
-                    self._room.notify_all()
+                self._written(nbytes)
 
-        return self._writer.submit(write, weakref.ref(file), file.nbytes)
+        with self._room:
+            self._pending += file.nbytes
+        try:
+            return self._writer.submit(write, weakref.ref(file), file.nbytes)
+        except BaseException:  # the writer is shut down (closed): nothing is pending for it
+            self._written(file.nbytes)
+            raise
+
+    def _written(self, nbytes: int) -> None:
+        with self._room:
+            self._pending -= nbytes
+            self._room.notify_all()
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Block until ``nbytes`` more fit under ``max_pending_bytes`` (or nothing is pending): forward goes no faster
@@ -272,12 +287,13 @@ class DiskOffload(_BlockHooks):
             while self._pending and self._pending + nbytes > self.max_pending_bytes and self._error is None:
                 self._room.wait(timeout=1.0)
 
-    def _failed(self, error: DiskFullError) -> None:
+    def _failed(self, error: Exception) -> None:
         if self._error is None:
             self._error = error
 
     def check(self, wait: bool = False) -> None:
-        """Raise the first failed write's :class:`DiskFullError` (after the writes under way if ``wait``)."""
+        """Raise the first failed write's error, a :class:`DiskFullError` where the disk refused it (after the writes
+        under way if ``wait``)."""
         if wait:
             self.flush()
         if self._error is not None:
@@ -385,7 +401,7 @@ class _SyncStreams:
             self._unfinished.add(event)
         return event
 
-    def copy_to_host(self, whole: Tensor) -> tuple[Tensor, _Event]:
+    def copy_to_host(self, whole: Tensor, blocking_event: bool = False) -> tuple[Tensor, _Event]:
         """A host copy of ``whole`` (a flat uint8 tensor over a device storage) and its event."""
         host = torch.empty(whole.shape, dtype=whole.dtype, pin_memory=whole.is_cuda)
         host.copy_(whole)
@@ -448,14 +464,17 @@ class _CudaStreams:
             pair = self._pairs[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return pair
 
-    def copy_to_host(self, whole: Tensor) -> tuple[Tensor, torch.cuda.Event]:
-        """A pinned host copy of ``whole`` started on the device-to-host stream, and its event."""
+    def copy_to_host(self, whole: Tensor, blocking_event: bool = False) -> tuple[Tensor, torch.cuda.Event]:
+        """A pinned host copy of ``whole`` started on the device-to-host stream, and its event (``blocking_event``: one
+        a thread waiting on it sleeps on instead of spinning, for a thread that waits on the host)."""
         to_host, _ = self._streams(whole.device)
         to_host.wait_stream(torch.cuda.current_stream(whole.device))
         with torch.cuda.stream(to_host):
             host = torch.empty(whole.shape, dtype=whole.dtype, pin_memory=True)
             host.copy_(whole, non_blocking=True)
-            return host, to_host.record_event()
+            event = torch.cuda.Event(blocking=blocking_event)
+            event.record(to_host)
+            return host, event
 
     def copy_to_device(self, host: Tensor, device: torch.device, after: torch.cuda.Event) -> tuple[Tensor, torch.cuda.Event]:
         """A device copy of ``host`` started on the host-to-device stream once ``after`` (its copy

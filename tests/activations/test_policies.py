@@ -223,6 +223,47 @@ def test_disk_offload_keeps_at_most_max_pending_bytes_waiting_for_the_writer(tmp
     disk.close()
 
 
+def test_views_of_one_storage_read_back_from_host_memory_share_one_copy_which_is_then_not_written(tmp_path):
+    """A storage read back from host memory before its write (a block whose backward came first) is copied to the
+    device once for all its views; the writer then skips it rather than write what backward already has."""
+    import threading
+
+    from lightning_efficient.activations.offload import _SyncStreams
+
+    disk = DiskOffload(str(tmp_path), min_bytes=0, _streams=_SyncStreams("cpu", pending=True))
+    gate = threading.Event()
+    disk._writer.submit(gate.wait)
+    try:
+        x = torch.randn(4, 6)
+        whole, view = disk._pack(0, x), disk._pack(0, x[1:])
+        first = disk._unpack(0, whole)
+    finally:
+        gate.set()
+    disk.flush()
+    second = disk._unpack(0, view)
+    assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert torch.equal(first, x) and torch.equal(second, x[1:])
+    assert disk.bytes_written == 0 and disk.files() == []
+    disk.close()
+
+
+def test_a_writer_failure_other_than_a_full_disk_is_raised_on_the_training_thread(tmp_path):
+    from lightning_efficient.activations.offload import _SyncStreams
+
+    class _CudaErrorAtTheCopy(_SyncStreams):
+        def wait_on_host(self, event):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    model = _demo()
+    disk = DiskOffload(str(tmp_path), min_bytes=0, exclude=_exclude(model), _streams=_CudaErrorAtTheCopy("cpu"))
+    _disk_offloaded(model, disk)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _demo_loss(model).backward()
+        disk.check(wait=True)
+    assert disk._pending == 0
+    disk.close()
+
+
 def test_disk_offload_refuses_a_max_pending_bytes_under_one(tmp_path):
     with pytest.raises(ValueError, match="max_pending_bytes"):
         DiskOffload(str(tmp_path), max_pending_bytes=0)
