@@ -921,6 +921,70 @@ def test_a_micro_batch_the_user_fixed_that_runs_out_of_memory_while_measuring_is
     assert record.samples == [] and record._samples == 0
 
 
+@functools.cache  # one class for every block: the blocks are found as repeats of one class
+def _recomputing_runs_out(block_class: type, samples: int) -> type:
+    class RecomputingRunsOut(block_class):
+        def forward(self, x, *args, **kwargs):
+            # inside a backward, a checkpointed block recomputed: on this device the recomputation (beside the
+            # gradients flowing back) runs out of memory above ``samples`` samples, while every block kept does not
+            if torch._C._current_graph_task_id() != -1 and x.shape[0] > samples:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to recompute {x.shape[0]} samples")
+            return super().forward(x, *args, **kwargs)
+
+    return RecomputingRunsOut
+
+
+class RecomputeRunsOut(DemoGPT):
+    """The demo GPT whose blocks run out of memory when recomputed in backward above 4 samples; each forward costs
+    0.5 s more (a launch overhead, larger than 2 CPU cores' compute at these sizes), so that the largest micro-batch,
+    with some blocks recomputed, is the fastest."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for _, block in find_blocks(self):
+            block.__class__ = _recomputing_runs_out(type(block), 4)
+
+    def forward(self, input_ids, *args, **kwargs):
+        time.sleep(0.5)
+        return super().forward(input_ids, *args, **kwargs)
+
+
+def test_a_pick_whose_block_policies_run_out_of_memory_when_timed_is_planned_below_it_and_the_fit_equals_plain_lightning(
+        small_datamodule_kwargs):
+    model_kwargs = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 2, "seq_len": 256}
+    data_kwargs = {**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}
+    settings = {"activation_policies": ["keep", "checkpoint"], "optimizer_options": ["32-bit"]}
+
+    def fit(callbacks, **loop):
+        lightning.seed_everything(0)
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                                    callbacks=callbacks, **loop)
+        model = RecomputeRunsOut(**model_kwargs)
+        trainer.fit(model, CorpusDataModule(**{**data_kwargs, **({"batch_size": loop["accumulate_grad_batches"] and 4}
+                                                                  if loop else {})}))
+        return model
+
+    probe = AutoFit(budget="8GiB", plan_only=True, **settings)
+    fit([probe])
+    kept = probe.plan.ranks[0].peak_bytes  # every block kept at micro-batch 8
+    # 30 MiB below that (the blocks hold 60-70 MiB at 8 samples, micro-batch 4 ~40 MiB less than 8): 8 fits only with
+    # some blocks recomputed, 4 with every block kept
+    autofit, record = AutoFit(budget=int((kept - 30 * MiB) / 0.9), **settings), Recorder()
+    model = fit([autofit, record])
+    notes = autofit.plan.notes
+    assert "an earlier pick ran out of memory with its block policies applied (micro-batch 8): planned again below it" in notes, notes
+    assert autofit.profiles[0].out_of_memory_at == 8
+    assert autofit.plan.micro_batches == [4] and autofit.plan.accumulation == 2
+    assert autofit.plan.ranks[0].policies == ["keep"] * 4, autofit.plan  # no block recomputed at 4 either: kept fit
+    assert record.samples == [8, 8]
+    plain = Recorder()
+    plain_model = fit([plain], accumulate_grad_batches=2)
+    assert plain.losses == record.losses
+    for a, b in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_the_peak_while_planning_counts_every_reading_and_is_printed_with_the_plan(small_datamodule_kwargs, lightning_caplog):
     # a budget well below micro-batch 4's peak: the first size read (4 of 8) misses it and the sizes move down
     budget = int(_profile_figures(small_datamodule_kwargs).peak_bytes[0] * 0.85)
