@@ -250,7 +250,7 @@ class DiskOffload(_BlockHooks):
         self._files: dict[tuple[str, int], tuple[weakref.ref, weakref.ref]] = {}
         self._error: Exception | None = None  # the first failed write's (a DiskFullError where the disk refused it)
         self.bytes_written = 0  # what the writer wrote (not the files backward released before their turn)
-        self.bytes_offloaded = 0  # what the store took out of memory (every storage, written or not)
+        self.bytes_offloaded = 0  # what was handed to the store (every storage it took, written or not)
         self.max_pending_bytes = max_pending_bytes
         self._streams = _streams if _streams is not None else _CudaStreams()
         self._pending = 0  # bytes submitted to the writer and not yet written (or skipped)

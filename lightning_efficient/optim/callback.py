@@ -39,6 +39,7 @@ from lightning_efficient.optim.twins import (
     is_stateless,
     paged_refusal,
 )
+from lightning_efficient.optim.unsynced import unsynced
 
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -233,6 +234,8 @@ class EightBitOptimizer(Callback):
                 twin = self._offloaded(twin)
             elif paged:
                 twin = self._rebuilt(twin, repaged_on_load(type(twin)))  # still paged after a resume
+            else:
+                twin = self._rebuilt(twin, unsynced(type(twin)))  # no device wait after every parameter
             replaced.append(twin)
         return replaced
 

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_efficient.optim.unsynced import on_default_stream
 
 _SHARED_KEYS = ("qmap1", "qmap2")  # quantization maps: shared by every parameter, tiny, stay on the device
 _PAGED_KEYS = ("state1", "state2")  # what bitsandbytes allocates with get_state_buffer (paged when large)
@@ -75,20 +76,10 @@ class CudaCopies:
         self.to_device_stream = torch.cuda.Stream(device)
         self.to_host_stream = torch.cuda.Stream(device)
 
-    @contextlib.contextmanager
-    def updating(self) -> Iterator[None]:
+    def updating(self) -> contextlib.AbstractContextManager[None]:
         """Run the step's updates with the default stream current, ordered after the current stream's
         work so far and before its work to come (device-side waits; the host does not wait)."""
-        current = torch.cuda.current_stream(self.device)
-        if current == self.compute:
-            yield
-            return
-        self.compute.wait_stream(current)
-        try:
-            with torch.cuda.stream(self.compute):
-                yield
-        finally:
-            current.wait_stream(self.compute)
+        return on_default_stream(self.device)
 
     def to_device(self, hosts: list[Tensor]) -> tuple[list[Tensor], Any]:
         """Start copying ``hosts`` to the device; the copies and the event that marks them done.
