@@ -10,6 +10,8 @@ from lightning_efficient import ActivationMemory, EightBitOptimizer, Heterogeneo
     (ActivationMemory, {"reentrant": "no"}, "reentrant='no' is not allowed: expected True or False"),
     (ActivationMemory, {"use_streams": 1}, "use_streams=1 is not allowed: expected True or False"),
     (ActivationMemory, {"offload_dir": 123}, "offload_dir=123 is not allowed: expected None or a path"),
+    (ActivationMemory, {"offload_dir": __file__}, "offload_dir=.* is not allowed: expected a directory \\(or None\\), not an existing file"),
+    (ActivationMemory, {"disk_pending_bytes": 0}, "disk_pending_bytes=0 is not allowed"),
     (ActivationMemory, {"policy": "auto", "budget": 0.5, "auto_policies": []}, "auto_policies=\\[\\] is not allowed"),
     (HeterogeneousDDPStrategy, {"shuffle": "no"}, "shuffle='no' is not allowed: expected True or False"),
     (HeterogeneousDDPStrategy, {"drop_last": None}, "drop_last=None is not allowed"),

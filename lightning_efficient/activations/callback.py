@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -46,11 +47,14 @@ class ActivationMemory(Callback):
             matches ``<Name>``).
         budget: for ``auto``: activation bytes held for backward per rank, as bytes, a string like
             ``"6GiB"``, or a float in (0, 1] — that fraction of the measured every-block-kept figure.
-        offload_dir: where ``disk`` makes its private directory (None: the system temp directory).
+        offload_dir: the directory where ``disk`` makes its private directory (None: the system temp directory;
+            made, with its parents, where it does not exist; an existing file is refused).
         use_streams: ``offload`` copies on a side stream and prefetches in backward (CUDA).
         min_offload_bytes: saved tensors smaller than this stay on the device under offload/disk.
         reentrant: reentrant checkpointing (refused with DDP's ``find_unused_parameters=True``).
         auto_policies: the policies ``auto`` may choose from.
+        disk_pending_bytes: under ``disk``, the most bytes of saved tensors waiting for the writer thread; beyond it
+            forward waits for the disk (memory, on the device and in the host, then stays bounded).
 
     Raises:
         ValueError: naming the argument for an unknown policy, a missing/invalid budget, or a bad
@@ -68,6 +72,7 @@ class ActivationMemory(Callback):
         min_offload_bytes: int = 2**16,
         reentrant: bool = False,
         auto_policies: list[Policy] | None = None,
+        disk_pending_bytes: int = 2**30,
     ) -> None:
         allowed = (*POLICIES, "auto")
         policies = [policy] if isinstance(policy, str) else list(policy)
@@ -84,6 +89,9 @@ class ActivationMemory(Callback):
         require_bool("use_streams", use_streams)
         require_bool("reentrant", reentrant)
         require_path("offload_dir", offload_dir)
+        require(offload_dir is None or not Path(offload_dir).expanduser().is_file(), "offload_dir", offload_dir,
+                "a directory (or None), not an existing file")
+        require_int("disk_pending_bytes", disk_pending_bytes, 1)
         require(auto_policies is None or (isinstance(auto_policies, list) and len(auto_policies) > 0), "auto_policies",
                 auto_policies, "None (every policy) or a non-empty list of policies")
         require_int("min_offload_bytes", min_offload_bytes, 0)
@@ -97,6 +105,7 @@ class ActivationMemory(Callback):
         self.use_streams = use_streams
         self.min_offload_bytes = min_offload_bytes
         self.reentrant = reentrant
+        self.disk_pending_bytes = disk_pending_bytes
         self._block_list: list[tuple[str, torch.nn.Module]] = []
         self._plan: list[str] | None = None
         self._rank_plans: list[dict[str, Any]] | None = None  # each rank's auto plan and its figures
@@ -202,7 +211,8 @@ class ActivationMemory(Callback):
     def _hooks_for(self, policy: str, index: int):
         if policy == "disk":
             if self._disk is None:
-                self._disk = DiskOffload(self.offload_dir, self.min_offload_bytes, self._exclude)
+                self._disk = DiskOffload(self.offload_dir, self.min_offload_bytes, self._exclude,
+                                         max_pending_bytes=self.disk_pending_bytes)
             return lambda: self._disk.hooks(index)
         if policy == "offload":
             if self._host is None:

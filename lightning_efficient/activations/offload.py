@@ -139,7 +139,8 @@ class _StorageFile:
             host.numpy().tofile(self.path)
         except OSError as error:
             store._failed(DiskFullError(
-                f"disk offload could not write {self.nbytes:,} bytes to {self.path}: {error.strerror or error}"))
+                f"disk offload could not write {self.nbytes:,} bytes to {self.path}: {error.strerror or error}; free "
+                "space there, or give ActivationMemory an offload_dir on a disk with room"))
             return
         except Exception as error:  # noqa: BLE001 - a CUDA error at the copy's event, say: the training thread raises it
             store._failed(error)
@@ -316,7 +317,8 @@ class DiskOffload(_BlockHooks):
         free = shutil.disk_usage(self.root).free
         if free < nbytes:
             raise DiskFullError(
-                f"disk offload needs {nbytes:,} more bytes at {self.root} but the disk has {free:,} free"
+                f"disk offload needs {nbytes:,} more bytes at {self.root} but the disk has {free:,} free; free space "
+                "there, or give ActivationMemory an offload_dir on a disk with room"
             )
         self._wait_for_room(nbytes)
         self.check()

@@ -356,3 +356,30 @@ def test_auto_budget_infeasible_on_one_rank_fails_on_every_rank_with_the_numbers
         assert rank["error"].startswith("ValueError: ActivationMemory(policy='auto') could not plan: rank 1 (micro-batch 6): "
                                         "budget=400,000 bytes is below what the leanest plan reaches"), rank["error"]
     assert ranks[0]["error"] == ranks[1]["error"]
+
+
+class _PendingBound(lightning.Callback):
+    def __init__(self, memory):
+        self.memory, self.bounds = memory, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.bounds.append(self.memory._disk.max_pending_bytes)
+
+
+def test_disk_pending_bytes_bounds_the_disk_writers_backlog_and_the_fit_equals_keeping_every_block(tmp_path):
+    def fit(callbacks):
+        lightning.seed_everything(1)
+        model = DemoGPT(**tiny_gpt_kwargs())
+        losses = _Losses()
+        _trainer([*callbacks, losses], steps=3).fit(model, _loader())
+        return losses.losses, model
+
+    memory = ActivationMemory(policy="disk", offload_dir=str(tmp_path), min_offload_bytes=0, disk_pending_bytes=1)
+    bound = _PendingBound(memory)
+    losses, model = fit([memory, bound])  # every saved storage waits for the one before it to be written
+    plain_losses, plain = fit([])
+    assert bound.bounds == [1, 1, 1]
+    assert losses == plain_losses
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    assert memory.memory_figures()["activation_disk_offloaded_bytes"] > 0
