@@ -405,4 +405,4 @@ class _RepagedOnLoadMixin:
 @cache
 def repaged_on_load(cls: type) -> type:
     """A subclass of the paged bitsandbytes optimizer ``cls`` whose loaded states are paged again."""
-    return type(cls.__name__, (_RepagedOnLoadMixin, cls), {})
+    return type(cls.__name__, (_RepagedOnLoadMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})

@@ -72,5 +72,5 @@ class _UnsyncedStepMixin:
 @cache
 def unsynced(cls: type) -> type:
     """A subclass of the (non-paged) bitsandbytes optimizer ``cls`` whose ``step`` does not wait for the device after
-    every parameter (same name: it is the same optimizer)."""
-    return type(cls.__name__, (_UnsyncedStepMixin, cls), {})
+    every parameter (same name and module: it is the same optimizer, for code that tells optimizers by them)."""
+    return type(cls.__name__, (_UnsyncedStepMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})

@@ -27,7 +27,7 @@ def test_the_unsynced_step_updates_as_bitsandbytes_does_and_never_waits_for_the_
     assert waits == []
     for p, q in zip(plain_params, params):
         assert torch.equal(p, q)
-    assert type(ours).__name__ == cls.__name__ and isinstance(ours, cls)
+    assert (type(ours).__name__, type(ours).__module__) == (cls.__name__, cls.__module__) and isinstance(ours, cls)
 
 
 
