@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_efficient.optim.unsynced import on_default_stream
+from lightning_efficient.optim.unsynced import on_default_stream, update_each_parameter
 
 _SHARED_KEYS = ("qmap1", "qmap2")  # quantization maps: shared by every parameter, tiny, stay on the device
 _PAGED_KEYS = ("state1", "state2")  # what bitsandbytes allocates with get_state_buffer (paged when large)
@@ -244,14 +244,7 @@ class _HostOffloadMixin:
             with contextlib.ExitStack() as updating:
                 for device in dict.fromkeys(p.device for p in self._order):
                     updating.enter_context(self._copies_for(device).updating())
-                for gindex, group in enumerate(self.param_groups):
-                    for pindex, p in enumerate(group["params"]):
-                        if p.grad is None:
-                            continue
-                        if len(self.state[p]) == 0:
-                            self.init_state(group, p, gindex, pindex)
-                        self.prefetch_state(p)
-                        self.update_step(group, p, gindex, pindex)
+                update_each_parameter(self)
         finally:
             for copies in self._copies.values():
                 copies.finish()

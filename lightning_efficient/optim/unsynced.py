@@ -40,6 +40,19 @@ def on_default_stream(device: torch.device) -> Iterator[None]:
         current.wait_stream(default)
 
 
+def update_each_parameter(optimizer: torch.optim.Optimizer) -> None:
+    """bitsandbytes' loop over the parameters with gradients, without its wait after each: a state made on first use,
+    then ``prefetch_state`` and ``update_step`` (the optimizer's own, so a mixin's overrides take part)."""
+    for gindex, group in enumerate(optimizer.param_groups):
+        for pindex, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if len(optimizer.state[p]) == 0:
+                optimizer.init_state(group, p, gindex, pindex)
+            optimizer.prefetch_state(p)
+            optimizer.update_step(group, p, gindex, pindex)
+
+
 class _UnsyncedStepMixin:
     """Mixed into a bitsandbytes optimizer class: its ``step`` loop (overrides checked and states moved once, a
     state made on first use, ``prefetch_state`` then ``update_step`` per parameter) without the wait per parameter."""
@@ -58,14 +71,7 @@ class _UnsyncedStepMixin:
         with contextlib.ExitStack() as ordered:
             for device in dict.fromkeys(p.device for g in self.param_groups for p in g["params"] if p.grad is not None):
                 ordered.enter_context(on_default_stream(device))
-            for gindex, group in enumerate(self.param_groups):
-                for pindex, p in enumerate(group["params"]):
-                    if p.grad is None:
-                        continue
-                    if len(self.state[p]) == 0:
-                        self.init_state(group, p, gindex, pindex)
-                    self.prefetch_state(p)
-                    self.update_step(group, p, gindex, pindex)
+            update_each_parameter(self)
         return loss
 
 

@@ -336,23 +336,29 @@ def test_cuda_offloaded_or_paged_states_train_bitwise_like_plain_8bit_and_resume
         assert getattr(big["state1"], "is_paged", False) and getattr(big["state2"], "is_paged", False)
 
 
-@needs_cuda
-def test_cuda_offloaded_step_under_a_side_stream_equals_plain_8bit():
-    # bitsandbytes' kernels run on the legacy default stream: with another stream current, the copies
-    # must still be ordered against the updates (the step runs with the default stream current)
+def stepped_under_a_side_stream_like_plain_8bit(cls: type) -> tuple[torch.optim.Optimizer, list]:
+    """``cls`` (an AdamW8bit subclass) stepped 4 times with a side stream current, its parameters checked equal to
+    plain AdamW8bit's stepped on the default stream. bitsandbytes' kernels run on the legacy default stream: the
+    step must still be ordered after the gradients written on the side stream and before what follows."""
     plain_params, params = _params(device="cuda"), _params(device="cuda")
-    plain = bnb.optim.AdamW8bit(plain_params, lr=1e-2)
-    offloaded = host_offloaded(bnb.optim.AdamW8bit)(params, lr=1e-2)
+    plain, optimizer = bnb.optim.AdamW8bit(plain_params, lr=1e-2), cls(params, lr=1e-2)
     side = torch.cuda.Stream()
     for step in range(4):
         _run(plain, plain_params, 1, step)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            _run(offloaded, params, 1, step)
+            _run(optimizer, params, 1, step)
         torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     for p, q in zip(plain_params, params):
         assert torch.equal(p, q)
+    return optimizer, params
+
+
+@needs_cuda
+def test_cuda_offloaded_step_under_a_side_stream_equals_plain_8bit():
+    # the copies too must be ordered against the updates (the step runs with the default stream current)
+    offloaded, params = stepped_under_a_side_stream_like_plain_8bit(host_offloaded(bnb.optim.AdamW8bit))
     assert offloaded.state[params[0]]["state1"].device.type == "cpu"
 
 

@@ -7,7 +7,7 @@ import torch
 from lightning_efficient import EightBitOptimizer
 from lightning_efficient.optim.unsynced import _UnsyncedStepMixin, unsynced
 from tests.optim.helpers import Regression, trainer
-from tests.optim.test_offload_paged import _params, _run
+from tests.optim.test_offload_paged import _params, _run, stepped_under_a_side_stream_like_plain_8bit
 
 
 @pytest.mark.parametrize("cls", [bnb.optim.AdamW8bit, bnb.optim.SGD8bit, bnb.optim.AdamW32bit], ids=lambda c: c.__name__)
@@ -48,17 +48,4 @@ def test_eight_bit_optimizer_builds_unsynced_twins_whose_step_hooks_run_once_per
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_unsynced_step_under_a_side_stream_equals_plain_8bit():
-    # bitsandbytes' kernels run on the legacy default stream: with another stream current, the step must still come
-    # after the gradients written on it, and before what follows
-    plain_params, params = _params(device="cuda"), _params(device="cuda")
-    plain, ours = bnb.optim.AdamW8bit(plain_params, lr=1e-2), unsynced(bnb.optim.AdamW8bit)(params, lr=1e-2)
-    side = torch.cuda.Stream()
-    for step in range(4):
-        _run(plain, plain_params, 1, step)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            _run(ours, params, 1, step)
-        torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    for p, q in zip(plain_params, params):
-        assert torch.equal(p, q)
+    stepped_under_a_side_stream_like_plain_8bit(unsynced(bnb.optim.AdamW8bit))
