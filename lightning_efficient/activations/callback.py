@@ -115,7 +115,7 @@ class ActivationMemory(Callback):
         self._profiles: list[BlockProfile] = []
         self._plan_summary: Plan | None = None
         self._use_cache_off: list[Any] = []
-        self._disk_figures: dict[str, int] = {}  # what the last fit's disk offload took out of memory and wrote
+        self._closed_disk: DiskOffload | None = None  # the last fit's disk offload, closed: its byte counts
         self._warned_cpu_offload = False
         self._exclude: ParameterStorages | None = None
 
@@ -129,7 +129,7 @@ class ActivationMemory(Callback):
                 "parameters ready twice or never; use reentrant=False."
             )
         self._plan, self._rank_plans, self._plan_summary, self._profiles = None, None, None, []
-        self._disk_figures = {}
+        self._closed_disk = None
         self._block_list = find_blocks(pl_module, self.blocks)
         if self._exclude is not None:
             self._exclude.stop()
@@ -332,7 +332,12 @@ class ActivationMemory(Callback):
         if self._plan_summary is not None:
             figures["activation_planned_bytes"] = self._plan_summary.held_bytes
             figures["activation_all_kept_bytes"] = self._plan_summary.baseline_bytes
-        figures.update(_disk_byte_figures(self._disk) if self._disk is not None else self._disk_figures)
+        disk = self._disk or self._closed_disk
+        if disk is not None:
+            # handed to it (every saved storage it took; on a device copied out at once, on CPU held until written), and
+            # written (less the files whose block's backward ran before the writer reached them: that share varies)
+            figures["activation_disk_offloaded_bytes"] = disk.bytes_offloaded
+            figures["activation_disk_written_bytes"] = disk.bytes_written
         return figures
 
     @property
@@ -378,7 +383,7 @@ class ActivationMemory(Callback):
         disk, self._disk, self._host = self._disk, None, None
         if disk is not None:
             disk.close()  # its flush may still write
-            self._disk_figures = _disk_byte_figures(disk)
+            self._closed_disk = disk
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -390,9 +395,3 @@ class ActivationMemory(Callback):
         self._restored = None  # a fit that never reached on_train_start (resumed at its end) leaves none behind
         self._undo()
 
-
-def _disk_byte_figures(disk: DiskOffload) -> dict[str, int]:
-    """Disk offload's bytes: handed to it (every saved storage it took; on a device copied out at once, on CPU held until
-    written), and written (less the files whose block's backward ran before the writer reached them, which it skips:
-    that share varies with timing)."""
-    return {"activation_disk_offloaded_bytes": disk.bytes_offloaded, "activation_disk_written_bytes": disk.bytes_written}
