@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -33,7 +34,9 @@ from lightning_efficient.optim.state import (
 from lightning_efficient.optim.twins import (
     NoTwinError,
     build_twin,
+    constructor_defaults,
     eight_bit_classes,
+    family_of,
     find_twin,
     follow_torch_names,
     is_stateless,
@@ -44,6 +47,13 @@ from lightning_efficient.optim.unsynced import unsynced
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+#: for each optimizer that held no states before its fit, the 8-bit twin that trained in its place, with the states
+#: that fit left: a ``configure_optimizers`` that keeps the optimizer between fits gets them back in its next fit's twin,
+#: as plain Lightning's next fit goes on from a kept optimizer's states. Keyed weakly: an optimizer built afresh for
+#: every fit leaves nothing behind once it is dropped.
+_TWINS_LEFT: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.optim.Optimizer] = weakref.WeakKeyDictionary()
 
 
 class EightBitOptimizer(Callback):
@@ -112,7 +122,7 @@ class EightBitOptimizer(Callback):
         if offload is not None:
             require_choice("offload", offload, ("cpu",))
         require(not (paged and offload), "offload", offload, "None when paged=True (paged states already move to the host)")
-        require(bits in (8, 32), "bits", bits, "8 or 32")
+        require(type(bits) is int and bits in (8, 32), "bits", bits, "the int 8 or 32")
         self.min_8bit_size = min_8bit_size
         self.keep_32bit = list(keep_32bit or [])
         self.embeddings_32bit = embeddings_32bit
@@ -219,10 +229,11 @@ class EightBitOptimizer(Callback):
                 raise ValueError(f"paged=True is not allowed for optimizer {index}: {paged_refusal(optimizer)}; use paged=False.")
             try:
                 twin = build_twin(optimizer, min_8bit_size=self.min_8bit_size, paged=paged, sharded=has_sharded_params(optimizer))
-            except NoTwinError:
+            except NoTwinError as error:
                 if self.strict:
-                    raise
-                rank_zero_warn(f"EightBitOptimizer: optimizer {index} cannot become 8-bit; left as it is.")
+                    raise NoTwinError(f"{error} (EightBitOptimizer(strict=False) leaves such an optimizer as it is, with a "
+                                      "warning)") from None
+                rank_zero_warn(f"EightBitOptimizer: optimizer {index}: {error}; left as it is.")
                 replaced.append(optimizer)
                 continue
             # registered only once the twin exists: bitsandbytes reads them when a state is first made
@@ -243,8 +254,12 @@ class EightBitOptimizer(Callback):
         """Load into ``twin`` (no state yet) the states ``optimizer`` held before the fit (a ``configure_optimizers``
         that keeps one optimizer between fits), quantized as a 32-bit checkpoint's are on resume; whether it did. A
         twin of an optimizer whose states do not convert (not torch's Adam layout, or sharded) starts without them,
-        as said."""
+        as said. An optimizer holding none gets the 8-bit states its twin left in the fit before, if any (not carried:
+        they stay 8-bit, in the twin)."""
+        left = _TWINS_LEFT.pop(optimizer, None)  # the optimizer's own states, where it holds some, are newer
         if not len(optimizer.state):
+            if left is not None:
+                self._resume_left_states(left, optimizer, twin, index)
             return False
         layouts = {param_state_layout(state) for state in optimizer.state.values()} - {None}
         why, converted = None, None
@@ -264,6 +279,21 @@ class EightBitOptimizer(Callback):
         twin.load_state_dict(converted)
         return True
 
+    def _resume_left_states(self, left: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, twin: torch.optim.Optimizer,
+                            index: int) -> None:
+        """Load into ``twin`` the states ``left``, the twin of ``optimizer``'s fit before (:data:`_TWINS_LEFT`), left, in
+        their 8-bit layout as they were, with ``twin``'s own hyperparameters (the user's param groups now)."""
+        saved = left.state_dict()
+        saved["param_groups"] = [{**group, "params": old["params"]}
+                                 for group, old in zip(twin.state_dict()["param_groups"], saved["param_groups"])]
+        try:
+            twin.load_state_dict(saved)
+        except Exception as error:  # noqa: BLE001 - the groups changed between the fits: the twin starts afresh, as said
+            twin.state.clear()
+            rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) was kept from the fit before, "
+                           f"but the 8-bit states that fit left do not load into this fit's twin ({type(error).__name__}: "
+                           f"{error}); it starts without them.")
+
     def _hand_back_to_user(self, trainer: Trainer) -> None:
         """Every scheduler back on the user's optimizer, which takes the hyperparameters the fit left in its twin's
         param groups; and the twins' states, dequantized, into the user's
@@ -280,6 +310,8 @@ class EightBitOptimizer(Callback):
             for group, twin_group in zip(optimizer.param_groups, twin.param_groups):
                 group.update({key: twin_group[key] for key in (group.keys() & twin_group.keys()) - {"params"}})
             index = next((i for i, o in enumerate(trainer.strategy.optimizers) if o is twin), None)
+            if not carried and len(twin.state) and not has_sharded_params(optimizer):
+                _TWINS_LEFT[optimizer] = twin  # for a next fit that gets this optimizer again
             if not carried or index is None:
                 continue
             trainer.strategy.optimizers = [optimizer if o is twin else o for o in trainer.strategy.optimizers]
@@ -305,8 +337,7 @@ class EightBitOptimizer(Callback):
         """``twin`` (no state yet) rebuilt as ``cls``, a subclass of its class, same param groups."""
         accepted = set(inspect.signature(type(twin).__init__).parameters) - {"self", "params", "args", "min_8bit_size"}
         groups = twin.param_groups
-        kwargs = {k: groups[0][k] for k in accepted if k in groups[0]}
-        rebuilt = cls(groups, **kwargs, min_8bit_size=self.min_8bit_size)
+        rebuilt = cls(groups, **constructor_defaults(family_of(twin), groups, accepted), min_8bit_size=self.min_8bit_size)
         follow_torch_names(rebuilt)
         return rebuilt
 

@@ -140,12 +140,32 @@ def find_twin(optimizer: torch.optim.Optimizer) -> Twin | None:
 
 
 def is_stateless(optimizer: torch.optim.Optimizer) -> bool:
-    """True for SGD without momentum: it keeps no state, so there is nothing to quantize."""
+    """True for SGD without momentum and for Lightning's placeholder where ``configure_optimizers`` returns None: they
+    keep no state, so there is nothing to quantize."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+
+    if isinstance(optimizer, _MockOptimizer):
+        return True
     return isinstance(optimizer, torch.optim.SGD) and all(g.get("momentum", 0) == 0 for g in optimizer.param_groups)
 
 
 class NoTwinError(TypeError):
     """An optimizer has no 8-bit twin, or uses a setting its twin cannot honour."""
+
+
+#: the group keys bitsandbytes reads from ``betas`` for each family that names them otherwise in torch
+_TORCH_COEFFICIENTS = {"momentum": ("momentum", "dampening"), "rmsprop": ("alpha", "momentum")}
+
+
+def constructor_defaults(family: str, groups: list[dict], accepted: tuple[str, ...] | set[str]) -> dict[str, Any]:
+    """The keyword arguments to build a twin of ``family`` over ``groups`` with (each group keeps its own values;
+    these are the defaults a group added later takes): the first group's ``accepted`` keys, but for SGD's momentum
+    the first group's with momentum, as bitsandbytes' SGD8bit refuses ``momentum=0`` while a group without
+    momentum next to one with it trains as torch's does (a stateless SGD is never converted)."""
+    defaults = {k: groups[0][k] for k in accepted if k in groups[0]}
+    if family == "momentum" and not defaults.get("momentum"):
+        defaults["momentum"] = next((g["momentum"] for g in groups if g.get("momentum")), defaults.get("momentum", 0))
+    return defaults
 
 
 def _translate(family: str, group: dict) -> dict:
@@ -179,6 +199,13 @@ def follow_torch_names(optimizer: torch.optim.Optimizer) -> None:
     family = family_of(optimizer)
     if family not in ("momentum", "rmsprop"):
         return
+    # the defaults as torch's optimizer has them: its coefficients under torch's names and no ``betas``, which
+    # bitsandbytes reads from the groups alone; a reader that takes ``betas`` when the defaults hold it (Lightning's
+    # LearningRateMonitor, a OneCycleLR built on the twin) would otherwise read a value the hook refreshes only at the
+    # next step
+    optimizer.defaults.pop("betas", None)
+    for key in _TORCH_COEFFICIENTS[family]:
+        optimizer.defaults.setdefault(key, optimizer.param_groups[0][key])
 
     def translate(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for group in opt.param_groups:
@@ -224,7 +251,7 @@ def build_twin(
     if paged and twin.paged is None:
         raise ValueError(f"paged=True is not allowed: {paged_refusal(optimizer)}; use paged=False.")
     groups = [_translate(twin.family, {k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}) for g in optimizer.param_groups]
-    defaults = {k: groups[0][k] for k in twin.hyperparameters if k in groups[0]}
+    defaults = constructor_defaults(twin.family, groups, twin.hyperparameters)
     cls = twin.paged if paged else twin.eight_bit
     if sharded:
         from lightning_efficient.optim.sharded import sharded_class

@@ -405,3 +405,143 @@ def test_an_sgd_kept_between_fits_whose_states_do_not_convert_is_said_and_left_a
     got = module.kept.state_dict()
     assert got["state"].keys() == held["state"].keys()
     assert all(torch.equal(got["state"][i]["momentum_buffer"], held["state"][i]["momentum_buffer"]) for i in held["state"])
+
+
+class KeptBitsandbytes(Regression):
+    """Plain Lightning's reference for a kept optimizer under EightBitOptimizer: configure_optimizers keeps one
+    bitsandbytes AdamW8bit (same settings as the twin of the Regression's AdamW) between fits."""
+
+    def configure_optimizers(self):
+        if not hasattr(self, "kept"):
+            self.kept = bnb.optim.AdamW8bit(self.parameters(), lr=self.lr, weight_decay=0.05, min_8bit_size=1024)
+        return self.kept
+
+
+def _override_embedding_32bit(module):
+    bnb.optim.GlobalOptimManager.get_instance().override_config(module.embed.weight, "optim_bits", 32)
+
+
+def test_an_optimizer_kept_from_its_first_8bit_fit_goes_on_from_the_states_that_fit_left():
+    # a new user's trial: a configure_optimizers keeping one AdamW lost its first 8-bit fit's moments, where plain
+    # Lightning's next fit goes on from them (here: from a kept bitsandbytes AdamW8bit's, bitwise)
+    torch.manual_seed(0)
+    ours = KeptOptimizer()
+    torch.manual_seed(0)
+    reference = KeptBitsandbytes()
+    _override_embedding_32bit(reference)  # as the twin keeps the embedding 32-bit
+    try:
+        for steps in (3, 4):
+            trainer(steps, [EightBitOptimizer(min_8bit_size=1024)]).fit(ours)
+            trainer(steps).fit(reference)
+            for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+                assert torch.equal(a, b), (steps, name)
+    finally:
+        bnb.optim.GlobalOptimManager.get_instance().pid2config.pop(id(reference.embed.weight), None)
+    assert len(ours.kept.state) == 0  # the user's AdamW never held 8-bit states
+
+
+def test_an_optimizer_kept_between_fits_takes_its_own_newer_states_over_those_an_earlier_8bit_fit_left():
+    torch.manual_seed(0)
+    module = KeptOptimizer()
+    trainer(2, [EightBitOptimizer(min_8bit_size=1024)]).fit(module)
+    trainer(3).fit(module)  # plain: the kept AdamW starts afresh (its states were 8-bit, in the twin) and makes its own
+    assert module.kept.state_dict()["state"][0]["step"].item() == 3
+    seen = KeptStatesAtStart(module)
+    trainer(1, [EightBitOptimizer(min_8bit_size=1024), seen]).fit(module)
+    assert int(seen.twin_state["state"][0]["step"]) == 3  # carried from the user's, not the first fit's twin (2)
+
+
+def test_the_states_a_kept_optimizer_left_that_no_longer_load_are_said_and_the_twin_starts_afresh():
+    torch.manual_seed(0)
+    module = KeptOptimizer()
+    trainer(2, [EightBitOptimizer(min_8bit_size=1024)]).fit(module)
+    module.kept.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})  # a new group between the fits
+    seen = KeptStatesAtStart(module)
+    with pytest.warns(UserWarning, match="do not load into this fit's twin"):
+        trainer(1, [EightBitOptimizer(min_8bit_size=1024), seen]).fit(module)
+    assert seen.twin_state["state"] == {}
+
+
+class TwoSGDGroups(Regression):
+    """SGD whose first param group has no momentum (the embedding) and whose second has."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([{"params": [self.embed.weight], "momentum": 0.0},
+                                {"params": [p for n, p in self.named_parameters() if n != "embed.weight"]}],
+                               lr=self.lr, momentum=0.9)
+
+
+def test_an_sgd_whose_first_group_has_no_momentum_becomes_8bit_and_that_group_steps_as_torch_does():
+    # a new user's trial: bitsandbytes' SGD8bit refused the first group's momentum=0 as its default
+    torch.manual_seed(0)
+    ours = TwoSGDGroups()
+    torch.manual_seed(0)
+    plain = TwoSGDGroups()
+    t = trainer(1, [EightBitOptimizer(min_8bit_size=1024, embeddings_32bit=False)])
+    t.fit(ours)
+    trainer(1).fit(plain)
+    assert isinstance(t.optimizers[0], bnb.optim.SGD8bit)
+    assert [g["momentum"] for g in t.optimizers[0].param_groups] == [0.0, 0.9]
+    assert t.optimizers[0].state[ours.hidden.weight]["state1"].dtype == torch.uint8  # the momentum group's, 8-bit
+    # the same gradient (one step from the same start): without momentum the update is SGD's exactly
+    assert torch.equal(ours.embed.weight, plain.embed.weight)
+
+
+class OneCycleSGD(Regression):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {
+            "scheduler": torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10), "interval": "step"}}
+
+
+class LoggedMomentum(lightning.Callback):
+    """The momentum LearningRateMonitor logs at each step (it logs in on_train_batch_start)."""
+
+    def __init__(self):
+        self.values = []
+
+    def on_train_batch_end(self, trainer, *args):
+        self.values.append(next(float(v) for k, v in trainer.callback_metrics.items() if k.endswith("-momentum")))
+
+
+def test_learning_rate_monitor_logs_the_scheduled_momentum_of_an_8bit_sgd_at_the_step_that_uses_it(tmp_path):
+    # a new user's trial: it read the twin's betas, which took the scheduled momentum only at the next step
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    logged = {}
+    for label, callbacks in (("plain", []), ("8-bit", [EightBitOptimizer(min_8bit_size=1024)])):
+        seen = LoggedMomentum()
+        lightning.Trainer(accelerator="cpu", max_steps=5, enable_progress_bar=False, enable_model_summary=False,
+                          enable_checkpointing=False, logger=CSVLogger(tmp_path / label), log_every_n_steps=1,
+                          callbacks=[*callbacks, LearningRateMonitor(logging_interval="step", log_momentum=True), seen],
+                          ).fit(OneCycleSGD())
+        logged[label] = seen.values
+    assert logged["8-bit"] == logged["plain"] and len(set(logged["plain"])) > 2
+
+
+def test_a_module_without_an_optimizer_trains_as_in_plain_lightning():
+    class NoOptimizer(Regression):
+        def configure_optimizers(self):
+            return None
+
+    torch.manual_seed(0)
+    module = NoOptimizer()
+    before = copy.deepcopy(module.state_dict())
+    t = trainer(2, [EightBitOptimizer()])
+    t.fit(module)  # raised that Lightning's placeholder optimizer had no 8-bit twin
+    assert t.fit_loop.epoch_loop.batch_progress.total.completed == 2  # the steps ran, nothing stepped the parameters
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_setting_that_cannot_become_8bit_says_why_when_left_as_it_is():
+    class NesterovSGD(Regression):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, nesterov=True)
+
+    with pytest.warns(UserWarning, match=r"optimizer 0: torch\.optim\.sgd\.SGD param group 0 cannot become 8-bit: nesterov=True"):
+        trainer(1, [EightBitOptimizer(strict=False)]).fit(NesterovSGD())
+    with pytest.raises(TypeError, match=r"nesterov=True .*EightBitOptimizer\(strict=False\) leaves such an optimizer"):
+        trainer(1, [EightBitOptimizer()]).fit(NesterovSGD())
+    with pytest.raises(ValueError, match="bits"):
+        EightBitOptimizer(bits=8.0)
