@@ -149,6 +149,10 @@ def _cannot_build(name: str, optimizers: list[torch.optim.Optimizer]) -> str | N
     return None
 
 
+#: what the advice to fit again with a wider margin leads to (a new user took it for a promise that a plan would fit)
+_WIDER_MARGIN = (", which plans for peaks that much above the predictions, or, where no plan fits then, refuses the budget "
+                 "before the first step, naming the least that would do")
+
 #: the plan's note when the blocks were not profiled before the first step
 NOT_PROFILED = "blocks not profiled: the fastest plan fits with every block kept"
 PRICING_ROUNDS = 2
@@ -840,6 +844,10 @@ class AutoFit(Callback):
             if current != mine.micro_batch:
                 self._undo_settings.append(("batch_size", current))
                 lightning_setattr(pl_module, "batch_size", mine.micro_batch)
+                # a training DataLoader built already (reading trainer.estimated_stepping_batches in configure_optimizers
+                # builds it, for a OneCycleLR's total_steps: the same number of optimizer steps at the plan's global
+                # batch) is built again, at the plan's micro-batch, when the loop starts
+                trainer.fit_loop._combined_loader = None
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
             trainer.accumulate_grad_batches = plan.accumulation
         if self._user_activations is None and ((mine.policies and any(p != "keep" for p in mine.policies)) or self._activations):
@@ -902,7 +910,8 @@ class AutoFit(Callback):
         mine = {"peak_bytes": float(self._meter.read() if self._meter else 0), "step_s": statistics.median(times)}
         self._measured = gather_objects(mine)
         self._measured_against = [r.peak_bytes for r in self._plan.ranks]  # a re-plan below replaces the plan
-        rank_zero_info("AutoFit: measured after " f"{len(self._step_times)} steps\n" + plan_table(self._plan, self._measured))
+        steps = f"{len(self._step_times)} step{'s' if len(self._step_times) > 1 else ''}"
+        rank_zero_info(f"AutoFit: measured after {steps}\n" + plan_table(self._plan, self._measured))
         self._replan_if_above(trainer, pl_module)
 
     def _replan_if_above(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -953,7 +962,7 @@ class AutoFit(Callback):
                    "from" if not self._profiles else "the block policies are your ActivationMemory's"
                    if self._user_activations is not None else "no blocks were found to change")
             rank_zero_warn(f"{missed}. AutoFit changes only block policies mid-fit, and {why}: the fit goes on as "
-                           f"planned; for a plan that fits, fit again with AutoFit(margin={margin:.3f}).")
+                           f"planned; for a plan that fits, fit again with AutoFit(margin={margin:.3f}){_WIDER_MARGIN}.")
             return
         # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the
         # states); each rank's block policies are chosen again for the wider margin
@@ -963,7 +972,7 @@ class AutoFit(Callback):
         except ValueError:
             rank_zero_warn(f"{missed}, and with margin {margin:.2f} no block plan fits at this micro-batch and precision "
                            f"(AutoFit changes only block policies mid-fit): the fit goes on as planned; for a plan that "
-                           f"fits, fit again with AutoFit(margin={margin:.2f}).")
+                           f"fits, fit again with AutoFit(margin={margin:.2f}){_WIDER_MARGIN}.")
             return
         if [r.policies for r in again.ranks] == [r.policies for r in plan.ranks]:
             rank_zero_info(f"{missed}; with margin {margin:.2f} the block policies stay as they are.")

@@ -55,11 +55,11 @@ WIDE_HEAD = {**tiny_gpt_kwargs(), "vocab_size": 8192, "seq_len": 256}
 
 
 def _fit(kwargs, callbacks, *, batch_size=8, accumulate=1, steps=3, root=None, ckpt_path=None, seed=0, wide=False,
-         model_class=DemoGPT):
+         model_class=DemoGPT, max_epochs=None):
     lightning.seed_everything(seed)
     model = model_class(**(WIDE_HEAD if wide else tiny_gpt_kwargs()))
     data = CorpusDataModule(**{**kwargs, "batch_size": batch_size, **({"seq_len": 256} if wide else {})})
-    trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, max_epochs=max_epochs, accumulate_grad_batches=accumulate, logger=False,
                                 enable_checkpointing=root is not None, default_root_dir=root, enable_progress_bar=False,
                                 enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
     trainer.fit(model, data, ckpt_path=ckpt_path)
@@ -229,6 +229,16 @@ def test_the_plan_command_answers_a_budget_too_small_with_the_least_that_would_f
     assert last.startswith("lightning-efficient plan: AutoFit: no configuration fits the budget. rank 0: budget 1.0 MiB")
     assert "to need a budget of at least" in last, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("option", "value", "said"), [("--budget", "banana", "budget='banana' is not allowed"),
+                                                       ("--margin", "2", "margin=2.0 is not allowed")])
+def test_the_plan_command_answers_a_wrong_budget_or_margin_in_one_line(option, value, said, capsys):
+    from lightning_efficient.cli import run_plan
+
+    with pytest.raises(SystemExit) as stop:
+        run_plan([option, value])
+    assert str(stop.value).startswith(f"lightning-efficient plan: {said}")
 
 
 def _printed_config(stdout: str) -> dict:
@@ -996,3 +1006,42 @@ def test_the_peak_while_planning_counts_every_reading_and_is_printed_with_the_pl
     assert fit.planning_peak_bytes > budget
     printed = lightning_caplog.text
     assert f"peak while planning {fit.planning_peak_bytes / MiB:,.1f} MiB, above the budget ({budget / MiB:,.1f} MiB)" in printed
+
+
+class OneCycleGPT(DemoGPT):
+    """The usual OneCycleLR set-up: its total_steps from ``trainer.estimated_stepping_batches``, which builds the
+    training DataLoader while the optimizers are configured (before AutoFit's plan sets the micro-batch)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        self.total_steps = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=self.total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LearningRates(lightning.Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_train_batch_start(self, trainer, *args):
+        self.values.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_a_dataloader_built_while_the_optimizers_are_configured_is_built_again_at_the_plans_micro_batch(small_datamodule_kwargs):
+    # a new user's trial: estimated_stepping_batches in configure_optimizers (for OneCycleLR) built the DataLoader at the
+    # old batch size, and AutoFit refused the module as if train_dataloader() ignored `batch_size`
+    profile = _profile_figures(small_datamodule_kwargs)
+    p0, p1 = profile.line(profile.peak_bytes)
+    budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
+    fit, record, rates = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder(), LearningRates()
+    # max_epochs set: estimated_stepping_batches then counts the DataLoader's batches (with max_steps alone it is max_steps)
+    trainer, model, _ = _fit(small_datamodule_kwargs, [fit, record, rates], steps=3, max_epochs=1, wide=True, model_class=OneCycleGPT)
+    micro = fit.plan.micro_batches[0]
+    assert micro < 8 and record.samples == [8, 8, 8]
+    plain, plain_rates = Recorder(), LearningRates()
+    _, plain_model, _ = _fit(small_datamodule_kwargs, [plain, plain_rates], batch_size=micro, accumulate=fit.plan.accumulation,
+                             steps=3, max_epochs=1, wide=True, model_class=OneCycleGPT)
+    assert plain.losses == record.losses and rates.values == plain_rates.values
+    assert model.total_steps == plain_model.total_steps  # the same optimizer steps: the global batch is kept
+    for a, b in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(a, b)
