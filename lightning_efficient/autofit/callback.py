@@ -839,6 +839,7 @@ class AutoFit(Callback):
             strategy = trainer.strategy
             self._undo_settings.append((strategy, "max_micro_batch", strategy.max_micro_batch))
             strategy.max_micro_batch = plan.micro_batches
+            trainer.fit_loop._combined_loader = None  # built again under the plan's caps, as below
         elif plan.accumulation is not None and self._micro_searched and lightning_hasattr(pl_module, "batch_size"):
             current = lightning_getattr(pl_module, "batch_size")
             if current != mine.micro_batch:

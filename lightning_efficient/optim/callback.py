@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -182,6 +183,8 @@ class EightBitOptimizer(Callback):
             rank_zero_warn("EightBitOptimizer: paged/offload need a CUDA device; on CPU the optimizer runs as plain 8-bit.")
         if self.bits == 8:
             self._convert_optimizers(trainer, pl_module, paged=self.paged and on_cuda, offload=bool(self.offload) and on_cuda)
+        else:
+            self._dequantize_left_states(trainer)
         if self._loaded_checkpoint is not None:  # restored before setup (one device, DDP)
             layouts = [{param_state_layout(s) for s in o["state"].values()} - {None}
                        for o in self._loaded_checkpoint.get("optimizer_states", [])]
@@ -198,7 +201,8 @@ class EightBitOptimizer(Callback):
                 rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
                 # a configure_optimizers that keeps one optimizer between fits: its 32-bit states are in the twin now
                 # (quantized), not held twice once training starts; they come back into it, updated, after the fit
-                self._twins.append((optimizer, twin, self._carry_held_states(optimizer, twin, index)))
+                self._twins.append((optimizer, twin, self._carry_held_states(optimizer, twin, index,
+                                                                             resuming=trainer.ckpt_path is not None)))
         trainer.strategy.optimizers = replaced
         self._report(trainer, reasons)
 
@@ -250,15 +254,16 @@ class EightBitOptimizer(Callback):
             replaced.append(twin)
         return replaced
 
-    def _carry_held_states(self, optimizer: torch.optim.Optimizer, twin: torch.optim.Optimizer, index: int) -> bool:
+    def _carry_held_states(self, optimizer: torch.optim.Optimizer, twin: torch.optim.Optimizer, index: int, *,
+                           resuming: bool = False) -> bool:
         """Load into ``twin`` (no state yet) the states ``optimizer`` held before the fit (a ``configure_optimizers``
         that keeps one optimizer between fits), quantized as a 32-bit checkpoint's are on resume; whether it did. A
         twin of an optimizer whose states do not convert (not torch's Adam layout, or sharded) starts without them,
         as said. An optimizer holding none gets the 8-bit states its twin left in the fit before, if any (not carried:
-        they stay 8-bit, in the twin)."""
-        left = _TWINS_LEFT.pop(optimizer, None)  # the optimizer's own states, where it holds some, are newer
+        they stay 8-bit, in the twin), but not on a resume (``resuming``: the checkpoint's states are loaded next)."""
+        left = _TWINS_LEFT.pop(optimizer, None)
         if not len(optimizer.state):
-            if left is not None:
+            if left is not None and not resuming:
                 self._resume_left_states(left, optimizer, twin, index)
             return False
         layouts = {param_state_layout(state) for state in optimizer.state.values()} - {None}
@@ -282,17 +287,58 @@ class EightBitOptimizer(Callback):
     def _resume_left_states(self, left: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, twin: torch.optim.Optimizer,
                             index: int) -> None:
         """Load into ``twin`` the states ``left``, the twin of ``optimizer``'s fit before (:data:`_TWINS_LEFT`), left, in
-        their 8-bit layout as they were, with ``twin``'s own hyperparameters (the user's param groups now)."""
-        saved = left.state_dict()
-        saved["param_groups"] = [{**group, "params": old["params"]}
-                                 for group, old in zip(twin.state_dict()["param_groups"], saved["param_groups"])]
-        try:
-            twin.load_state_dict(saved)
-        except Exception as error:  # noqa: BLE001 - the groups changed between the fits: the twin starts afresh, as said
-            twin.state.clear()
+        their 8-bit layout as they were, with ``twin``'s own hyperparameters (the user's param groups now). Where the
+        parameters changed, or which of them are 8-bit (other ``min_8bit_size``, ``keep_32bit``, ``embeddings_32bit``),
+        the twin starts without them, as said."""
+        params = _flat_params(twin)
+        why = None
+        if len(params) != len(_flat_params(left)) or any(a is not b for a, b in zip(params, _flat_params(left))):
+            why = "its parameters changed"
+        elif any((state["state1"].dtype == torch.uint8) != self._uses_8bit(param)
+                 for param, state in left.state.items() if "state1" in state):
+            why = "other parameters are 8-bit under this callback's settings"
+        else:
+            saved = left.state_dict()
+            saved["param_groups"] = [{**group, "params": old["params"]}
+                                     for group, old in zip(twin.state_dict()["param_groups"], saved["param_groups"])]
+            try:
+                twin.load_state_dict(saved)
+            except ValueError as error:  # the groups changed between the fits
+                twin.state.clear()
+                why = f"{error}"
+        if why is not None:
             rank_zero_warn(f"EightBitOptimizer: optimizer {index} ({type(optimizer).__name__}) was kept from the fit before, "
-                           f"but the 8-bit states that fit left do not load into this fit's twin ({type(error).__name__}: "
-                           f"{error}); it starts without them.")
+                           f"but the 8-bit states that fit left do not load into this fit's twin ({why}); it starts "
+                           "without them.")
+
+    @staticmethod
+    def forget_left_states(optimizer: torch.optim.Optimizer) -> None:
+        """Drop the 8-bit states the last fit's twin of ``optimizer`` left for a next fit (a kept optimizer's, see the
+        README): the next 8-bit fit starts it afresh, as clearing ``optimizer.state`` does not (it holds none of them)."""
+        _TWINS_LEFT.pop(optimizer, None)
+
+    def _dequantize_left_states(self, trainer: Trainer) -> None:
+        """``bits=32``: a kept optimizer holding no states takes the ones its 8-bit twin left in the fit before, dequantized
+        (as an 8-bit checkpoint's are), so a run can switch mid-way; not on a resume (the checkpoint's come next)."""
+        for index, optimizer in enumerate(trainer.strategy.optimizers):
+            left = _TWINS_LEFT.pop(optimizer, None)
+            if left is None or len(optimizer.state) or not len(left.state) or trainer.ckpt_path is not None:
+                continue
+            try:
+                if any(a is not b for a, b in itertools.zip_longest(_flat_params(optimizer), _flat_params(left))):
+                    raise ValueError("its parameters changed")
+                saved = left.state_dict()
+                saved["param_groups"] = [{**group, "params": old["params"]}
+                                         for group, old in zip(optimizer.state_dict()["param_groups"], saved["param_groups"])]
+                converted, count = convert_optimizer_state(saved, _flat_params(optimizer), TORCH_32BIT)
+                optimizer.load_state_dict(converted)
+            except ValueError as error:
+                optimizer.state.clear()
+                rank_zero_warn(f"EightBitOptimizer(bits=32): the 8-bit states optimizer {index} ({type(optimizer).__name__}) "
+                               f"was left by the fit before do not convert ({error}); it starts without them.")
+                continue
+            rank_zero_warn(f"EightBitOptimizer(bits=32): optimizer {index} ({type(optimizer).__name__}) goes on from the "
+                           f"8-bit states the fit before left, {count} of them dequantized.")
 
     def _hand_back_to_user(self, trainer: Trainer) -> None:
         """Every scheduler back on the user's optimizer, which takes the hyperparameters the fit left in its twin's
@@ -310,8 +356,9 @@ class EightBitOptimizer(Callback):
             for group, twin_group in zip(optimizer.param_groups, twin.param_groups):
                 group.update({key: twin_group[key] for key in (group.keys() & twin_group.keys()) - {"params"}})
             index = next((i for i, o in enumerate(trainer.strategy.optimizers) if o is twin), None)
-            if not carried and len(twin.state) and not has_sharded_params(optimizer):
-                _TWINS_LEFT[optimizer] = twin  # for a next fit that gets this optimizer again
+            # for a next fit that gets this optimizer again (not one still holding states of its own: they are its)
+            if not carried and len(twin.state) and not len(optimizer.state) and not has_sharded_params(optimizer):
+                _TWINS_LEFT[optimizer] = twin
             if not carried or index is None:
                 continue
             trainer.strategy.optimizers = [optimizer if o is twin else o for o in trainer.strategy.optimizers]
@@ -337,7 +384,7 @@ class EightBitOptimizer(Callback):
         """``twin`` (no state yet) rebuilt as ``cls``, a subclass of its class, same param groups."""
         accepted = set(inspect.signature(type(twin).__init__).parameters) - {"self", "params", "args", "min_8bit_size"}
         groups = twin.param_groups
-        rebuilt = cls(groups, **constructor_defaults(family_of(twin), groups, accepted), min_8bit_size=self.min_8bit_size)
+        rebuilt = cls(groups, **constructor_defaults(family_of(twin), twin.defaults, groups, accepted), min_8bit_size=self.min_8bit_size)
         follow_torch_names(rebuilt)
         return rebuilt
 

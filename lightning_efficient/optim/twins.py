@@ -157,12 +157,13 @@ class NoTwinError(TypeError):
 _TORCH_COEFFICIENTS = {"momentum": ("momentum", "dampening"), "rmsprop": ("alpha", "momentum")}
 
 
-def constructor_defaults(family: str, groups: list[dict], accepted: tuple[str, ...] | set[str]) -> dict[str, Any]:
+def constructor_defaults(family: str, defaults: dict[str, Any], groups: list[dict], accepted: tuple[str, ...] | set[str]) -> dict[str, Any]:
     """The keyword arguments to build a twin of ``family`` over ``groups`` with (each group keeps its own values;
-    these are the defaults a group added later takes): the first group's ``accepted`` keys, but for SGD's momentum
-    the first group's with momentum, as bitsandbytes' SGD8bit refuses ``momentum=0`` while a group without
-    momentum next to one with it trains as torch's does (a stateless SGD is never converted)."""
-    defaults = {k: groups[0][k] for k in accepted if k in groups[0]}
+    these are the defaults a group added later takes): the ``accepted`` keys of the optimizer's ``defaults`` (the
+    first group's where it has none), but for SGD a momentum of 0 becomes the first group's with momentum, as
+    bitsandbytes' SGD8bit refuses ``momentum=0`` while a group without momentum next to one with it trains as
+    torch's does (a stateless SGD is never converted)."""
+    defaults = {k: defaults[k] if k in defaults else groups[0][k] for k in accepted if k in defaults or k in groups[0]}
     if family == "momentum" and not defaults.get("momentum"):
         defaults["momentum"] = next((g["momentum"] for g in groups if g.get("momentum")), defaults.get("momentum", 0))
     return defaults
@@ -203,9 +204,10 @@ def follow_torch_names(optimizer: torch.optim.Optimizer) -> None:
     # bitsandbytes reads from the groups alone; a reader that takes ``betas`` when the defaults hold it (Lightning's
     # LearningRateMonitor, a OneCycleLR built on the twin) would otherwise read a value the hook refreshes only at the
     # next step
-    optimizer.defaults.pop("betas", None)
-    for key in _TORCH_COEFFICIENTS[family]:
-        optimizer.defaults.setdefault(key, optimizer.param_groups[0][key])
+    betas = optimizer.defaults.pop("betas", None)
+    if betas is not None:  # the constructor's: what a group added later takes (BaseFinetuning's unfrozen layers)
+        for key, value in zip(_TORCH_COEFFICIENTS[family], betas):
+            optimizer.defaults.setdefault(key, value)
 
     def translate(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for group in opt.param_groups:
@@ -251,7 +253,7 @@ def build_twin(
     if paged and twin.paged is None:
         raise ValueError(f"paged=True is not allowed: {paged_refusal(optimizer)}; use paged=False.")
     groups = [_translate(twin.family, {k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}) for g in optimizer.param_groups]
-    defaults = constructor_defaults(twin.family, groups, twin.hyperparameters)
+    defaults = constructor_defaults(twin.family, optimizer.defaults, groups, twin.hyperparameters)
     cls = twin.paged if paged else twin.eight_bit
     if sharded:
         from lightning_efficient.optim.sharded import sharded_class

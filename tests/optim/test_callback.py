@@ -463,28 +463,50 @@ def test_the_states_a_kept_optimizer_left_that_no_longer_load_are_said_and_the_t
 
 
 class TwoSGDGroups(Regression):
-    """SGD whose first param group has no momentum (the embedding) and whose second has."""
+    """SGD with one param group without momentum (the embedding), first or last."""
+
+    def __init__(self, embedding_first: bool = True):
+        super().__init__()
+        self.embedding_first = embedding_first
 
     def configure_optimizers(self):
-        return torch.optim.SGD([{"params": [self.embed.weight], "momentum": 0.0},
-                                {"params": [p for n, p in self.named_parameters() if n != "embed.weight"]}],
-                               lr=self.lr, momentum=0.9)
+        groups = [{"params": [self.embed.weight], "momentum": 0.0},
+                  {"params": [p for n, p in self.named_parameters() if n != "embed.weight"]}]
+        return torch.optim.SGD(groups if self.embedding_first else groups[::-1], lr=self.lr, momentum=0.9)
 
 
-def test_an_sgd_whose_first_group_has_no_momentum_becomes_8bit_and_that_group_steps_as_torch_does():
-    # a new user's trial: bitsandbytes' SGD8bit refused the first group's momentum=0 as its default
+class Updates(lightning.Callback):
+    """Each step's gradient and update of the embedding and of the hidden layer's weight."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._before = {n: (p.detach().clone(), p.grad.clone()) for n, p in (("embed", pl_module.embed.weight),
+                                                                          ("hidden", pl_module.hidden.weight))}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        now = {"embed": pl_module.embed.weight, "hidden": pl_module.hidden.weight}
+        self.steps.append({n: (now[n].detach() - before, grad) for n, (before, grad) in self._before.items()})
+
+
+@pytest.mark.parametrize("embedding_first", [True, False])
+def test_an_sgd_with_a_group_without_momentum_becomes_8bit_and_that_group_steps_as_torch_does(embedding_first):
+    # a new user's trial: bitsandbytes' SGD8bit refused a first group's momentum=0 as its default
     torch.manual_seed(0)
-    ours = TwoSGDGroups()
-    torch.manual_seed(0)
-    plain = TwoSGDGroups()
-    t = trainer(1, [EightBitOptimizer(min_8bit_size=1024, embeddings_32bit=False)])
-    t.fit(ours)
-    trainer(1).fit(plain)
-    assert isinstance(t.optimizers[0], bnb.optim.SGD8bit)
-    assert [g["momentum"] for g in t.optimizers[0].param_groups] == [0.0, 0.9]
-    assert t.optimizers[0].state[ours.hidden.weight]["state1"].dtype == torch.uint8  # the momentum group's, 8-bit
-    # the same gradient (one step from the same start): without momentum the update is SGD's exactly
-    assert torch.equal(ours.embed.weight, plain.embed.weight)
+    module, updates = TwoSGDGroups(embedding_first), Updates()
+    t = trainer(3, [EightBitOptimizer(min_8bit_size=1024, embeddings_32bit=False), updates])
+    t.fit(module)
+    twin = t.optimizers[0]
+    assert isinstance(twin, bnb.optim.SGD8bit)
+    assert sorted(g["momentum"] for g in twin.param_groups) == [0.0, 0.9]
+    assert twin.defaults["momentum"] == 0.9 and "betas" not in twin.defaults  # torch's SGD defaults: a group added later
+    for step in updates.steps[1:]:  # from the second step on, momentum shows
+        update, grad = step["embed"]
+        # no momentum: SGD's update, to the rounding of a parameter near 1 (momentum would add 0.9 of the last, >1e-3)
+        assert torch.allclose(update, -module.lr * grad, rtol=0, atol=1e-6)
+        update, grad = step["hidden"]
+        assert not torch.allclose(update, -module.lr * grad, rtol=1e-2, atol=1e-9)  # momentum 0.9 (in 8 bits)
 
 
 class OneCycleSGD(Regression):
@@ -545,3 +567,73 @@ def test_a_setting_that_cannot_become_8bit_says_why_when_left_as_it_is():
         trainer(1, [EightBitOptimizer()]).fit(NesterovSGD())
     with pytest.raises(ValueError, match="bits"):
         EightBitOptimizer(bits=8.0)
+
+
+def test_an_sgd_kept_with_its_own_states_leaves_no_8bit_states_behind_it():
+    # its own momentum does not convert and stays its own: the twin's states would never be used again
+    from lightning_efficient.optim.callback import _TWINS_LEFT
+
+    torch.manual_seed(0)
+    module = KeptOptimizer(optimizer="sgd")
+    trainer(2).fit(module)
+    with pytest.warns(UserWarning, match="do not convert to 8-bit"):
+        trainer(2, [EightBitOptimizer(min_8bit_size=1024)]).fit(module)
+    assert module.kept not in _TWINS_LEFT
+
+
+def test_the_states_a_kept_optimizer_left_are_dropped_with_it_or_when_asked_or_on_a_resume(tmp_path):
+    import weakref
+
+    from lightning_efficient.optim.callback import _TWINS_LEFT
+
+    torch.manual_seed(0)
+    module = KeptOptimizer()
+    trainer(2, [EightBitOptimizer(min_8bit_size=1024)]).fit(module)
+    assert module.kept in _TWINS_LEFT
+    EightBitOptimizer.forget_left_states(module.kept)
+    seen = KeptStatesAtStart(module)
+    trainer(1, [EightBitOptimizer(min_8bit_size=1024), seen]).fit(module)
+    assert seen.twin_state["state"] == {}  # afresh, as asked
+    # a resume loads the checkpoint's states, not the ones left
+    t = trainer(2, [EightBitOptimizer(min_8bit_size=1024)], enable_checkpointing=True, default_root_dir=tmp_path)
+    t.fit(module)
+    path = tmp_path / "saved.ckpt"
+    t.save_checkpoint(path)
+    saved_step = int(t.optimizers[0].state_dict()["state"][1]["step"])
+    trainer(1, [EightBitOptimizer(min_8bit_size=1024)]).fit(module)  # the left states move on a step
+    seen = KeptStatesAtStart(module)
+    trainer(saved_step + 1, [EightBitOptimizer(min_8bit_size=1024), seen]).fit(module, ckpt_path=path)
+    assert int(seen.twin_state["state"][1]["step"]) == saved_step
+    # and the entry goes with the optimizer
+    kept = weakref.ref(module.kept)
+    del module, seen, t
+    import gc
+
+    gc.collect()
+    assert kept() is None and len(_TWINS_LEFT) == 0
+
+
+def test_a_32bit_fit_goes_on_from_the_8bit_states_a_kept_optimizer_left_dequantized():
+    from lightning_efficient.optim.state import TORCH_32BIT, convert_optimizer_state
+
+    torch.manual_seed(0)
+    module = KeptOptimizer()
+    t = trainer(3, [EightBitOptimizer(min_8bit_size=1024)])
+    t.fit(module)
+    left, _ = convert_optimizer_state(t.optimizers[0].state_dict(), list(module.parameters()), TORCH_32BIT)
+    with pytest.warns(UserWarning, match=r"bits=32.*goes on from the 8-bit states the fit before left"):
+        trainer(0, [EightBitOptimizer(bits=32)], max_epochs=1, limit_train_batches=0).fit(module)
+    got = module.kept.state_dict()["state"]
+    for index, state in left["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[index][key], state[key]), (index, key)
+
+
+def test_states_left_under_other_8bit_settings_are_said_and_the_twin_starts_afresh():
+    torch.manual_seed(0)
+    module = KeptOptimizer()
+    trainer(2, [EightBitOptimizer(min_8bit_size=1024)]).fit(module)
+    seen = KeptStatesAtStart(module)
+    with pytest.warns(UserWarning, match="other parameters are 8-bit under this callback's settings"):
+        trainer(1, [EightBitOptimizer(min_8bit_size=100_000), seen]).fit(module)
+    assert seen.twin_state["state"] == {}
