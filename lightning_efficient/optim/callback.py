@@ -57,6 +57,15 @@ def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 _TWINS_LEFT: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.optim.Optimizer] = weakref.WeakKeyDictionary()
 
 
+def _left_states_with_groups_of(left: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``left``'s ``state_dict`` with ``optimizer``'s hyperparameters (its param groups as they are now) in place of
+    ``left``'s, for ``optimizer`` to load."""
+    saved = left.state_dict()
+    saved["param_groups"] = [{**group, "params": old["params"]}
+                             for group, old in zip(optimizer.state_dict()["param_groups"], saved["param_groups"])]
+    return saved
+
+
 class EightBitOptimizer(Callback):
     """Replaces every optimizer the module (or the LightningCLI) built with its bitsandbytes 8-bit twin.
 
@@ -298,11 +307,8 @@ class EightBitOptimizer(Callback):
                  for param, state in left.state.items() if "state1" in state):
             why = "other parameters are 8-bit under this callback's settings"
         else:
-            saved = left.state_dict()
-            saved["param_groups"] = [{**group, "params": old["params"]}
-                                     for group, old in zip(twin.state_dict()["param_groups"], saved["param_groups"])]
             try:
-                twin.load_state_dict(saved)
+                twin.load_state_dict(_left_states_with_groups_of(left, twin))
             except ValueError as error:  # the groups changed between the fits
                 twin.state.clear()
                 why = f"{error}"
@@ -327,10 +333,8 @@ class EightBitOptimizer(Callback):
             try:
                 if any(a is not b for a, b in itertools.zip_longest(_flat_params(optimizer), _flat_params(left))):
                     raise ValueError("its parameters changed")
-                saved = left.state_dict()
-                saved["param_groups"] = [{**group, "params": old["params"]}
-                                         for group, old in zip(optimizer.state_dict()["param_groups"], saved["param_groups"])]
-                converted, count = convert_optimizer_state(saved, _flat_params(optimizer), TORCH_32BIT)
+                converted, count = convert_optimizer_state(_left_states_with_groups_of(left, optimizer), _flat_params(optimizer),
+                                                           TORCH_32BIT)
                 optimizer.load_state_dict(converted)
             except ValueError as error:
                 optimizer.state.clear()
