@@ -75,6 +75,8 @@ class ActivationMemory(Callback):
         disk_pending_bytes: int = 2**30,
     ) -> None:
         allowed = (*POLICIES, "auto")
+        require(isinstance(policy, str) or (isinstance(policy, (list, tuple)) and len(policy) > 0), "policy", policy,
+                "a policy name or a non-empty list of them, one per block")
         policies = [policy] if isinstance(policy, str) else list(policy)
         for item in policies:
             require(item in allowed, "policy", policy, "one of " + ", ".join(allowed) + " (or a list of them, one per block)")

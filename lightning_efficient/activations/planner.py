@@ -67,7 +67,16 @@ def parse_budget(budget: int | float | str, baseline_bytes: int | None = None) -
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(budget))
     if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"budget={budget!r} is not allowed: expected bytes > 0, e.g. 6GiB, 500MB or 0.5 (a fraction)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    number, unit = match.groups()
+    if not unit and "." in number:  # "0.5" from a YAML file or the command line: the fraction 0.5 means
+        if float(number) > 1.0:
+            raise ValueError(f"budget={budget!r} is not allowed: a number with a decimal point and no unit is a fraction "
+                             "of the baseline in (0, 1]; give bytes as a whole number or with a unit (e.g. 1.5GiB)")
+        return parse_budget(float(number), baseline_bytes)
+    nbytes = int(float(number) * _UNITS[unit.lower()])
+    if nbytes < 1:
+        raise ValueError(f"budget={budget!r} is not allowed: it is less than one byte")
+    return nbytes
 
 
 def _hull(options: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]:

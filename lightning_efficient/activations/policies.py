@@ -47,26 +47,46 @@ def selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def _reentrant_checkpoint(forward: Callable, args: tuple, kwargs: dict) -> Any:
+def _reentrant_checkpoint(forward: Callable, args: tuple, kwargs: dict, block: nn.Module) -> Any:
     """Reentrant checkpointing of ``forward(*args, **kwargs)``.
 
     Reentrant checkpointing takes positional arguments only, and gives gradients only to tensors
     passed positionally at the top level; Hugging Face decoder layers take most of their inputs as
     keywords (``attention_mask``, ``position_embeddings`` as a tuple, ...). So every tensor found in
-    ``args`` and ``kwargs`` (nested too) is passed positionally and put back in its place inside.
+    ``args`` and ``kwargs`` (nested too) is passed positionally and put back in its place inside. Its
+    outputs likewise: tensors in a dict, a ``ModelOutput`` or nested tuples are returned at the top level
+    (torch's reentrant checkpoint returns the others untracked: no gradient reached the block) and put back.
+
+    Raises:
+        ValueError: where no tensor input requires grad but the block's parameters do (a frozen embedding
+            below it): torch's reentrant checkpoint would give them no gradient, silently.
     """
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    if not any(leaves[i].requires_grad for i in where) and any(p.requires_grad for p in block.parameters()):
+        raise ValueError(
+            f"reentrant=True: the inputs of the checkpointed {type(block).__name__} require no grad, while its "
+            "parameters do (a frozen layer below it): torch's reentrant checkpoint gives them no gradient then. "
+            "Use reentrant=False (the default), or make an input require grad."
+        )
     template = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]  # no second reference to the tensors
+    outputs: dict[str, Any] = {}  # the structure of the block's output, as its forward (or its recomputation) returned it
 
-    def run(*tensors: Tensor) -> Any:
+    def run(*tensors: Tensor) -> tuple[Tensor, ...]:
         filled = list(template)
         for i, tensor in zip(where, tensors):
             filled[i] = tensor
         call_args, call_kwargs = tree_unflatten(filled, spec)
-        return forward(*call_args, **call_kwargs)
+        out_leaves, outputs["spec"] = tree_flatten(forward(*call_args, **call_kwargs))
+        outputs["leaves"] = [None if isinstance(leaf, Tensor) else leaf for leaf in out_leaves]
+        outputs["where"] = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, Tensor)]
+        return tuple(out_leaves[i] for i in outputs["where"])
 
-    return checkpoint(run, *(leaves[i] for i in where), use_reentrant=True, preserve_rng_state=True)
+    tensors = checkpoint(run, *(leaves[i] for i in where), use_reentrant=True, preserve_rng_state=True)
+    filled = list(outputs["leaves"])
+    for i, tensor in zip(outputs["where"], tensors):
+        filled[i] = tensor
+    return tree_unflatten(filled, outputs["spec"])
 
 
 def _running_statistics(block: nn.Module) -> list[Tensor]:
@@ -111,7 +131,7 @@ def _checkpointed(forward: Callable, selective: bool, reentrant: bool, block: nn
             return forward(*args, **kwargs)
         once = _recomputed_without_updates(forward, block)
         if reentrant and not selective:  # selective checkpointing exists only in the non-reentrant form
-            return _reentrant_checkpoint(once, args, kwargs)
+            return _reentrant_checkpoint(once, args, kwargs, block)
         extra = {"context_fn": selective_context} if selective else {}
         return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 

@@ -136,7 +136,8 @@ def profile_blocks(
     forward pass without gradients (``run_forward``), and return what each policy would hold and cost.
     """
     clock = DeviceClock(device)
-    stats: dict[int, dict[str, Any]] = {i: {"saved": {}, "small": 0, "inputs": 0, "marks": None} for i in range(len(blocks))}
+    # summed over the calls of a block (one called twice a step, weights shared, holds and costs twice)
+    stats: dict[int, dict[str, Any]] = {i: {"saved": {}, "small": 0, "inputs": 0, "marks": []} for i in range(len(blocks))}
     originals = []
     for index, (_, block) in enumerate(blocks):
         forward = block.forward
@@ -145,7 +146,7 @@ def profile_blocks(
         def measured(*args: Any, _forward=forward, _index=index, **kwargs: Any) -> Any:
             record = stats[_index]
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and not exclude(t)]
-            record["inputs"] = distinct_storage_bytes(inputs)
+            record["inputs"] += distinct_storage_bytes(inputs)
 
             def pack(t: Tensor) -> Tensor:
                 if not exclude(t) and t.layout == torch.strided:
@@ -161,7 +162,7 @@ def profile_blocks(
             start = clock.mark()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = _forward(*args, **kwargs)
-            record["marks"] = (start, clock.mark())
+            record["marks"].append((start, clock.mark()))
             return out
 
         block.forward = measured
@@ -170,8 +171,7 @@ def profile_blocks(
         timers = {}
         for index, (_, block) in enumerate(blocks):
             def timed(*args: Any, _forward=originals[index][2], _index=index, **kwargs: Any) -> Any:
-                timers[_index] = _OpTimer(clock)
-                with timers[_index]:
+                with timers.setdefault(_index, _OpTimer(clock)):
                     return _forward(*args, **kwargs)
 
             block.forward = timed
@@ -184,7 +184,7 @@ def profile_blocks(
             else:
                 del block.forward
     for record in stats.values():  # read after the step: on CUDA the host waits here, once
-        record["time"] = clock.seconds(*record["marks"]) if record["marks"] is not None else 0.0
+        record["time"] = sum(clock.seconds(*marks) for marks in record["marks"])
     for timer in timers.values():
         timer.read()
     write_bw = read_bw = host_bw = None

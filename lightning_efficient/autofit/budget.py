@@ -26,9 +26,11 @@ def validate_budget(budget: Any) -> None:
     if isinstance(budget, (float, bool)) or not isinstance(budget, (int, str)):
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}")
     try:
-        parse_budget(budget)
+        nbytes = parse_budget(budget)
     except ValueError:
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}") from None
+    if nbytes < 1:  # a fraction ("0.5"): of no baseline here
+        raise ValueError(f"budget={budget!r} is not allowed: expected {message} (not a fraction)")
 
 
 def auto_budget(device: torch.device, local_ranks: int = 1) -> int:

@@ -52,15 +52,12 @@ _ESTIMATED = ("eslm", "rho1", "topk")
 _WRAPPER_MARK = "_selective_token_loss_wrapper"
 
 
-def _vocab_size(module: nn.Module) -> int | None:
-    """The vocabulary a module scores: its ``vocab_size`` attribute (HFCausalLM), its hyperparameter,
-    its config's or, for a Hugging Face model, its output embedding's rows (None when unknown)."""
+def _own_vocab_size(module: nn.Module) -> int | None:
+    """The vocabulary ``module`` itself declares: its ``vocab_size`` attribute (HFCausalLM, Lightning's demo
+    Transformer), its config's or, for a Hugging Face model, its output embedding's rows (None when unknown)."""
     own = getattr(module, "vocab_size", None)
     if isinstance(own, int) and not isinstance(own, bool):
         return own
-    hparams = getattr(module, "hparams", None)
-    if hparams is not None and isinstance(hparams.get("vocab_size"), int):
-        return hparams["vocab_size"]
     config = getattr(module, "config", None)
     if isinstance(getattr(config, "vocab_size", None), int):
         return config.vocab_size
@@ -68,6 +65,19 @@ def _vocab_size(module: nn.Module) -> int | None:
     head = embeddings() if callable(embeddings) else None
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
+
+
+def _vocab_size(module: nn.Module) -> int | None:
+    """The vocabulary a module scores: its own (:func:`_own_vocab_size`), its ``vocab_size`` hyperparameter, or that
+    of the first submodule declaring one (a LightningModule wrapping a Hugging Face model or Lightning's demo
+    Transformer as ``self.model``); None when unknown."""
+    own = _own_vocab_size(module)
+    if own is not None:
+        return own
+    hparams = getattr(module, "hparams", None)
+    if hparams is not None and isinstance(hparams.get("vocab_size"), int):
+        return hparams["vocab_size"]
+    return next((size for sub in module.modules() if sub is not module and (size := _own_vocab_size(sub)) is not None), None)
 
 
 _WRAPPED_HOOKS = ("training_step", "optimizer_step")
@@ -236,6 +246,7 @@ class SelectiveTokenLoss(Callback):
         self.generator = torch.Generator()
         self._rank = 0
         self._reference_module: nn.Module | None = None
+        self._reference_as_it_was: tuple[bool, list[bool], dict[str, Any]] | None = None  # a user's reference module
         self._wrapped: LightningModule | None = None
         self.normaliser = StepTokenNormaliser()
         self._warned_manual = False
@@ -323,10 +334,26 @@ class SelectiveTokenLoss(Callback):
                 f"vocab_size={ours} (a {type(reference).__name__} reference for a {cls.__name__} model); expected a "
                 "reference with the model's vocabulary, scoring the same tokens."
             )
+        if not isinstance(self.reference, str):  # the user's own module: put back as it was when the fit ends or raises
+            self._reference_as_it_was = (reference.training, [p.requires_grad for p in reference.parameters()],
+                                         {k: vars(reference)[k] for k in ("log", "log_dict") if k in vars(reference)})
         reference.eval().requires_grad_(False)
         reference.log = _noop  # the reference is not attached to the Trainer: its logging is dropped
         reference.log_dict = _noop
         return reference
+
+    def _restore_reference(self) -> None:
+        """The user's reference module back in its mode, with its parameters' ``requires_grad`` and its own ``log``."""
+        reference, saved, self._reference_as_it_was = self._reference_module, self._reference_as_it_was, None
+        if reference is None or saved is None:
+            return
+        training, requires_grad, logging = saved
+        reference.train(training)
+        for param, flag in zip(reference.parameters(), requires_grad):
+            param.requires_grad_(flag)
+        for name in ("log", "log_dict"):
+            vars(reference).pop(name, None)
+        vars(reference).update(logging)
 
     def _check_reference_checkpoint(self, pl_module: LightningModule) -> None:
         """Refuse a checkpoint whose weights are not the model class's, before building anything from
@@ -369,6 +396,7 @@ class SelectiveTokenLoss(Callback):
         if self._wrapped is not None:
             _restore_hooks(self._wrapped)
         self._wrapped = None
+        self._restore_reference()
         self.normaliser.reset()
         self.running.discard_step()
         self._observed_step = None

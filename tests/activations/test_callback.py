@@ -57,10 +57,23 @@ def test_a_budget_below_the_leanest_plan_gives_the_minimum():
         plan_blocks(profiles, 50, fixed_bytes=50)
 
 
-@pytest.mark.parametrize(("text", "expected"), [("6GiB", 6 * 2**30), ("500MB", 500 * 10**6), (1024, 1024), ("1.5 KiB", 1536)])
+@pytest.mark.parametrize(("text", "expected"), [("6GiB", 6 * 2**30), ("500MB", 500 * 10**6), (1024, 1024), ("1.5 KiB", 1536),
+                                              ("1000", 1000)])
 def test_parse_budget(text, expected):
     assert parse_budget(text) == expected
     assert parse_budget(0.5, 1000) == 500
+
+
+def test_a_fraction_given_as_a_string_is_the_fraction_not_zero_bytes():
+    # a new user's trial: "0.5" from a YAML file read as 0 bytes (and "1.5" as 1)
+    assert parse_budget("0.5", 1000) == 500 and parse_budget(" 0.25 ", 1000) == 250
+    for text, said in (("1.5", "a fraction of the baseline in \\(0, 1\\]"), ("0.1B", "less than one byte")):
+        with pytest.raises(ValueError, match=f"budget='{text}' is not allowed: .*{said}"):
+            parse_budget(text)
+    with pytest.raises(ValueError, match=r"budget='0\.5' is not allowed: .*not a fraction"):
+        from lightning_efficient import AutoFit
+
+        AutoFit(budget="0.5")
 
 
 @pytest.mark.parametrize(
@@ -73,6 +86,9 @@ def test_parse_budget(text, expected):
         ({"policy": "auto", "budget": 1.5}, "budget=1.5"),
         ({"policy": "checkpoint", "budget": "1GiB"}, "budget='1GiB'"),
         ({"blocks": []}, "blocks=\\[\\]"),
+        ({"policy": None}, "policy=None is not allowed"),
+        ({"policy": 3}, "policy=3 is not allowed"),
+        ({"policy": []}, "policy=\\[\\] is not allowed"),
     ],
 )
 def test_bad_arguments(kwargs, pattern):

@@ -402,3 +402,50 @@ def test_recomputing_a_block_updates_its_running_statistics_once_as_keep_does(po
             assert torch.equal(got, expected), (step, name)
         for (name, p), q in zip(reference.named_parameters(), wrapped.parameters()):
             assert (p.grad - q.grad).abs().max() <= 1e-12, (step, name)
+
+
+class _DictOutputBlock(torch.nn.Module):
+    """Returns its output inside a dict, with a non-tensor beside it (as a Hugging Face ``ModelOutput`` may)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return {"hidden": (torch.tanh(self.lin(x)), None), "layer": 3}
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "selective"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_block_returning_its_tensors_in_a_dict_gets_the_gradients_of_keep(policy, reentrant):
+    # a new user's trial: reentrant checkpointing returned the dict untracked, and the block's parameters got no gradient
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_DictOutputBlock() for _ in range(2)]).double()
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+
+    def grads():
+        for t in [x, *blocks.parameters()]:
+            t.grad = None
+        h = x
+        for block in blocks:
+            out = block(h)
+            assert out["layer"] == 3 and out["hidden"][1] is None
+            h = h + out["hidden"][0]
+        h.pow(2).sum().backward()
+        return [t.grad.clone() for t in [x, *blocks.parameters()]]
+
+    reference = grads()
+    for block in blocks:
+        wrap_block(block, policy, reentrant=reentrant)
+    for want, have in zip(reference, grads()):
+        assert (have - want).abs().max() <= 1e-12
+
+
+def test_reentrant_checkpoint_of_a_block_whose_inputs_require_no_grad_is_refused_not_left_without_gradients():
+    # a new user's trial: below a frozen embedding torch's reentrant checkpoint gave the block's weights no gradient
+    block = torch.nn.Linear(8, 8)
+    wrap_block(block, "checkpoint", reentrant=True)
+    with pytest.raises(ValueError, match=r"reentrant=True: the inputs of the checkpointed Linear require no grad"):
+        block(torch.randn(2, 8))
+    block.requires_grad_(False)  # a frozen block: nothing to lose
+    assert block(torch.randn(2, 8)).shape == (2, 8)

@@ -170,3 +170,32 @@ def test_the_disk_bandwidth_measurement_holds_a_few_mib_not_the_bytes_it_moves(t
     assert figures["write"] > 0 and figures["read"] > 0
     assert figures["peak_above_start"] < 8 * 2**20, figures  # 32 MiB moved
     assert figures["left"] == []  # its scratch files are gone
+
+
+def test_a_block_called_twice_a_step_holds_and_costs_what_both_calls_do():
+    # a new user's trial: weights shared by calling one block twice; checkpoint's and selective's bytes and times were
+    # the last call's alone (keep's were both), so an auto plan could exceed its budget
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    x = torch.randn(4, 16)
+    parameters = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+    def profiled(calls):
+        def run_step():
+            h = x.requires_grad_(False)
+            for _ in range(calls):
+                h = block(h)
+            h.sum().backward()
+
+        def run_forward():
+            h = x
+            for _ in range(calls):
+                h = block(h)
+
+        (found,) = profile.profile_blocks(run_step, run_forward, [("0", block)], lambda t: t.untyped_storage().data_ptr() in parameters,
+                                          torch.device("cpu"), min_offload_bytes=0, policies=("keep", "checkpoint", "selective"))
+        return found
+
+    once, twice = profiled(1), profiled(2)
+    for policy in ("keep", "checkpoint", "selective"):
+        assert twice.held_bytes[policy] == 2 * once.held_bytes[policy], policy

@@ -37,7 +37,8 @@ Each runs, on a tiny demo GPT (4 optimizer steps of a global batch of 16, 2 epoc
 
 Mode ``replan`` (DDP): a measured peak above the prediction on one rank (see :func:`run_replan`). Mode
 ``out_of_memory`` (DDP and hetero_ddp): rank 1's device runs out of memory above 3 samples (see
-:func:`run_out_of_memory`).
+:func:`run_out_of_memory`). Mode ``estimated_steps`` (DDP and hetero_ddp): the DataLoader built while the optimizers
+are configured (see :func:`run_estimated_steps`).
 """
 
 from __future__ import annotations
@@ -256,7 +257,8 @@ def heterogeneous(mode: str) -> bool:
 
 def fit(mode: str, callbacks: list, *, batch_size: int = LOADER_BATCH, accumulate: int | None = None, caps=None,
         ckpt_dir: Path | None = None, ckpt_path: Path | None = None, model: dict | None = None, steps: int = STEPS,
-        distributed_checkpoint: bool = True, module_class: type = Tiny) -> tuple[lightning.Trainer, Tiny, Record, Exception | None]:
+        distributed_checkpoint: bool = True, module_class: type = Tiny,
+        max_epochs: int | None = None) -> tuple[lightning.Trainer, Tiny, Record, Exception | None]:
     """One fit of ``mode``; a ValueError it raised is returned, not raised (a plan-only fit returns normally)."""
     record = Record()
     if ckpt_dir is not None:
@@ -265,7 +267,8 @@ def fit(mode: str, callbacks: list, *, batch_size: int = LOADER_BATCH, accumulat
     if accumulate is None:
         accumulate = 1 if heterogeneous(mode) else ACCUMULATE
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy_for(mode, caps, distributed_checkpoint), max_steps=steps, logger=False,
+        accelerator="cpu", devices=2, strategy=strategy_for(mode, caps, distributed_checkpoint), max_steps=steps,
+        max_epochs=max_epochs, logger=False,
         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, accumulate_grad_batches=accumulate, callbacks=[*callbacks, record],
     )
@@ -405,6 +408,31 @@ def run_out_of_memory(rank: int) -> dict[str, Any]:
             raise error
         found[mode] = {"out_of_memory_at": [p.out_of_memory_at for p in callback.profiles], "plan": callback.plan.to_dict(),
                        "micro": record.micro}
+    return found
+
+
+def run_estimated_steps(rank: int) -> dict[str, Any]:
+    """A ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (a OneCycleLR's total steps; with
+    ``max_epochs`` set it builds the training DataLoader, before AutoFit plans) under ``ddp`` (the plan's micro-batch,
+    8 at a large budget, against the DataLoader's 4) and ``hetero_ddp`` (rank 1's device runs out of memory above 3
+    samples: its cap from the plan, where the shares alone would give it 8): the plan, each rank's micro-batches and
+    the total steps the scheduler was given."""
+    found = {}
+    for mode, holds in (("ddp", None), ("hetero_ddp", 3)):
+        base = Tiny if holds is None else small_device_on_rank_one(holds)
+
+        class OneCycle(base):  # type: ignore[misc, valid-type]
+            def configure_optimizers(self):
+                optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+                self.total_steps = self.trainer.estimated_stepping_batches
+                scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=self.total_steps)
+                return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        callback = AutoFit(budget=[BIG, BIG], activation_policies=["keep"], optimizer_options=["32-bit"])
+        _, module, record, error = fit(mode, [callback], module_class=OneCycle, max_epochs=1)
+        if error is not None:
+            raise error
+        found[mode] = {"plan": callback.plan.to_dict(), "micro": record.micro, "total_steps": module.total_steps}
     return found
 
 
@@ -559,8 +587,8 @@ def main(out: Path, modes: list[str], rank: int) -> None:
     for mode in modes:
         started = time.perf_counter()
         try:
-            results[mode] = (run_replan(rank) if mode == "replan" else run_out_of_memory(rank) if mode == "out_of_memory"
-                             else run_mode(mode, out / mode, rank))
+            extra = {"replan": run_replan, "out_of_memory": run_out_of_memory, "estimated_steps": run_estimated_steps}
+            results[mode] = extra[mode](rank) if mode in extra else run_mode(mode, out / mode, rank)
         except Exception as error:  # noqa: BLE001 - reported against the mode by the test
             results[mode] = {"error": "".join(traceback.format_exception(error))[-3000:]}
         results[mode]["seconds"] = time.perf_counter() - started

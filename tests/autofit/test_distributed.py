@@ -21,7 +21,7 @@ from tests.ddp import run_script
 
 HERE = Path(__file__).parent
 MODES = ("ddp", "hetero_ddp", "fsdp2", "hetero_fsdp")
-EXTRA = ("replan", "out_of_memory")  # ddp_run.py's other modes
+EXTRA = ("replan", "out_of_memory", "estimated_steps")  # ddp_run.py's other modes
 RESUMED = ("ddp", "fsdp2")  # as in ddp_run.py
 GLOBAL_BATCH, LOADER_BATCH, ACCUMULATE, STEPS = 16, 4, 2, 4  # as in ddp_run.py
 BIG, TINY = 512 * 2**20, 64 * 2**10
@@ -304,3 +304,21 @@ def test_a_re_plan_keeps_each_rank_micro_batch_and_plans_its_blocks_for_it():
         assert again.ranks[0].policies == kept and again.ranks[1].policies != kept
         with pytest.raises(BudgetTooSmall, match=r"with margin 0\.6 no block policies fit"):
             replan(plan, profiles, margin=0.6, policies=policies)
+
+
+def test_a_dataloader_built_while_the_optimizers_are_configured_trains_at_the_plan_from_the_first_step(results):
+    # estimated_stepping_batches in configure_optimizers built the DataLoader before AutoFit planned: under DDP it kept
+    # the old batch size (AutoFit refused it), under hetero_ddp the shares' micro-batches until the first re-balance
+    ddp = [rank["ddp"] for rank in results["estimated_steps"]]
+    hetero = [rank["hetero_ddp"] for rank in results["estimated_steps"]]
+    plan = ddp[0]["plan"]
+    micro = plan["ranks"][0]["micro_batch"]
+    assert micro != LOADER_BATCH and ddp[1]["plan"] == plan
+    assert all(size == micro for rank in ddp for _, size, _ in rank["micro"])
+    assert set(_samples_per_step(ddp, "ddp").values()) == {GLOBAL_BATCH}
+    caps = [r["micro_batch"] for r in hetero[0]["plan"]["ranks"]]
+    assert caps[1] <= 3 < caps[0]
+    assert all(size <= caps[1] for _, size, _ in hetero[1]["micro"]) and hetero[1]["micro"]
+    assert set(_samples_per_step(hetero, "hetero_ddp").values()) == {GLOBAL_BATCH}
+    # the scheduler's total steps: the epoch's optimizer steps at the kept global batch, on every rank
+    assert {rank["total_steps"] for rank in ddp + hetero} == {len(_samples_per_step(ddp, "ddp"))}

@@ -1,6 +1,7 @@
 """SelectiveTokenLoss: exact counts with half-precision losses, extra output keys, a fit that raises
 and is run again, references that cannot serve, typed choices."""
 
+import contextlib
 import typing
 
 import lightning
@@ -230,3 +231,47 @@ def test_a_resumed_run_scales_its_steps_as_the_uninterrupted_one_to_the_last_bit
     trainer(4, [SelectiveTokenLoss(method="none")]).fit(resumed, data, ckpt_path=tmp_path / "mid.ckpt")
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+class _WrappedTransformer(lightning.LightningModule):
+    """A user's module holding Lightning's demo Transformer as ``self.model`` (its vocab_size is the inner model's)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=vocab, ninp=16, nhead=2, nhid=32, nlayers=1)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch["input_ids"], batch["labels"])
+        return TokenLosses(F.cross_entropy(logits, batch["labels"].reshape(-1), reduction="none").view_as(batch["labels"]))
+
+
+def test_a_reference_wrapping_a_model_of_another_vocabulary_is_refused_before_the_first_step():
+    # a new user's trial: the check looked only at the LightningModule itself, which declares no vocabulary
+    callback = SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=_WrappedTransformer(128))
+    with pytest.raises(ValueError, match=r"its vocab_size=128 differs from the model's vocab_size=96"):
+        callback.setup(_trainer([callback]), _WrappedTransformer(96), "fit")
+
+
+def test_a_reference_module_is_put_back_as_it_was_when_the_fit_ends_or_raises():
+    # a new user's trial: the reference stayed in eval mode, frozen, with its logging replaced
+    reference = _WrappedTransformer(96)
+    reference.model.decoder.weight.requires_grad_(False)  # the user's own setting, kept
+    for fails in (False, True):
+        callbacks = [SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=reference)]
+        if fails:
+            callbacks.append(_RaiseOnce(at=1))
+        rows = [{"input_ids": torch.randint(0, 96, (12,)), "labels": torch.randint(0, 96, (12,))} for _ in range(8)]
+
+        class Model(_WrappedTransformer):
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+            def train_dataloader(self, rows=rows):
+                return torch.utils.data.DataLoader(rows, batch_size=4)
+
+        with pytest.raises(RuntimeError, match="interrupted") if fails else contextlib.nullcontext():
+            _trainer(callbacks, steps=2).fit(Model(96))
+        assert reference.training and "log" not in vars(reference) and "log_dict" not in vars(reference)
+        assert [p.requires_grad for p in reference.parameters()].count(False) == 1
