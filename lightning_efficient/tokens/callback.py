@@ -213,9 +213,9 @@ class SelectiveTokenLoss(Callback):
         threshold: Threshold = "streaming",
     ) -> None:
         require_choice("method", method, METHODS)
-        ratio_ok = isinstance(keep_ratio, (int, float)) and not isinstance(keep_ratio, bool) and 0.0 < keep_ratio <= 1.0
-        require(ratio_ok, "keep_ratio", keep_ratio, "a fraction in (0, 1]")
-        require(0.0 < start_keep_ratio <= 1.0, "start_keep_ratio", start_keep_ratio, "a fraction in (0, 1]")
+        for name, ratio in (("keep_ratio", keep_ratio), ("start_keep_ratio", start_keep_ratio)):
+            ratio_ok = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio <= 1.0
+            require(ratio_ok, name, ratio, "a fraction in (0, 1]")
         require_choice("score", score, SCORES)
         require(score == "loss" or method == "eslm", "score", score, "'loss' unless method='eslm'")
         require_choice("scope", scope, ("batch", "global"))
@@ -226,6 +226,10 @@ class SelectiveTokenLoss(Callback):
         if method == "rho1":
             require(reference is not None or reference_key is not None, "reference", reference,
                     "a checkpoint path or nn.Module (or set reference_key) for method='rho1'")
+        else:  # only rho1 scores against a reference: one given to another method would be ignored
+            require(reference is None, "reference", reference if not isinstance(reference, nn.Module) else type(reference).__name__,
+                    f"None unless method='rho1' (method={method!r} scores without a reference)")
+            require(reference_key is None, "reference_key", reference_key, f"None unless method='rho1' (method={method!r})")
         require(reference is None or isinstance(reference, (str, nn.Module)), "reference", reference,
                 "None, a checkpoint path or an nn.Module with a training_step returning per-token losses")
         require(not isinstance(reference, nn.Module) or callable(getattr(reference, "training_step", None)), "reference",

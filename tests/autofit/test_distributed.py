@@ -315,10 +315,10 @@ def test_a_dataloader_built_while_the_optimizers_are_configured_trains_at_the_pl
     micro = plan["ranks"][0]["micro_batch"]
     assert micro != LOADER_BATCH and ddp[1]["plan"] == plan
     assert all(size == micro for rank in ddp for _, size, _ in rank["micro"])
-    assert set(_samples_per_step(ddp, "ddp").values()) == {GLOBAL_BATCH}
+    assert set(_samples_per_step(results["estimated_steps"], "ddp").values()) == {GLOBAL_BATCH}
     caps = [r["micro_batch"] for r in hetero[0]["plan"]["ranks"]]
     assert caps[1] <= 3 < caps[0]
     assert all(size <= caps[1] for _, size, _ in hetero[1]["micro"]) and hetero[1]["micro"]
-    assert set(_samples_per_step(hetero, "hetero_ddp").values()) == {GLOBAL_BATCH}
+    assert set(_samples_per_step(results["estimated_steps"], "hetero_ddp").values()) == {GLOBAL_BATCH}
     # the scheduler's total steps: the epoch's optimizer steps at the kept global batch, on every rank
-    assert {rank["total_steps"] for rank in ddp + hetero} == {len(_samples_per_step(ddp, "ddp"))}
+    assert {rank["total_steps"] for rank in ddp + hetero} == {len(_samples_per_step(results["estimated_steps"], "ddp"))}

@@ -108,6 +108,10 @@ def test_non_finite_losses_fail_the_step_with_their_count():
         ({"method": "rho1", "reference": "/no/such.ckpt"}, "reference='/no/such.ckpt'"),
         ({"scope": "world"}, "scope='world'"),
         ({"warmup_steps": -1}, "warmup_steps=-1"),
+        ({"start_keep_ratio": "0.5"}, "start_keep_ratio='0.5'"),
+        ({"start_keep_ratio": True}, "start_keep_ratio=True"),
+        ({"method": "topk", "reference_key": "ref"}, "reference_key='ref' is not allowed: expected None unless method='rho1'"),
+        ({"method": "eslm", "reference": torch.nn.Linear(2, 2)}, "reference='Linear' is not allowed: expected None unless"),
     ],
 )
 def test_bad_arguments(kwargs, pattern):
