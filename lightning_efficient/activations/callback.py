@@ -98,6 +98,7 @@ class ActivationMemory(Callback):
                 auto_policies, "None (every policy) or a non-empty list of policies")
         require_int("min_offload_bytes", min_offload_bytes, 0)
         self.auto_policies = tuple(auto_policies or ("keep", "selective", "checkpoint", "offload", "disk"))
+        self._auto_policies_chosen = auto_policies is not None  # the user's list: a policy left out of it is said
         for item in self.auto_policies:
             require(item in POLICIES, "auto_policies", auto_policies, "a list of " + ", ".join(POLICIES))
         self.policy = policies
@@ -283,6 +284,9 @@ class ActivationMemory(Callback):
 
     def _plan_automatically(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         policies = tuple(p for p in self.auto_policies if p != "offload" or pl_module.device.type == "cuda")
+        if len(policies) < len(self.auto_policies) and self._auto_policies_chosen:
+            rank_zero_warn(f"ActivationMemory: auto_policies={list(self.auto_policies)!r} includes 'offload', which needs CUDA: "
+                           f"planned on {pl_module.device.type} with {list(policies)!r}.")
         first = first_tensor(batch)
         micro_batch = int(first.shape[0]) if first is not None and first.dim() else 1
         plan: Plan | None = None

@@ -399,3 +399,10 @@ def test_disk_pending_bytes_bounds_the_disk_writers_backlog_and_the_fit_equals_k
     for a, b in zip(model.parameters(), plain.parameters()):
         assert torch.equal(a, b)
     assert memory.memory_figures()["activation_disk_offloaded_bytes"] > 0
+
+
+def test_offload_asked_for_by_auto_policies_on_cpu_is_said_to_be_left_out(small_datamodule_kwargs):
+    # a new user's trial: the refusal blamed the budget, never saying offload was not among the choices on CPU
+    with pytest.warns(UserWarning, match=r"auto_policies=\['offload', 'keep'\] includes 'offload', which needs CUDA: planned on cpu"):
+        _trainer([ActivationMemory("auto", budget=1.0, auto_policies=["offload", "keep"])]).fit(
+            DemoGPT(**tiny_gpt_kwargs()), datamodule=CorpusDataModule(**small_datamodule_kwargs))
