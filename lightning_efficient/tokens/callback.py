@@ -250,7 +250,7 @@ class SelectiveTokenLoss(Callback):
         self.generator = torch.Generator()
         self._rank = 0
         self._reference_module: nn.Module | None = None
-        self._reference_as_it_was: tuple[bool, list[bool], dict[str, Any]] | None = None  # a user's reference module
+        self._reference_as_it_was: tuple[list[bool], list[bool], dict[str, Any]] | None = None  # a user's reference module
         self._wrapped: LightningModule | None = None
         self.normaliser = StepTokenNormaliser()
         self._warned_manual = False
@@ -339,7 +339,7 @@ class SelectiveTokenLoss(Callback):
                 "reference with the model's vocabulary, scoring the same tokens."
             )
         if not isinstance(self.reference, str):  # the user's own module: put back as it was when the fit ends or raises
-            self._reference_as_it_was = (reference.training, [p.requires_grad for p in reference.parameters()],
+            self._reference_as_it_was = ([m.training for m in reference.modules()], [p.requires_grad for p in reference.parameters()],
                                          {k: vars(reference)[k] for k in ("log", "log_dict") if k in vars(reference)})
         reference.eval().requires_grad_(False)
         reference.log = _noop  # the reference is not attached to the Trainer: its logging is dropped
@@ -352,7 +352,8 @@ class SelectiveTokenLoss(Callback):
         if reference is None or saved is None:
             return
         training, requires_grad, logging = saved
-        reference.train(training)
+        for module, flag in zip(reference.modules(), training):  # each submodule's own mode (a frozen part in eval)
+            module.training = flag
         for param, flag in zip(reference.parameters(), requires_grad):
             param.requires_grad_(flag)
         for name in ("log", "log_dict"):

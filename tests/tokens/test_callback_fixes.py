@@ -257,7 +257,8 @@ def test_a_reference_wrapping_a_model_of_another_vocabulary_is_refused_before_th
 def test_a_reference_module_is_put_back_as_it_was_when_the_fit_ends_or_raises():
     # a new user's trial: the reference stayed in eval mode, frozen, with its logging replaced
     reference = _WrappedTransformer(96)
-    reference.model.decoder.weight.requires_grad_(False)  # the user's own setting, kept
+    reference.model.decoder.weight.requires_grad_(False)  # the user's own settings, kept
+    reference.model.pos_encoder.eval()
     for fails in (False, True):
         callbacks = [SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=reference)]
         if fails:
@@ -274,4 +275,5 @@ def test_a_reference_module_is_put_back_as_it_was_when_the_fit_ends_or_raises():
         with pytest.raises(RuntimeError, match="interrupted") if fails else contextlib.nullcontext():
             _trainer(callbacks, steps=2).fit(Model(96))
         assert reference.training and "log" not in vars(reference) and "log_dict" not in vars(reference)
+        assert not reference.model.pos_encoder.training and reference.model.decoder.training
         assert [p.requires_grad for p in reference.parameters()].count(False) == 1
