@@ -286,7 +286,7 @@ class ActivationMemory(Callback):
         policies = tuple(p for p in self.auto_policies if p != "offload" or pl_module.device.type == "cuda")
         if len(policies) < len(self.auto_policies) and self._auto_policies_chosen:
             rank_zero_warn(f"ActivationMemory: auto_policies={list(self.auto_policies)!r} includes 'offload', which needs CUDA: "
-                           f"planned on {pl_module.device.type} with {list(policies)!r}.")
+                           f"planned on {pl_module.device.type} without it (with {sorted({'keep', *policies})!r}).")
         first = first_tensor(batch)
         micro_batch = int(first.shape[0]) if first is not None and first.dim() else 1
         plan: Plan | None = None

@@ -46,11 +46,12 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k
 
 
 def parse_budget(budget: int | float | str, baseline_bytes: int | None = None) -> int:
-    """Bytes from ``budget``: an int of bytes, a string like ``"6GiB"``/``"500MB"``, or a float in (0, 1]
-    meaning that fraction of ``baseline_bytes`` (the activation bytes with every block kept).
+    """Bytes from ``budget``: an int of bytes, a string like ``"6GiB"``/``"500MB"``/``"1000"``, or a fraction in (0, 1] of
+    ``baseline_bytes`` (the activation bytes with every block kept) as a float or a unitless decimal string (``"0.5"``,
+    as YAML or a command line gives it); a fraction without ``baseline_bytes`` gives -1 (resolved once measured).
 
     Raises:
-        ValueError: naming ``budget`` when it is <= 0 or unparseable.
+        ValueError: naming ``budget`` when it is <= 0, unparseable, a unitless decimal above 1 or under one byte.
     """
     if isinstance(budget, bool):
         raise ValueError(f"budget={budget!r} is not allowed: expected bytes, a string like '6GiB' or a fraction in (0, 1]")

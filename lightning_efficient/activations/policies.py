@@ -77,10 +77,20 @@ def _reentrant_checkpoint(forward: Callable, args: tuple, kwargs: dict, block: n
         for i, tensor in zip(where, tensors):
             filled[i] = tensor
         call_args, call_kwargs = tree_unflatten(filled, spec)
-        out_leaves, outputs["spec"] = tree_flatten(forward(*call_args, **call_kwargs))
-        outputs["leaves"] = [None if isinstance(leaf, Tensor) else leaf for leaf in out_leaves]
-        outputs["where"] = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, Tensor)]
-        return tuple(out_leaves[i] for i in outputs["where"])
+        out_leaves, out_spec = tree_flatten(forward(*call_args, **call_kwargs))
+        out_where = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, Tensor)]
+        if "where" not in outputs:  # the forward
+            if not out_where and any(p.requires_grad for p in block.parameters()):
+                raise ValueError(
+                    f"reentrant=True: the checkpointed {type(block).__name__} returns no tensor torch's pytree can reach "
+                    f"(its output is {type(out_leaves[0]).__name__ if out_leaves else 'empty'}): its parameters would get "
+                    "no gradient. Use reentrant=False (the default)."
+                )
+            outputs.update(spec=out_spec, where=out_where, leaves=[None if isinstance(leaf, Tensor) else leaf for leaf in out_leaves])
+        elif out_where != outputs["where"]:  # the recomputation in backward: its tensors must line up with the forward's
+            raise RuntimeError(f"reentrant=True: the recomputed {type(block).__name__} returned its tensors in another "
+                               "structure than its forward did")
+        return tuple(out_leaves[i] for i in out_where)
 
     tensors = checkpoint(run, *(leaves[i] for i in where), use_reentrant=True, preserve_rng_state=True)
     filled = list(outputs["leaves"])

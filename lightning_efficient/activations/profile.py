@@ -38,7 +38,7 @@ from lightning_efficient._torch import DeviceClock, storage_key
 from lightning_efficient.activations.offload import is_copy_of
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import SAVED_BY_SELECTIVE
-from lightning_efficient.memory import distinct_storage_bytes
+from lightning_efficient.memory import distinct_storage_bytes, local_storage
 
 
 class _OpTimer(TorchDispatchMode):
@@ -137,7 +137,7 @@ def profile_blocks(
     """
     clock = DeviceClock(device)
     # summed over the calls of a block (one called twice a step, weights shared, holds and costs twice)
-    stats: dict[int, dict[str, Any]] = {i: {"saved": {}, "small": 0, "inputs": 0, "marks": []} for i in range(len(blocks))}
+    stats: dict[int, dict[str, Any]] = {i: {"saved": {}, "small": 0, "inputs": {}, "marks": []} for i in range(len(blocks))}
     originals = []
     for index, (_, block) in enumerate(blocks):
         forward = block.forward
@@ -146,7 +146,7 @@ def profile_blocks(
         def measured(*args: Any, _forward=forward, _index=index, **kwargs: Any) -> Any:
             record = stats[_index]
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and not exclude(t)]
-            record["inputs"] += distinct_storage_bytes(inputs)
+            record["inputs"].update(found for t in inputs if (found := local_storage(t)) is not None)  # a shared one once
 
             def pack(t: Tensor) -> Tensor:
                 if not exclude(t) and t.layout == torch.strided:
@@ -196,10 +196,11 @@ def profile_blocks(
     for index, (name, _) in enumerate(blocks):
         record, timer = stats[index], timers.get(index)
         keep = sum(record["saved"].values())
-        held = {"keep": keep, "checkpoint": min(keep, record["inputs"])}
+        inputs = sum(record["inputs"].values())
+        held = {"keep": keep, "checkpoint": min(keep, inputs)}
         cost = {"keep": 0.0, "checkpoint": record["time"]}
         if timer is not None:
-            held["selective"] = min(keep, record["inputs"] + timer.saved_bytes)
+            held["selective"] = min(keep, inputs + timer.saved_bytes)
             share = timer.other_time / max(timer.other_time + timer.saved_time, 1e-12)
             cost["selective"] = record["time"] * share
         moved = keep - record["small"]

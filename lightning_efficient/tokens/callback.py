@@ -68,16 +68,18 @@ def _own_vocab_size(module: nn.Module) -> int | None:
 
 
 def _vocab_size(module: nn.Module) -> int | None:
-    """The vocabulary a module scores: its own (:func:`_own_vocab_size`), its ``vocab_size`` hyperparameter, or that
-    of the first submodule declaring one (a LightningModule wrapping a Hugging Face model or Lightning's demo
-    Transformer as ``self.model``); None when unknown."""
+    """The vocabulary a module scores: its own (:func:`_own_vocab_size`), its ``vocab_size`` hyperparameter, or the one
+    its submodules declare (a LightningModule wrapping a Hugging Face model or Lightning's demo Transformer as
+    ``self.model``); None when unknown or when submodules declare several (an encoder of a source vocabulary beside
+    the decoder: which one scores is not known here)."""
     own = _own_vocab_size(module)
     if own is not None:
         return own
     hparams = getattr(module, "hparams", None)
     if hparams is not None and isinstance(hparams.get("vocab_size"), int):
         return hparams["vocab_size"]
-    return next((size for sub in module.modules() if sub is not module and (size := _own_vocab_size(sub)) is not None), None)
+    found = {size for sub in module.modules() if sub is not module and (size := _own_vocab_size(sub)) is not None}
+    return found.pop() if len(found) == 1 else None
 
 
 _WRAPPED_HOOKS = ("training_step", "optimizer_step")
@@ -227,7 +229,7 @@ class SelectiveTokenLoss(Callback):
             require(reference is not None or reference_key is not None, "reference", reference,
                     "a checkpoint path or nn.Module (or set reference_key) for method='rho1'")
         else:  # only rho1 scores against a reference: one given to another method would be ignored
-            require(reference is None, "reference", reference if not isinstance(reference, nn.Module) else type(reference).__name__,
+            require(reference is None, "reference", reference if not isinstance(reference, nn.Module) else f"<{type(reference).__name__}>",
                     f"None unless method='rho1' (method={method!r} scores without a reference)")
             require(reference_key is None, "reference_key", reference_key, f"None unless method='rho1' (method={method!r})")
         require(reference is None or isinstance(reference, (str, nn.Module)), "reference", reference,
@@ -250,7 +252,7 @@ class SelectiveTokenLoss(Callback):
         self.generator = torch.Generator()
         self._rank = 0
         self._reference_module: nn.Module | None = None
-        self._reference_as_it_was: tuple[list[bool], list[bool], dict[str, Any]] | None = None  # a user's reference module
+        self._reference_as_it_was: tuple[list[bool], list[bool], dict[str, Any], torch.device] | None = None  # a user's reference
         self._wrapped: LightningModule | None = None
         self.normaliser = StepTokenNormaliser()
         self._warned_manual = False
@@ -339,19 +341,23 @@ class SelectiveTokenLoss(Callback):
                 "reference with the model's vocabulary, scoring the same tokens."
             )
         if not isinstance(self.reference, str):  # the user's own module: put back as it was when the fit ends or raises
+            device = next(iter(reference.parameters()), torch.empty(0)).device  # on_fit_start moves it to the model's
             self._reference_as_it_was = ([m.training for m in reference.modules()], [p.requires_grad for p in reference.parameters()],
-                                         {k: vars(reference)[k] for k in ("log", "log_dict") if k in vars(reference)})
+                                         {k: vars(reference)[k] for k in ("log", "log_dict") if k in vars(reference)}, device)
         reference.eval().requires_grad_(False)
         reference.log = _noop  # the reference is not attached to the Trainer: its logging is dropped
         reference.log_dict = _noop
         return reference
 
     def _restore_reference(self) -> None:
-        """The user's reference module back in its mode, with its parameters' ``requires_grad`` and its own ``log``."""
+        """The user's reference module back on its device, in its mode, with its parameters' ``requires_grad`` and its own
+        ``log``; a reference this callback loaded from a checkpoint dropped (``setup`` loads it again)."""
         reference, saved, self._reference_as_it_was = self._reference_module, self._reference_as_it_was, None
+        self._reference_module = None
         if reference is None or saved is None:
             return
-        training, requires_grad, logging = saved
+        training, requires_grad, logging, device = saved
+        reference.to(device)
         for module, flag in zip(reference.modules(), training):  # each submodule's own mode (a frozen part in eval)
             module.training = flag
         for param, flag in zip(reference.parameters(), requires_grad):

@@ -449,3 +449,52 @@ def test_reentrant_checkpoint_of_a_block_whose_inputs_require_no_grad_is_refused
         block(torch.randn(2, 8))
     block.requires_grad_(False)  # a frozen block: nothing to lose
     assert block(torch.randn(2, 8)).shape == (2, 8)
+
+
+class _NoTensorOutput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(self.lin(x))  # a side effect: nothing the checkpoint can track
+        return None
+
+
+def test_reentrant_checkpoint_of_a_block_returning_no_tensor_is_refused_not_left_without_gradients():
+    block = _NoTensorOutput()
+    wrap_block(block, "checkpoint", reentrant=True)
+    with pytest.raises(ValueError, match=r"reentrant=True: the checkpointed _NoTensorOutput returns no tensor"):
+        block(torch.randn(2, 8, requires_grad=True))
+
+
+class _TwiceAndInteger(torch.nn.Module):
+    """Returns one tensor twice, an integer tensor and its input passed through."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return h, {"again": h, "count": torch.tensor(3), "input": x}
+
+
+def test_reentrant_outputs_repeated_integer_or_passed_through_get_the_gradients_of_keep():
+    torch.manual_seed(0)
+    block = _TwiceAndInteger().double()
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+
+    def grads():
+        for t in [x, *block.parameters()]:
+            t.grad = None
+        h, extra = block(x)
+        assert int(extra["count"]) == 3
+        (h.pow(2).sum() + extra["again"].sum() + extra["input"].sum()).backward()
+        return [t.grad.clone() for t in [x, *block.parameters()]]
+
+    reference = grads()
+    wrap_block(block, "checkpoint", reentrant=True)
+    for want, have in zip(reference, grads()):
+        assert (have - want).abs().max() <= 1e-12

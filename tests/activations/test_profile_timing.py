@@ -199,3 +199,21 @@ def test_a_block_called_twice_a_step_holds_and_costs_what_both_calls_do():
     once, twice = profiled(1), profiled(2)
     for policy in ("keep", "checkpoint", "selective"):
         assert twice.held_bytes[policy] == 2 * once.held_bytes[policy], policy
+
+
+def test_an_input_two_calls_of_a_block_share_is_held_once():
+    # R-Drop-style: the same input twice through one block; checkpointing holds it once
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    x = torch.randn(4, 16)
+    parameters = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+    def run_step():
+        (block(x) + block(x)).sum().backward()
+
+    def run_forward():
+        block(x)
+
+    (found,) = profile.profile_blocks(run_step, run_forward, [("0", block)], lambda t: t.untyped_storage().data_ptr() in parameters,
+                                      torch.device("cpu"), min_offload_bytes=0, policies=("keep", "checkpoint"))
+    assert found.held_bytes["checkpoint"] == x.untyped_storage().nbytes()

@@ -254,6 +254,21 @@ def test_a_reference_wrapping_a_model_of_another_vocabulary_is_refused_before_th
         callback.setup(_trainer([callback]), _WrappedTransformer(96), "fit")
 
 
+def test_the_vocabulary_of_a_module_is_found_in_its_submodules_unless_they_declare_several():
+    from lightning_efficient.tokens.callback import _vocab_size
+
+    assert _vocab_size(_WrappedTransformer(96)) == 96
+
+    class TwoVocabularies(_WrappedTransformer):
+        def __init__(self):
+            super().__init__(96)
+            from lightning.pytorch.demos import Transformer
+
+            self.source = Transformer(vocab_size=500, ninp=16, nhead=2, nhid=32, nlayers=1)  # another vocabulary
+
+    assert _vocab_size(TwoVocabularies()) is None  # which one scores is not known: not checked (not a false refusal)
+
+
 def test_a_reference_module_is_put_back_as_it_was_when_the_fit_ends_or_raises():
     # a new user's trial: the reference stayed in eval mode, frozen, with its logging replaced
     reference = _WrappedTransformer(96)
