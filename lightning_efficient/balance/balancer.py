@@ -273,8 +273,10 @@ class Balancer:
             rank_zero_info(f"{name}: {self.plan.accumulation} micro-batches per step to respect max_micro_batch")
             trainer.accumulate_grad_batches = self.plan.accumulation
         self.speeds = [1.0] * world if not self.speeds else self.speeds
+        # the DataLoader's own drop_last asks what the strategy's does: plain DDP's last incomplete batches dropped
+        drop_last = self.drop_last or bool(dataloader.drop_last)
         self.sampler = HeterogeneousBatchSampler(
-            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, self.shuffle, self.drop_last, name
+            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, self.shuffle, drop_last, name
         )
         workers = dataloader.num_workers
         self.lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self.plan.accumulation)

@@ -147,3 +147,14 @@ def test_the_trainer_gets_back_the_accumulation_the_user_set_after_a_fit_a_reloa
     assert first == {"global_batches": [4, 4], "sizes": [2] * 16, "steps": 8, "accumulation_after": 1}
     assert second == {"global_batches": [4], "sizes": [2] * 8, "steps": 12, "accumulation_after": 1}
     assert failed["sizes"] == [] and failed["accumulation_after"] == 1
+
+
+def test_a_dataloader_that_drops_its_last_batch_drops_the_last_incomplete_global_batch(tmp_path):
+    # a new user's trial: DataLoader(drop_last=True) was ignored (70 samples, 8 a step: 9 steps and 72 samples, 2 repeated)
+    import json
+
+    from tests.ddp import run_script
+
+    run_script(SCRIPT.parent / "drop_last.py", tmp_path / "out.json", timeout=240)
+    found = json.loads((tmp_path / "out.json").read_text())
+    assert found == {"steps": [8] * 8, "samples": 64, "distinct": 64}
