@@ -137,13 +137,17 @@ class Balancer:
         if shares != "auto":
             ok = isinstance(shares, (list, tuple)) and all(isinstance(s, (int, float)) and s >= 0 for s in shares)
             require(ok and sum(shares) > 0, "shares", shares, "'auto' or non-negative weights, one per rank, summing to more than 0")
-            require(all(s > 0 for s in shares), "shares", shares, "positive weights (a rank with share 0 would hang DDP)")
+            require(all(s > 0 and math.isfinite(s) for s in shares), "shares", shares,
+                    "positive finite weights (a rank with share 0 would leave the others waiting for it)")
         if isinstance(max_micro_batch, str):
             require(max_micro_batch == "auto", "max_micro_batch", max_micro_batch, "an int, a list of ints, 'auto' or None")
-        elif isinstance(max_micro_batch, list):
-            require(all(isinstance(c, int) and c >= 1 for c in max_micro_batch), "max_micro_batch", max_micro_batch, "integers >= 1")
+        elif isinstance(max_micro_batch, (list, tuple)):
+            require(all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in max_micro_batch), "max_micro_batch",
+                    max_micro_batch, "an int, a list of ints >= 1 (one per rank), 'auto' or None")
+            max_micro_batch = list(max_micro_batch)
         elif max_micro_batch is not None:
-            require_int("max_micro_batch", max_micro_batch, 1)
+            require(isinstance(max_micro_batch, int) and not isinstance(max_micro_batch, bool) and max_micro_batch >= 1,
+                    "max_micro_batch", max_micro_batch, "an int >= 1, a list of ints (one per rank), 'auto' or None")
         require_int("seed", seed, 0)
         require_bool("shuffle", shuffle)
         require_bool("drop_last", drop_last)

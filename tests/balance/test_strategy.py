@@ -116,6 +116,9 @@ def test_impossible_settings_fail_before_the_first_step(tmp_path, mode, pattern)
     ({"max_micro_batch": "big"}, "max_micro_batch='big'"),
     ({"rebalance_every": 0}, "rebalance_every=0"),
     ({"hysteresis": 1.0}, "hysteresis=1.0"),
+    ({"shares": [float("inf"), 1.0]}, r"shares=\[inf, 1.0\] is not allowed: expected positive finite weights"),
+    ({"max_micro_batch": (2, 0)}, r"max_micro_batch=\(2, 0\) is not allowed: expected an int, a list of ints >= 1"),
+    ({"max_micro_batch": 2.0}, r"max_micro_batch=2.0 is not allowed: expected an int >= 1, a list of ints"),
 ])
 def test_bad_arguments(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -158,3 +161,7 @@ def test_a_dataloader_that_drops_its_last_batch_drops_the_last_incomplete_global
     run_script(SCRIPT.parent / "drop_last.py", tmp_path / "out.json", timeout=240)
     found = json.loads((tmp_path / "out.json").read_text())
     assert found == {"steps": [8] * 8, "samples": 64, "distinct": 64}
+
+
+def test_max_micro_batch_caps_given_as_a_tuple_are_taken_as_the_list():
+    assert HeterogeneousDDPStrategy(max_micro_batch=(2, 3)).max_micro_batch == [2, 3]
