@@ -86,14 +86,14 @@ def _release(before: dict[tuple[int, int], torch.Tensor]) -> int:
     madvise = _madvise()
     if now is None or madvise is None:
         return 0
-    # every run found before the first page is unmapped: finding them runs torch's own kernels, whose pages an
-    # interleaved release would unmap and then fault straight back in (a test read half the released bytes leave the RSS)
-    runs = []
+    released = 0
     for (low, high), present in now.items():
         earlier = before.get((low, high))
         touched = present if earlier is None else present & ~earlier
-        runs.extend((low + first * _PAGE, (last - first) * _PAGE) for first, last in _runs(touched))
-    return sum(length for start, length in runs if madvise(start, length, mmap.MADV_DONTNEED) == 0)
+        for first, last in _runs(touched):
+            if madvise(low + first * _PAGE, (last - first) * _PAGE, mmap.MADV_DONTNEED) == 0:
+                released += (last - first) * _PAGE
+    return released
 
 
 def _read_present() -> dict[tuple[int, int], torch.Tensor] | None:
