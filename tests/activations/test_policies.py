@@ -404,6 +404,15 @@ def test_recomputing_a_block_updates_its_running_statistics_once_as_keep_does(po
             assert (p.grad - q.grad).abs().max() <= 1e-12, (step, name)
 
 
+def _gradients(tensors, loss):
+    """The gradients ``loss()`` gives ``tensors`` (cleared first), cloned."""
+    tensors = list(tensors)
+    for t in tensors:
+        t.grad = None
+    loss().backward()
+    return [t.grad.clone() for t in tensors]
+
+
 class _DictOutputBlock(torch.nn.Module):
     """Returns its output inside a dict, with a non-tensor beside it (as a Hugging Face ``ModelOutput`` may)."""
 
@@ -423,21 +432,18 @@ def test_a_block_returning_its_tensors_in_a_dict_gets_the_gradients_of_keep(poli
     blocks = torch.nn.ModuleList([_DictOutputBlock() for _ in range(2)]).double()
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
 
-    def grads():
-        for t in [x, *blocks.parameters()]:
-            t.grad = None
+    def loss():
         h = x
         for block in blocks:
             out = block(h)
             assert out["layer"] == 3 and out["hidden"][1] is None
             h = h + out["hidden"][0]
-        h.pow(2).sum().backward()
-        return [t.grad.clone() for t in [x, *blocks.parameters()]]
+        return h.pow(2).sum()
 
-    reference = grads()
+    reference = _gradients([x, *blocks.parameters()], loss)
     for block in blocks:
         wrap_block(block, policy, reentrant=reentrant)
-    for want, have in zip(reference, grads()):
+    for want, have in zip(reference, _gradients([x, *blocks.parameters()], loss)):
         assert (have - want).abs().max() <= 1e-12
 
 
@@ -486,15 +492,12 @@ def test_reentrant_outputs_repeated_integer_or_passed_through_get_the_gradients_
     block = _TwiceAndInteger().double()
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
 
-    def grads():
-        for t in [x, *block.parameters()]:
-            t.grad = None
+    def loss():
         h, extra = block(x)
         assert int(extra["count"]) == 3
-        (h.pow(2).sum() + extra["again"].sum() + extra["input"].sum()).backward()
-        return [t.grad.clone() for t in [x, *block.parameters()]]
+        return h.pow(2).sum() + extra["again"].sum() + extra["input"].sum()
 
-    reference = grads()
+    reference = _gradients([x, *block.parameters()], loss)
     wrap_block(block, "checkpoint", reentrant=True)
-    for want, have in zip(reference, grads()):
+    for want, have in zip(reference, _gradients([x, *block.parameters()], loss)):
         assert (have - want).abs().max() <= 1e-12
