@@ -996,8 +996,11 @@ def test_a_pick_whose_block_policies_run_out_of_memory_when_timed_is_planned_bel
 
 
 def test_the_peak_while_planning_counts_every_reading_and_is_printed_with_the_plan(small_datamodule_kwargs, lightning_caplog):
-    # a budget well below micro-batch 4's peak: the first size read (4 of 8) misses it and the sizes move down
-    budget = int(_profile_figures(small_datamodule_kwargs).peak_bytes[0] * 0.85)
+    # a budget well below micro-batch 4's peak: the first size read (4 of 8) misses it and the sizes move down. A
+    # process's first fit reads 4 up to 16% above its later fits (its heap still growing; a clean-clone CI run read
+    # 166 MiB, then 127-141 MiB in the fit below): the budget is under the least of two probes' readings by a quarter
+    least = min(_profile_figures(small_datamodule_kwargs).peak_bytes[0] for _ in range(2))
+    budget = int(least * 0.75)
     fit = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"], plan_only=True)
     _fit(small_datamodule_kwargs, [fit], wide=True)
     assert fit.profiles[0].sizes[0] < 4
