@@ -272,7 +272,9 @@ class Balancer:
         global_batch = self.global_batch_size or dataloader.batch_size * world * requested
         if self.max_micro_batch == "auto" and self.probed_caps is None:
             self.probed_caps = self._probe_caps(dataloader, global_batch)
-        self.plan = plan_shares(global_batch, self.initial_weights(), self.caps(), None if requested == 1 else requested)
+        # the accumulation set is the fewest micro-batches a step runs (micro-batches no larger than asked for): more
+        # where the caps (max_micro_batch, AutoFit's or the probe's) hold a share
+        self.plan = plan_shares(global_batch, self.initial_weights(), self.caps(), least_accumulation=requested)
         if self.plan.accumulation != requested:
             rank_zero_info(f"{name}: {self.plan.accumulation} micro-batches per step to respect max_micro_batch")
             trainer.accumulate_grad_batches = self.plan.accumulation

@@ -86,6 +86,7 @@ def plan_shares(
     speeds: Sequence[float],
     caps: Sequence[int | None] | None = None,
     accumulation: int | None = None,
+    least_accumulation: int = 1,
 ) -> SharePlan:
     """Shares of ``global_batch`` proportional to ``speeds``, within each rank's micro-batch cap.
 
@@ -93,8 +94,11 @@ def plan_shares(
         global_batch: samples per optimizer step over all ranks (>= number of ranks).
         speeds: each rank's samples per second (or any positive weights).
         caps: each rank's largest micro-batch (None: no cap).
-        accumulation: micro-batches per step; None picks the smallest number for which the caps do
-            not hold the shares away from proportional (or, failing that, the fastest feasible one).
+        accumulation: micro-batches per step; None picks the smallest number (from
+            ``least_accumulation``) for which the caps do not hold the shares away from proportional (or,
+            failing that, the fastest feasible one).
+        least_accumulation: where ``accumulation`` is None, the fewest micro-batches per step to consider
+            (the ``accumulate_grad_batches`` a user set: their micro-batches no larger than they asked for).
 
     Returns:
         The plan that minimises the slowest rank's time for that accumulation.
@@ -106,7 +110,10 @@ def plan_shares(
     caps = list(caps) if caps is not None else [None] * len(speeds)
     _validate(global_batch, speeds, caps)
     world = len(speeds)
-    candidates = [accumulation] if accumulation is not None else range(1, global_batch // world + 1)
+    if accumulation is None and not 1 <= least_accumulation:
+        raise ValueError(f"least_accumulation={least_accumulation!r} is not allowed: expected an integer >= 1")
+    most_accumulation = global_batch // world
+    candidates = [accumulation] if accumulation is not None else range(min(least_accumulation, most_accumulation), most_accumulation + 1)
     best: SharePlan | None = None
     for steps in candidates:
         lower = [steps] * world

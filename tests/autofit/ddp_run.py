@@ -374,13 +374,14 @@ def run_replan(rank: int) -> dict[str, Any]:
             "policies": record.during["policies"], "policies_at_end": record.during["policies_at_end"], "lines": record.lines}
 
 
-def small_device_on_rank_one(holds: int) -> type:
-    """:class:`Tiny` whose rank 1 holds at most ``holds`` samples a micro-step: its last block raises the error a CUDA
-    device raises when it runs out of memory on more; every forward costs 20 ms more (a launch overhead: the larger
-    micro-batches are clearly the faster a sample, so the search reaches beyond the sizes measured)."""
+def small_device_on_rank_one(holds: int, ranks: tuple[int, ...] = (1,)) -> type:
+    """:class:`Tiny` whose rank 1 (each rank of ``ranks``) holds at most ``holds`` samples a micro-step: its last block
+    raises the error a CUDA device raises when it runs out of memory on more; every forward costs 20 ms more (a launch
+    overhead: the larger micro-batches are clearly the faster a sample, so the search reaches beyond the sizes
+    measured)."""
 
     def run_out(block, inputs, output):
-        if torch.distributed.get_rank() == 1 and output.shape[0] > holds:
+        if torch.distributed.get_rank() in ranks and output.shape[0] > holds:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {output.shape[0]} samples' activations")
 
     class SmallDeviceOnRankOne(Tiny):
@@ -436,6 +437,15 @@ def run_estimated_steps(rank: int) -> dict[str, Any]:
         if error is not None:
             raise error
         found[mode] = {"plan": callback.plan.to_dict(), "micro": record.micro, "total_steps": module.total_steps}
+    # hetero_ddp with accumulate_grad_batches=2 (a new user's config) where both ranks hold at most 3 samples: the caps
+    # AutoFit plans hold 2 micro-batches of each rank's share away from the global batch, and the strategy takes more
+    callback = AutoFit(budget=[BIG, BIG], activation_policies=["keep"], optimizer_options=["32-bit"])
+    trainer, _, record, error = fit("hetero_ddp", [callback], module_class=small_device_on_rank_one(3, ranks=(0, 1)),
+                                    accumulate=ACCUMULATE)
+    if error is not None:
+        raise error
+    found["hetero_ddp_accumulating"] = {"plan": callback.plan.to_dict(), "micro": record.micro, "during": record.during,
+                                        "accumulation_after": trainer.accumulate_grad_batches}
     return found
 
 

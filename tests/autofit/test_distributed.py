@@ -322,3 +322,17 @@ def test_a_dataloader_built_while_the_optimizers_are_configured_trains_at_the_pl
     assert set(_samples_per_step(results["estimated_steps"], "hetero_ddp").values()) == {GLOBAL_BATCH}
     # the scheduler's total steps: the epoch's optimizer steps at the kept global batch, on every rank
     assert {rank["total_steps"] for rank in ddp + hetero} == {len(_samples_per_step(results["estimated_steps"], "ddp"))}
+
+
+def test_caps_under_hetero_ddp_with_an_accumulation_set_get_the_micro_batches_they_need(results):
+    # a new user's trial: hetero_ddp with accumulate_grad_batches=2 refused AutoFit's own caps ("cannot be split ... with
+    # accumulation=2") where 2 micro-batches at the caps hold less than the global batch; the accumulation set is the
+    # fewest micro-batches a step, the strategy takes as many as the caps need, and the user's is back after the fit
+    ranks = [rank["hetero_ddp_accumulating"] for rank in results["estimated_steps"]]
+    caps = [r["micro_batch"] for r in ranks[0]["plan"]["ranks"]]
+    assert max(caps) <= 3 and 2 * sum(caps) < GLOBAL_BATCH, caps
+    assert ranks[0]["during"]["accumulate_grad_batches"] > ACCUMULATE
+    for rank, run in enumerate(ranks):
+        assert run["micro"] and all(size <= caps[rank] for _, size, _ in run["micro"])
+        assert run["accumulation_after"] == ACCUMULATE
+    assert set(_samples_per_step(results["estimated_steps"], "hetero_ddp_accumulating").values()) == {GLOBAL_BATCH}

@@ -1,5 +1,7 @@
-"""Run by test_strategy.py: one process under hetero_ddp, DataLoader batch 3, accumulate_grad_batches=2;
-writes the global batch and every micro-batch's size to OUT (JSON).
+"""Run by test_strategy.py: one process under hetero_ddp, DataLoader batch 3, accumulate_grad_batches=2, first as it
+is, then with max_micro_batch=2 (a cap below the micro-batch the accumulation gives: the strategy takes more
+micro-batches a step, as AutoFit's caps ask); writes for each the global batch, every micro-batch's size, the steps,
+the accumulation after the fit and the weights with the weights one global-batch mean a step gives (JSON, OUT).
 
 Usage: python hetero_accumulate.py OUT
 """
@@ -12,27 +14,40 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_efficient  # noqa: F401  (registers "hetero_ddp")
+from lightning_efficient import HeterogeneousDDPStrategy
+
+LR = 0.1
 
 
 class Sizes(L.LightningModule):
+    """A loss linear in the weights, a mean over samples: every step moves the weights by the global batch's mean
+    input, so after an epoch they are known in any sample order."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(2))
+        self.weight = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
         self.sizes: list[int] = []
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
         self.sizes.append(int(x.shape[0]))
-        return (x * self.weight).sum()
+        return (x * self.weight).sum(1).mean()
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def fit(strategy) -> dict:
+    model = Sizes()
+    data = torch.randn(24, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, accumulate_grad_batches=2, max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(TensorDataset(data), batch_size=3))
+    global_batch = trainer.strategy.sampler.global_batch
+    return {"global_batch": global_batch, "sizes": model.sizes, "steps": trainer.global_step,
+            "accumulation_after": trainer.accumulate_grad_batches, "weight": model.weight.tolist(),
+            "expected_weight": (1 - LR * data.sum(0) / global_batch).tolist()}
 
 
 if __name__ == "__main__":
-    model = Sizes()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="hetero_ddp", accumulate_grad_batches=2, max_epochs=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, DataLoader(TensorDataset(torch.randn(24, 2)), batch_size=3))
-    json.dump({"global_batch": trainer.strategy.sampler.global_batch, "sizes": model.sizes, "steps": trainer.global_step},
-              open(sys.argv[1], "w"))
+    json.dump({"as_set": fit("hetero_ddp"), "capped": fit(HeterogeneousDDPStrategy(max_micro_batch=2))}, open(sys.argv[1], "w"))

@@ -15,8 +15,9 @@ def test_shares_sum_respect_caps_and_give_equal_step_counts(speeds, extra, data)
     world = len(speeds)
     global_batch = world + extra
     caps = data.draw(st.lists(st.one_of(st.none(), st.integers(1, 400)), min_size=world, max_size=world))
+    least = data.draw(st.integers(1, 8))  # the accumulate_grad_batches a user set: the fewest micro-batches a step
     try:
-        plan = plan_shares(global_batch, speeds, caps)
+        plan = plan_shares(global_batch, speeds, caps, least_accumulation=least)
     except ValueError as error:
         assert "cannot be split" in str(error)
         # genuinely impossible: even the largest accumulation cannot fit the batch under the caps
@@ -24,6 +25,10 @@ def test_shares_sum_respect_caps_and_give_equal_step_counts(speeds, extra, data)
         assert sum(most * (c if c is not None else math.inf) for c in caps) < global_batch or most < 1
         return
     assert sum(plan.shares) == global_batch
+    # no fewer micro-batches than set (where the global batch gives every rank that many samples); more only for a cap
+    assert plan.accumulation >= min(least, global_batch // world)
+    if all(c is None for c in caps):
+        assert plan.accumulation == min(least, global_batch // world)
     for rank, share in enumerate(plan.shares):
         micro = plan.micro_batches(rank)
         assert len(micro) == plan.accumulation  # every rank: the same number of passes per step
@@ -92,3 +97,8 @@ def test_nothing_fits():
 
     with pytest.raises(ValueError, match="not even a micro-batch of 1 sample fits"):
         largest_fitting_batch(lambda size: False, 64)
+
+
+def test_a_least_accumulation_below_one_is_refused():
+    with pytest.raises(ValueError, match=r"least_accumulation=0 is not allowed: expected an integer >= 1"):
+        plan_shares(8, [1.0, 1.0], least_accumulation=0)

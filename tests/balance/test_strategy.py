@@ -137,8 +137,17 @@ def test_by_default_a_step_trains_what_plain_ddp_would_under_accumulation(tmp_pa
     from tests.ddp import run_script
 
     run_script(SCRIPT.parent / "hetero_accumulate.py", tmp_path / "out.json", timeout=240)
-    result = json.loads((tmp_path / "out.json").read_text())
-    assert result["global_batch"] == 6 and result["sizes"] == [3] * 8 and result["steps"] == 4
+    found = json.loads((tmp_path / "out.json").read_text())
+    as_set, capped = found["as_set"], found["capped"]
+    assert as_set["global_batch"] == 6 and as_set["sizes"] == [3] * 8 and as_set["steps"] == 4
+    # a new user's trial: a cap below the micro-batch the accumulation set gives (AutoFit's caps under hetero_ddp with
+    # accumulate_grad_batches=2) was refused ("cannot be split ... with accumulation=2"); the accumulation set is the
+    # fewest micro-batches a step, and the strategy takes three here; the user's is back after the fit
+    assert capped["global_batch"] == 6 and capped["sizes"] == [2] * 12 and capped["steps"] == 4
+    assert as_set["accumulation_after"] == capped["accumulation_after"] == 2
+    # each step the global batch's mean however it is split (float64)
+    for run in (as_set, capped):
+        assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
 
 
 def test_the_trainer_gets_back_the_accumulation_the_user_set_after_a_fit_a_reload_and_a_failure(tmp_path):
