@@ -81,6 +81,32 @@ class RunDirConfigSaver(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
+class ConfigValueError(ValueError):
+    """A value in the config that one of this package's classes refused as it was built (its own message, the
+    class that refused it); the ``lightning-efficient`` command prints it in one line, without a traceback."""
+
+
+def _refusal_of_ours(error: BaseException) -> ConfigValueError | None:
+    """The innermost ValueError under ``error`` (jsonargparse wraps a constructor's in its own), as a
+    :class:`ConfigValueError` naming the class, where a constructor of this package raised it; None otherwise (a
+    user's class keeps its traceback)."""
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if not isinstance(root, ValueError):
+        return None
+    frame = root.__traceback__
+    while frame is not None:  # the outermost constructor in the traceback is the class being built
+        code, local = frame.tb_frame.f_code, frame.tb_frame.f_locals
+        if code.co_name == "__init__" and "self" in local:
+            owner = type(local["self"])
+            if owner.__module__.split(".")[0] != "lightning_efficient":
+                return None
+            return ConfigValueError(f"{owner.__name__}: {root}")
+        frame = frame.tb_next
+    return None
+
+
 class EfficientCLI(LightningCLI):
     """LightningCLI for any LightningModule and DataModule given by ``class_path``.
 
@@ -98,6 +124,17 @@ class EfficientCLI(LightningCLI):
             self.config = parser.parse_args(with_default_config(sys.argv[1:] if args is None else args))
         else:
             super().parse_arguments(parser, args)
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Build the config's classes; a value one of this package's classes refuses is a :class:`ConfigValueError`."""
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            refusal = _refusal_of_ours(error)
+            if refusal is None:
+                raise
+            raise refusal from error
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -205,6 +242,7 @@ def run_plan(args: Sequence[str]) -> AutoFit:
         index = next(i for i, c in enumerate(trainer.callbacks) if isinstance(c, AutoFit))
         trainer.callbacks[index] = autofit
     autofit.plan_only = True
+    trainer.loggers = []  # no training, nothing logged: no empty run directory left behind (a new user's trial)
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if trainer.is_global_zero and autofit.plan is not None:
         import yaml
@@ -299,10 +337,13 @@ def main() -> None:
     if sys.argv[1:2] == ["plan"]:
         try:
             run_plan(sys.argv[2:])
-        except BudgetTooSmall as refusal:  # the answer the command was asked for, not a fault: no traceback
+        except (BudgetTooSmall, ConfigValueError) as refusal:  # the answer asked for, or a value refused: no traceback
             raise SystemExit(f"lightning-efficient plan: {refusal}") from None
         return
-    run_cli()
+    try:
+        run_cli()
+    except ConfigValueError as refusal:  # a config value one of the package's classes refused, in one line
+        raise SystemExit(f"lightning-efficient: {refusal}") from None
 
 
 if __name__ == "__main__":

@@ -199,12 +199,14 @@ def _config(path, data_kwargs, **trainer):
 
 def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_training(small_datamodule_kwargs, tmp_path):
     # a setting set to null over a non-null default (1) must stay null in the printed config
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path / "logs")}}
     config = _config(tmp_path / "run.yaml", small_datamodule_kwargs, accumulate_grad_batches=2, check_val_every_n_epoch=None,
-                     val_check_interval=2)
+                     val_check_interval=2, logger=logger)
     done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "2GiB"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "AutoFit plan:" in done.stdout + done.stderr
+    assert not (tmp_path / "logs").exists()  # nothing trained, nothing logged: no empty run directory
     settings = _printed_config(done.stdout)
     batch = settings["data"]["init_args"]["batch_size"]
     assert batch * settings["trainer"]["accumulate_grad_batches"] == 4 * 2
@@ -212,7 +214,9 @@ def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_
     # the printed config is the whole run: fitted alone, it trains with the plan's settings and no AutoFit
     assert not any("AutoFit" in str(c) for c in settings["trainer"]["callbacks"] or [])
     planned = tmp_path / "planned.yaml"
-    planned.write_text(yaml.safe_dump({**settings, "trainer": {**settings["trainer"], "default_root_dir": str(tmp_path / "run")}}))
+    assert settings["trainer"]["logger"]["init_args"]["save_dir"] == logger["init_args"]["save_dir"]  # the config's own
+    planned.write_text(yaml.safe_dump({**settings, "trainer": {**settings["trainer"], "default_root_dir": str(tmp_path / "run"),
+                                                               "logger": False}}))
     fitted = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "fit", "--config", str(planned)],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert fitted.returncode == 0, fitted.stderr[-3000:]
