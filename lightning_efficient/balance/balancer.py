@@ -505,7 +505,7 @@ class Balancer:
             start = self.micro_done // self.plan.accumulation + self.lookahead
             self.sampler.schedule_plan(candidate, start)
             rank_zero_info(f"{self.name}: step {step}: shares {list(current.shares)} -> {list(candidate.shares)} "
-                           f"from global batch {start} (predicted gain {gain:.1%})")
+                           f"from the epoch's step {start} on (predicted gain {gain:.1%})")
 
     def _candidate(self, current: SharePlan) -> tuple[SharePlan, float]:
         """The plan to adopt and its predicted gain over ``current``, from every rank's micro-step time
