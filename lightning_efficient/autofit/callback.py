@@ -474,9 +474,13 @@ class AutoFit(Callback):
         """The global batch the user set (before AutoFit changes anything)."""
         loader = trainer.fit_loop._data_source.dataloader() if loader is None else loader
         batch_size = loader_batch_size(loader)
-        if self._heterogeneous(trainer) and trainer.strategy.global_batch_size:
-            return trainer.strategy.global_batch_size
-        return batch_size * trainer.world_size * trainer.accumulate_grad_batches
+        accumulation = trainer.accumulate_grad_batches
+        if self._heterogeneous(trainer):
+            if trainer.strategy.global_batch_size:
+                return trainer.strategy.global_batch_size
+            # the user's, not what the strategy's plan set where the loader was built already (in configure_optimizers)
+            accumulation = trainer.strategy.balancer.requested_accumulation(trainer)
+        return batch_size * trainer.world_size * accumulation
 
     def _plan_now(self, trainer: Trainer, pl_module: LightningModule, keep_micro_batch: FitPlan | None = None) -> FitPlan:
         """Measure every rank and search. ``keep_micro_batch``: the checkpoint's plan, whose micro-batch is kept

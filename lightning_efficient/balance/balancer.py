@@ -267,17 +267,26 @@ class Balancer:
         # the plan's own), and put back when the fit ends (a second fit with this Trainer trains the same global batch)
         if self._user_accumulation is None or self._user_accumulation[0] is not trainer:
             self._user_accumulation = (trainer, trainer.accumulate_grad_batches)
-        requested = self._user_accumulation[1]
+        requested = self.requested_accumulation(trainer)
         # by default a step trains what it would under plain data parallelism: a DataLoader batch per rank and micro-batch
         global_batch = self.global_batch_size or dataloader.batch_size * world * requested
         if self.max_micro_batch == "auto" and self.probed_caps is None:
             self.probed_caps = self._probe_caps(dataloader, global_batch)
-        # the accumulation set is the fewest micro-batches a step runs (micro-batches no larger than asked for): more
-        # where the caps (max_micro_batch, AutoFit's or the probe's) hold a share
+        # the accumulation set is the fewest micro-batches a step runs: more where the caps (max_micro_batch, AutoFit's
+        # or the probe's) hold a share
+        world_most = global_batch // world
+        if requested > world_most:
+            raise ValueError(
+                f"{name}: accumulate_grad_batches={requested} micro-batches a step, but the global batch of {global_batch} "
+                f"gives each of {world} rank(s) at most {world_most} (every rank needs a sample in every micro-batch): "
+                f"set accumulate_grad_batches <= {world_most} or a larger global_batch_size"
+            )
         self.plan = plan_shares(global_batch, self.initial_weights(), self.caps(), least_accumulation=requested)
         if self.plan.accumulation != requested:
             rank_zero_info(f"{name}: {self.plan.accumulation} micro-batches per step to respect max_micro_batch")
-            trainer.accumulate_grad_batches = self.plan.accumulation
+        # always: a loader built earlier in this fit (estimated_stepping_batches in configure_optimizers) may have set
+        # another accumulation, under caps since changed (AutoFit's)
+        trainer.accumulate_grad_batches = self.plan.accumulation
         self.speeds = [1.0] * world if not self.speeds else self.speeds
         # the DataLoader's own drop_last asks what the strategy's does: plain DDP's last incomplete batches dropped
         drop_last = self.drop_last or bool(dataloader.drop_last)
@@ -389,6 +398,13 @@ class Balancer:
                 for p in self.strategy.lightning_module.parameters()
                 if p.requires_grad
             ]
+
+    def requested_accumulation(self, trainer: Any) -> int:
+        """The ``accumulate_grad_batches`` the user set on ``trainer``: read before this fit's plan changed it (a
+        DataLoader built again mid-fit, or AutoFit reading the global batch, must not read the plan's own)."""
+        if self._user_accumulation is not None and self._user_accumulation[0] is trainer:
+            return self._user_accumulation[1]
+        return trainer.accumulate_grad_batches
 
     def restore_trainer(self) -> None:
         """Put back the ``accumulate_grad_batches`` the user set, where the plan changed it (at the fit's end, or its
@@ -505,7 +521,7 @@ class Balancer:
             start = self.micro_done // self.plan.accumulation + self.lookahead
             self.sampler.schedule_plan(candidate, start)
             rank_zero_info(f"{self.name}: step {step}: shares {list(current.shares)} -> {list(candidate.shares)} "
-                           f"from the epoch's step {start} on (predicted gain {gain:.1%})")
+                           f"from step {step + self.lookahead} on (predicted gain {gain:.1%})")
 
     def _candidate(self, current: SharePlan) -> tuple[SharePlan, float]:
         """The plan to adopt and its predicted gain over ``current``, from every rank's micro-step time

@@ -98,7 +98,7 @@ def plan_shares(
             ``least_accumulation``) for which the caps do not hold the shares away from proportional (or,
             failing that, the fastest feasible one).
         least_accumulation: where ``accumulation`` is None, the fewest micro-batches per step to consider
-            (the ``accumulate_grad_batches`` a user set: their micro-batches no larger than they asked for).
+            (the ``accumulate_grad_batches`` a user set), at most ``global_batch // ranks``.
 
     Returns:
         The plan that minimises the slowest rank's time for that accumulation.
@@ -110,10 +110,12 @@ def plan_shares(
     caps = list(caps) if caps is not None else [None] * len(speeds)
     _validate(global_batch, speeds, caps)
     world = len(speeds)
-    if accumulation is None and not 1 <= least_accumulation:
-        raise ValueError(f"least_accumulation={least_accumulation!r} is not allowed: expected an integer >= 1")
     most_accumulation = global_batch // world
-    candidates = [accumulation] if accumulation is not None else range(min(least_accumulation, most_accumulation), most_accumulation + 1)
+    if accumulation is None and (isinstance(least_accumulation, bool) or not isinstance(least_accumulation, int)
+                                 or least_accumulation < 1 or least_accumulation > most_accumulation):
+        raise ValueError(f"least_accumulation={least_accumulation!r} is not allowed: expected an integer from 1 to "
+                         f"{most_accumulation} (global batch {global_batch} over {world} rank(s))")
+    candidates = [accumulation] if accumulation is not None else range(least_accumulation, most_accumulation + 1)
     best: SharePlan | None = None
     for steps in candidates:
         lower = [steps] * world

@@ -374,7 +374,7 @@ def run_replan(rank: int) -> dict[str, Any]:
             "policies": record.during["policies"], "policies_at_end": record.during["policies_at_end"], "lines": record.lines}
 
 
-def small_device_on_rank_one(holds: int, ranks: tuple[int, ...] = (1,)) -> type:
+def small_device(holds: int, ranks: tuple[int, ...] = (1,)) -> type:
     """:class:`Tiny` whose rank 1 (each rank of ``ranks``) holds at most ``holds`` samples a micro-step: its last block
     raises the error a CUDA device raises when it runs out of memory on more; every forward costs 20 ms more (a launch
     overhead: the larger micro-batches are clearly the faster a sample, so the search reaches beyond the sizes
@@ -384,7 +384,7 @@ def small_device_on_rank_one(holds: int, ranks: tuple[int, ...] = (1,)) -> type:
         if torch.distributed.get_rank() in ranks and output.shape[0] > holds:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {output.shape[0]} samples' activations")
 
-    class SmallDeviceOnRankOne(Tiny):
+    class SmallDevice(Tiny):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.blocks[-1].register_forward_hook(run_out)
@@ -394,7 +394,7 @@ def small_device_on_rank_one(holds: int, ranks: tuple[int, ...] = (1,)) -> type:
             time.sleep(0.02)
             return super().forward(input_ids, *args, **kwargs)
 
-    return SmallDeviceOnRankOne
+    return SmallDevice
 
 
 def run_out_of_memory(rank: int) -> dict[str, Any]:
@@ -404,7 +404,7 @@ def run_out_of_memory(rank: int) -> dict[str, Any]:
     found = {}
     for mode, holds in (("ddp", 5), ("hetero_ddp", 3)):
         callback = AutoFit(budget=[BIG, BIG], activation_policies=["keep"], optimizer_options=["32-bit"])
-        _, _, record, error = fit(mode, [callback], module_class=small_device_on_rank_one(holds))
+        _, _, record, error = fit(mode, [callback], module_class=small_device(holds))
         if error is not None:
             raise error
         found[mode] = {"out_of_memory_at": [p.out_of_memory_at for p in callback.profiles], "plan": callback.plan.to_dict(),
@@ -423,7 +423,7 @@ def run_estimated_steps(rank: int) -> dict[str, Any]:
     # under ddp no rank runs out (8 samples a rank a step at most); the 20 ms a forward costs makes 8 the pick on any
     # CPU, where on Tiny alone the fastest per sample was at times the DataLoader's own 4 (the test then proved nothing)
     for mode, holds in (("ddp", GLOBAL_BATCH // 2), ("hetero_ddp", 3)):
-        base = small_device_on_rank_one(holds)
+        base = small_device(holds)
 
         class OneCycle(base):  # type: ignore[misc, valid-type]
             def configure_optimizers(self):
@@ -440,7 +440,7 @@ def run_estimated_steps(rank: int) -> dict[str, Any]:
     # hetero_ddp with accumulate_grad_batches=2 (a new user's config) where both ranks hold at most 3 samples: the caps
     # AutoFit plans hold 2 micro-batches of each rank's share away from the global batch, and the strategy takes more
     callback = AutoFit(budget=[BIG, BIG], activation_policies=["keep"], optimizer_options=["32-bit"])
-    trainer, _, record, error = fit("hetero_ddp", [callback], module_class=small_device_on_rank_one(3, ranks=(0, 1)),
+    trainer, _, record, error = fit("hetero_ddp", [callback], module_class=small_device(3, ranks=(0, 1)),
                                     accumulate=ACCUMULATE)
     if error is not None:
         raise error

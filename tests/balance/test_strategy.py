@@ -138,15 +138,20 @@ def test_by_default_a_step_trains_what_plain_ddp_would_under_accumulation(tmp_pa
 
     run_script(SCRIPT.parent / "hetero_accumulate.py", tmp_path / "out.json", timeout=240)
     found = json.loads((tmp_path / "out.json").read_text())
-    as_set, capped = found["as_set"], found["capped"]
+    as_set, capped, autofit = found["as_set"], found["capped"], found["autofit"]
     assert as_set["global_batch"] == 6 and as_set["sizes"] == [3] * 8 and as_set["steps"] == 4
     # a new user's trial: a cap below the micro-batch the accumulation set gives (AutoFit's caps under hetero_ddp with
     # accumulate_grad_batches=2) was refused ("cannot be split ... with accumulation=2"); the accumulation set is the
     # fewest micro-batches a step, and the strategy takes three here; the user's is back after the fit
     assert capped["global_batch"] == 6 and capped["sizes"] == [2] * 12 and capped["steps"] == 4
     assert as_set["accumulation_after"] == capped["accumulation_after"] == 2
+    # the loader built in configure_optimizers under the cap (3 micro-batches a step), then under AutoFit's caps (the
+    # user's 2): the trainer accumulates what the last plan runs (review: it kept 3, and trained 6 steps of 9 samples),
+    # and AutoFit plans for the user's global batch (it read 9)
+    assert autofit["planned_global_batch"] == autofit["global_batch"] == 6 and autofit["total_steps"] == 4
+    assert autofit["steps"] == 4 and sum(autofit["sizes"]) == 24 and autofit["accumulation_after"] == 2
     # each step the global batch's mean however it is split (float64)
-    for run in (as_set, capped):
+    for run in (as_set, capped, autofit):
         assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
 
 
