@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.parsing import lightning_hasattr
@@ -87,23 +88,36 @@ class ConfigValueError(ValueError):
 
 
 def _refusal_of_ours(error: BaseException) -> ConfigValueError | None:
-    """The innermost ValueError under ``error`` (jsonargparse wraps a constructor's in its own), as a
-    :class:`ConfigValueError` naming the class, where a constructor of this package raised it; None otherwise (a
-    user's class keeps its traceback)."""
-    root = error
-    while root.__cause__ is not None:
-        root = root.__cause__
-    if not isinstance(root, ValueError):
-        return None
-    frame = root.__traceback__
-    while frame is not None:  # the outermost constructor in the traceback is the class being built
-        code, local = frame.tb_frame.f_code, frame.tb_frame.f_locals
-        if code.co_name == "__init__" and "self" in local:
-            owner = type(local["self"])
-            if owner.__module__.split(".")[0] != "lightning_efficient":
+    """Where jsonargparse called the constructor of one of this package's classes and it raised a ValueError (the
+    error itself, or one in its chain of causes: jsonargparse wraps it), that refusal as a :class:`ConfigValueError`
+    naming the class; None otherwise. A user's class that builds one of ours and raises its own error keeps its
+    traceback, as does any error jsonargparse does not chain (a union-typed key, such as ``trainer.strategy``, chains
+    the first type's mismatch; its message still lists ours)."""
+    seen: set[int] = set()
+    chained: BaseException | None = error
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        if isinstance(chained, ValueError):
+            owner = _constructor_called_by_jsonargparse(chained)
+            if owner is not None:
+                return ConfigValueError(f"{owner}: {chained}") if owner else None
+        chained = chained.__cause__ or chained.__context__
+    return None
+
+
+def _constructor_called_by_jsonargparse(error: BaseException) -> str | None:
+    """The name of the class whose ``__init__`` jsonargparse called directly in ``error``'s traceback: the class's
+    name where that ``__init__`` is this package's code, "" where it is not (a user's), None where there is no such
+    call (the error was raised elsewhere and chained)."""
+    frame, caller = error.__traceback__, None
+    while frame is not None:
+        code, scope = frame.tb_frame.f_code, frame.tb_frame.f_globals
+        if code.co_name == "__init__" and "self" in frame.tb_frame.f_locals:
+            if caller is None or not str(caller.tb_frame.f_globals.get("__name__", "")).startswith("jsonargparse"):
                 return None
-            return ConfigValueError(f"{owner.__name__}: {root}")
-        frame = frame.tb_next
+            ours = str(scope.get("__name__", "")).split(".")[0] == "lightning_efficient"
+            return type(frame.tb_frame.f_locals["self"]).__name__ if ours else ""
+        caller, frame = frame, frame.tb_next
     return None
 
 
@@ -242,7 +256,9 @@ def run_plan(args: Sequence[str]) -> AutoFit:
         index = next(i for i, c in enumerate(trainer.callbacks) if isinstance(c, AutoFit))
         trainer.callbacks[index] = autofit
     autofit.plan_only = True
-    trainer.loggers = []  # no training, nothing logged: no empty run directory left behind (a new user's trial)
+    # nothing trained, nothing logged: no empty run directory left behind (a new user's trial); a logger of no-ops in
+    # each one's place, for callbacks and modules that ask for one in setup (DeviceStatsMonitor refuses none)
+    trainer.loggers = [DummyLogger() for _ in trainer.loggers]
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if trainer.is_global_zero and autofit.plan is not None:
         import yaml

@@ -139,25 +139,38 @@ def test_demo_config_fits_three_steps(tmp_path):
 def test_a_value_one_of_the_packages_classes_refuses_is_said_in_one_line_and_a_users_own_keeps_its_traceback(tmp_path):
     # a new user's trial: ActivationMemory(budget="banana") in a config printed jsonargparse's wrapping and two
     # tracebacks (85 lines) around the one line that says what is wrong
-    def fit(callback: dict, model_args: dict) -> subprocess.CompletedProcess:
+    (tmp_path / "mine.py").write_text(
+        "import lightning\n\nfrom lightning_efficient import ActivationMemory\n\n\n"
+        "class Picky(lightning.Callback):\n    def __init__(self, level: int = 0):\n"
+        "        raise ValueError(f'level={level} is not mine to take')\n\n\n"
+        "class Wrapping(lightning.Callback):\n    def __init__(self, budget: str = '1GiB'):\n        try:\n"
+        "            self.memory = ActivationMemory(policy='auto', budget=budget)\n        except ValueError as error:\n"
+        "            raise ValueError(f'my setup: see my wiki for budget {budget}') from error\n\n\n"
+        "class MyMemory(ActivationMemory):\n    pass\n")
+
+    def run(command: str, callback: dict, *options: str) -> subprocess.CompletedProcess:
         config = tmp_path / "run.yaml"
         config.write_text(yaml.safe_dump({
             "trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False, "callbacks": [callback]},
-            "model": {"class_path": "lightning_efficient.DemoGPT", "init_args": model_args},
+            "model": {"class_path": "lightning_efficient.DemoGPT"},
             "data": {"class_path": "lightning_efficient.CorpusDataModule", "init_args": {"data_path": str(tmp_path)}},
         }))
-        return _cli(["fit", "--config", config], cwd=tmp_path)
+        return _cli([command, "--config", config, *options], cwd=tmp_path)
 
-    refused = fit({"class_path": "lightning_efficient.ActivationMemory", "init_args": {"policy": "auto", "budget": "banana"}}, {})
-    assert refused.returncode == 1
-    assert refused.stderr.strip().splitlines()[-1] == (
-        "lightning-efficient: ActivationMemory: budget='banana' is not allowed: expected bytes > 0, e.g. 6GiB, 500MB or "
-        "0.5 (a fraction)")
-    assert "Traceback" not in refused.stderr
-    # a class of the user's raises as LightningCLI raises it: its traceback is theirs to read
-    (tmp_path / "mine.py").write_text(
-        "import lightning\n\n\nclass Picky(lightning.Callback):\n    def __init__(self, level: int = 0):\n"
-        "        raise ValueError(f'level={level} is not mine to take')\n")
-    theirs = fit({"class_path": "mine.Picky", "init_args": {"level": 3}}, {})
-    assert theirs.returncode == 1 and "Traceback" in theirs.stderr and "level=3 is not mine to take" in theirs.stderr
-    assert "lightning-efficient: " not in theirs.stderr
+    said = "budget='banana' is not allowed: expected bytes > 0, e.g. 6GiB, 500MB or 0.5 (a fraction)"
+    banana = {"policy": "auto", "budget": "banana"}
+    for command, options, prefix in (("fit", (), "lightning-efficient"), ("plan", ("--budget", "1GiB"), "lightning-efficient plan")):
+        refused = run(command, {"class_path": "lightning_efficient.ActivationMemory", "init_args": banana}, *options)
+        assert refused.returncode == 1
+        assert refused.stderr.strip().splitlines()[-1] == f"{prefix}: ActivationMemory: {said}"
+        assert "Traceback" not in refused.stderr
+    # a user's subclass of one of ours: our refusal, named by their class
+    subclass = run("fit", {"class_path": "mine.MyMemory", "init_args": banana})
+    assert subclass.stderr.strip().splitlines()[-1] == f"lightning-efficient: MyMemory: {said}"
+    # a class of the user's raises as LightningCLI raises it, also where it built one of ours and raised its own
+    # error from ours: its traceback and its message are theirs to read
+    for callback, theirs in (({"class_path": "mine.Picky", "init_args": {"level": 3}}, "level=3 is not mine to take"),
+                             ({"class_path": "mine.Wrapping", "init_args": {"budget": "banana"}}, "my setup: see my wiki")):
+        raised = run("fit", callback)
+        assert raised.returncode == 1 and "Traceback" in raised.stderr and theirs in raised.stderr
+        assert "lightning-efficient: " not in raised.stderr

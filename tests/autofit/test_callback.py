@@ -200,8 +200,12 @@ def _config(path, data_kwargs, **trainer):
 def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_training(small_datamodule_kwargs, tmp_path):
     # a setting set to null over a non-null default (1) must stay null in the printed config
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path / "logs")}}
+    # a callback that asks for a logger in setup, as Lightning's DeviceStatsMonitor does (the plan's fit has one)
+    (tmp_path / "needs_logger.py").write_text(
+        "import lightning\n\n\nclass NeedsLogger(lightning.Callback):\n    def setup(self, trainer, pl_module, stage):\n"
+        "        if not trainer.loggers:\n            raise RuntimeError('Cannot use NeedsLogger with Trainer(logger=False)')\n")
     config = _config(tmp_path / "run.yaml", small_datamodule_kwargs, accumulate_grad_batches=2, check_val_every_n_epoch=None,
-                     val_check_interval=2, logger=logger)
+                     val_check_interval=2, logger=logger, callbacks=[{"class_path": "needs_logger.NeedsLogger"}])
     done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "2GiB"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -212,11 +216,13 @@ def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_
     assert batch * settings["trainer"]["accumulate_grad_batches"] == 4 * 2
     assert not list(tmp_path.glob("**/*.ckpt"))
     # the printed config is the whole run: fitted alone, it trains with the plan's settings and no AutoFit
-    assert not any("AutoFit" in str(c) for c in settings["trainer"]["callbacks"] or [])
+    callbacks = settings["trainer"]["callbacks"]
+    assert not any("AutoFit" in str(c) for c in callbacks) and "needs_logger.NeedsLogger" in str(callbacks)
     planned = tmp_path / "planned.yaml"
     assert settings["trainer"]["logger"]["init_args"]["save_dir"] == logger["init_args"]["save_dir"]  # the config's own
+    kept = [c for c in callbacks if "NeedsLogger" not in str(c)]
     planned.write_text(yaml.safe_dump({**settings, "trainer": {**settings["trainer"], "default_root_dir": str(tmp_path / "run"),
-                                                               "logger": False}}))
+                                                               "logger": False, "callbacks": kept}}))
     fitted = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "fit", "--config", str(planned)],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert fitted.returncode == 0, fitted.stderr[-3000:]
