@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -19,7 +19,6 @@ from lightning_efficient.tokens.normalize import (
     StepTokenNormaliser,
     all_gather_variable,
     distributed_world_size,
-    global_kept_count,
     kept_loss_sum,
 )
 from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses, deferred_reduction
@@ -165,7 +164,7 @@ class SelectiveTokenLoss(Callback):
     (the callback wraps the optimizer closure in the module's ``optimizer_step``; see
     :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`). The ``"loss"`` Lightning
     sees per micro-batch is therefore a scaled sum, not a mean: read ``selection/mean_loss``.
-    Under manual optimization the loss is each micro-batch's own global kept mean (warned once).
+    Manual optimization is refused: the selection, made after ``training_step``, would not reach its backward.
     Extra keys of the module's output (``TokenLosses(..., accuracy=acc)``) reach
     ``on_train_batch_end``'s ``outputs`` alongside ``"loss"``, ``"mask"`` and ``"keep"``.
 
@@ -249,20 +248,38 @@ class SelectiveTokenLoss(Callback):
         self.threshold = threshold
         self.running = RunningThreshold()
         self._observed_step: int | None = None
-        self.generator = torch.Generator()
+        self.generator = torch.Generator()  # seeded before each draw; not pickled (ddp_spawn), see __getstate__
         self._rank = 0
         self._reference_module: nn.Module | None = None
         self._reference_as_it_was: tuple[list[bool], list[bool], dict[str, Any], torch.device] | None = None  # a user's reference
         self._wrapped: LightningModule | None = None
         self.normaliser = StepTokenNormaliser()
-        self._warned_manual = False
         self._log_every_step = False  # set in setup: a callback monitors a selection figure
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a torch.Generator cannot be pickled to the processes ddp_spawn starts; it is seeded before every draw, so a
+        # fresh one there draws the same
+        state = dict(self.__dict__)
+        state["generator"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.generator = torch.Generator()
 
     # -- wiring ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "SelectiveTokenLoss is refused under manual optimization (automatic_optimization=False): it selects "
+                "tokens from what training_step returns, after it has run, while under manual optimization your "
+                "training_step has already called manual_backward on its own loss, so no selection would reach the "
+                "gradients. Use automatic optimization, or select inside training_step yourself with "
+                "lightning_efficient.tokens.select_tokens (the kept tokens' loss sum over their global count)."
+            )
         mesh = getattr(trainer.strategy, "device_mesh", None)  # ModelParallelStrategy's (data, tensor) mesh
         if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
             raise ValueError(
@@ -553,19 +570,8 @@ class SelectiveTokenLoss(Callback):
         self, trainer: Trainer, pl_module: LightningModule, kept_sum: Tensor, keep: Tensor, batch_idx: int,
         non_finite: Tensor,
     ) -> Tensor:
-        """The micro-batch's loss from its kept-loss sum: weighted for the step (automatic
-        optimization), or its own global kept mean (manual optimization, where the user calls backward
-        and step)."""
-        if not pl_module.automatic_optimization:
-            if not self._warned_manual:
-                rank_zero_warn(
-                    "SelectiveTokenLoss: manual optimization: the loss returned for each training_step is the mean "
-                    "over its own kept tokens (all ranks), not weighted across micro-batches; with several backward "
-                    "passes per optimizer step, weight them yourself."
-                )
-                self._warned_manual = True
-            kept_sum = kept_sum.to(torch.promote_types(kept_sum.dtype, torch.float32))
-            return kept_sum * (distributed_world_size() / global_kept_count(keep)).to(kept_sum.dtype)
+        """The micro-batch's loss from its kept-loss sum, weighted for the step (manual optimization is refused in
+        :meth:`setup`)."""
         if batch_idx % trainer.accumulate_grad_batches == 0:
             # a step's first micro-batch: forget tokens counted by a call outside the loop (a profile)
             self.normaliser.begin_step()

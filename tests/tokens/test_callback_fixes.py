@@ -292,3 +292,46 @@ def test_a_reference_module_is_put_back_as_it_was_when_the_fit_ends_or_raises():
         assert reference.training and "log" not in vars(reference) and "log_dict" not in vars(reference)
         assert not reference.model.pos_encoder.training and reference.model.decoder.training
         assert [p.requires_grad for p in reference.parameters()].count(False) == 1
+
+
+class _ManualTiny(Tiny):
+    """:class:`Tiny` under manual optimization: backward and step inside training_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.manual_backward(out["loss"])
+        self.optimizers().step()
+        self.optimizers().zero_grad()
+        return out
+
+
+def test_manual_optimization_is_refused_before_the_first_step_with_the_reason():
+    # a new user's trial: under manual optimization the selection, made after training_step returned, never reached
+    # the backward training_step had run (top-k at 0.25 trained exactly as no callback), while a warning said it applied
+    model = _ManualTiny()
+    with pytest.raises(ValueError, match=r"refused under manual optimization .* no selection would reach the gradients"):
+        _trainer([SelectiveTokenLoss(method="topk", keep_ratio=0.25)]).fit(model)
+    assert "training_step" not in vars(model)  # nothing left wrapped
+
+
+class _LearningTiny(Tiny):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_a_fit_under_ddp_spawn_trains_with_the_callback():
+    # a new user's trial: the callback's torch.Generator could not be pickled to ddp_spawn's processes (the fit failed
+    # before its first step, also with method="none"); it is made again there, and seeded before every draw as before
+    torch.manual_seed(0)
+    model = _LearningTiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    callback = SelectiveTokenLoss(method="random", keep_ratio=0.5)
+    trainer = _trainer([callback], steps=2, strategy="ddp_spawn", devices=2)
+    trainer.fit(model)
+    assert trainer.state.finished  # (the spawned processes' step counts do not come back, the weights do)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the weights rank 0 trained came back
+    assert isinstance(callback.generator, torch.Generator)
