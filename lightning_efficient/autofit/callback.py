@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
+from fractions import Fraction
 from typing import Any, Literal
 
 import torch
@@ -853,6 +854,7 @@ class AutoFit(Callback):
                 # builds it, for a OneCycleLR's total_steps: the same number of optimizer steps at the plan's global
                 # batch) is built again, at the plan's micro-batch, when the loop starts
                 trainer.fit_loop._combined_loader = None
+                self._rescale_batch_counts(trainer, current, mine.micro_batch)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
             trainer.accumulate_grad_batches = plan.accumulation
         if self._user_activations is None and ((mine.policies and any(p != "keep" for p in mine.policies)) or self._activations):
@@ -868,6 +870,24 @@ class AutoFit(Callback):
             self._optimizer.bits = 8 if eight else 32
             self._optimizer.paged = plan.optimizer == "8-bit paged"
             self._optimizer.offload = "cpu" if plan.optimizer == "8-bit offload" else None
+
+    def _rescale_batch_counts(self, trainer: Trainer, batch: int, micro: int) -> None:
+        """Lightning's settings that count training batches as integers (``limit_train_batches``, which
+        ``overfit_batches`` sets, and ``val_check_interval``) counted the user's DataLoader batches of ``batch``: they
+        count the plan's micro-batches of ``micro`` while the fit runs, so the same samples train between the same
+        checks (a new user's trial: ``limit_train_batches=2`` trained half the samples). Fractions are left as they
+        are; a count that is no whole number of micro-batches is rounded, and said."""
+        for name in ("limit_train_batches", "val_check_interval"):
+            value = getattr(trainer, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                continue
+            scaled = Fraction(value * batch, micro)
+            counted = max(1, round(scaled))
+            if scaled != counted:
+                rank_zero_warn(f"AutoFit: {name}={value} batches of {batch} samples is {float(scaled):g} micro-batches of "
+                               f"{micro}; counting {counted} ({counted * micro} samples) while the fit runs")
+            self._undo_settings.append((trainer, name, value))
+            setattr(trainer, name, counted)
 
     def _undo(self, pl_module: LightningModule) -> None:
         for item in reversed(self._undo_settings):

@@ -1058,3 +1058,48 @@ def test_a_dataloader_built_while_the_optimizers_are_configured_is_built_again_a
     assert plain.losses == record.losses and rates.values == plain_rates.values
     for a, b in zip(model.parameters(), plain_model.parameters()):
         assert torch.equal(a, b)
+
+
+class _Counts(lightning.Callback):
+    """The samples each fit trains, its optimizer steps and its validation runs (not the sanity check)."""
+
+    def __init__(self) -> None:
+        self.samples, self.validations = 0, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.samples += len(batch["input_ids"])
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.validations += not trainer.sanity_checking
+
+
+def test_batch_counts_lightning_takes_as_integers_count_the_same_samples_at_the_plans_micro_batch(small_datamodule_kwargs):
+    # a new user's trial: limit_train_batches=2 (batches of 16) trained half the samples once AutoFit split the batch
+    # into micro-batches of 8 x 2, and val_check_interval=2 validated twice as often; they count the same samples now
+    def fit(callbacks, model_class):
+        lightning.seed_everything(0)
+        counts = _Counts()
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=3, val_check_interval=1,
+                                    limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, counts])
+        trainer.fit(model_class(**tiny_gpt_kwargs()), CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8}))
+        return trainer, counts
+
+    autofit = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"])
+    trainer, counts = fit([autofit], _holding(2))  # a device that holds 2 samples a micro-step
+    assert autofit.plan.micro_batches == [2] and autofit.plan.accumulation == 4
+    _, plain = fit([], DemoGPT)
+    assert (trainer.global_step, counts.samples, counts.validations) == (3, 24, 3) == (3, plain.samples, plain.validations)
+    assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 1)  # the user's again after the fit
+
+
+def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_and_said(recwarn):
+    trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=3, val_check_interval=8, logger=False)
+    autofit = AutoFit(budget="1GiB")
+    autofit._rescale_batch_counts(trainer, 4, 16)  # batches of 4 counted in micro-batches of 16
+    assert (trainer.limit_train_batches, trainer.val_check_interval) == (1, 2)
+    said = [str(w.message) for w in recwarn.list if "AutoFit" in str(w.message)]
+    assert said == ["AutoFit: limit_train_batches=3 batches of 4 samples is 0.75 micro-batches of 16; counting 1 (16 samples) "
+                    "while the fit runs"]
+    autofit._undo(None)
+    assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 8)
