@@ -275,7 +275,7 @@ class Balancer:
         # the accumulation set is the fewest micro-batches a step runs: more where the caps (max_micro_batch, AutoFit's
         # or the probe's) hold a share
         world_most = global_batch // world
-        if requested > world_most:
+        if 1 <= world_most < requested:  # (a global batch smaller than the ranks: plan_shares says so)
             raise ValueError(
                 f"{name}: accumulate_grad_batches={requested} micro-batches a step, but the global batch of {global_batch} "
                 f"gives each of {world} rank(s) at most {world_most} (every rank needs a sample in every micro-batch): "

@@ -4,7 +4,7 @@ Modes: samples / tokens / selective (two steps with shares 2:1 and learning rate
 gradients and global batches; with the suffix _acc, a global batch of 10 with micro-batches capped at 3, so the
 shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank 0 saves the shares over time), probe (max_micro_batch="auto"
 under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1 by 48 MiB,
-from the start of fit to its end), bad_global, bad_shares (the ValueError fit raises is written to OUT).
+from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is written to OUT).
 """
 
 import hashlib
@@ -159,6 +159,8 @@ if __name__ == "__main__":
         kwargs = {"global_batch_size": 1}
     if mode == "bad_shares":
         kwargs = {"global_batch_size": 6, "shares": [1.0, 2.0, 3.0]}
+    if mode == "bad_accumulation":  # 3 micro-batches a step, each rank's 2 samples of 4 cannot fill them
+        kwargs = {"global_batch_size": 4}
     strategy = HeterogeneousDDPStrategy(**kwargs)
     extra = [SelectiveTokenLoss(method="topk", keep_ratio=0.5, scope="global")] if mode.startswith("selective") else []
     if mode.startswith("probe"):
@@ -167,6 +169,7 @@ if __name__ == "__main__":
         accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=14 if mode == "rebalance" else 2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[*extra] if mode.startswith("probe") else [Record(out, mode), *extra],
+        accumulate_grad_batches=3 if mode == "bad_accumulation" else 1,
     )
     try:
         trainer.fit(Module(mode, slow_rank=1 if mode == "rebalance" else None), DataLoader(Rows(), batch_size=3))
