@@ -84,6 +84,19 @@ def _vocab_size(module: nn.Module) -> int | None:
 _WRAPPED_HOOKS = ("training_step", "optimizer_step")
 
 
+def _refuse_manual_optimization(module: LightningModule) -> None:
+    """Refuse a module under manual optimization: the selection is made from what ``training_step`` returns, after
+    the module's own ``manual_backward`` ran in it."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            "SelectiveTokenLoss is refused under manual optimization (automatic_optimization=False): it selects "
+            "tokens from what training_step returns, after it has run, while under manual optimization your "
+            "training_step has already called manual_backward on its own loss, so no selection would reach the "
+            "gradients. Use automatic optimization, or select inside training_step yourself: "
+            "lightning_efficient.tokens.select_tokens, then globally_normalised_loss(losses, selection.keep)."
+        )
+
+
 def _restore_hooks(module: LightningModule) -> None:
     """Take every SelectiveTokenLoss wrapper off ``module.training_step`` and ``optimizer_step`` (one
     left by a fit that raised included), keeping an instance-level method the user set below them."""
@@ -272,14 +285,7 @@ class SelectiveTokenLoss(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise ValueError(
-                "SelectiveTokenLoss is refused under manual optimization (automatic_optimization=False): it selects "
-                "tokens from what training_step returns, after it has run, while under manual optimization your "
-                "training_step has already called manual_backward on its own loss, so no selection would reach the "
-                "gradients. Use automatic optimization, or select inside training_step yourself with "
-                "lightning_efficient.tokens.select_tokens (the kept tokens' loss sum over their global count)."
-            )
+        _refuse_manual_optimization(pl_module)
         mesh = getattr(trainer.strategy, "device_mesh", None)  # ModelParallelStrategy's (data, tensor) mesh
         if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
             raise ValueError(
@@ -403,6 +409,8 @@ class SelectiveTokenLoss(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # again: the module's own setup and configure_model run after this callback's setup, and may turn it off
+        _refuse_manual_optimization(pl_module)
         if self._reference_module is not None:
             self._reference_module.to(pl_module.device)
         rank_zero_info(
@@ -457,7 +465,7 @@ class SelectiveTokenLoss(Callback):
         step = trainer.global_step
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         if self._observed_step is not None and self._observed_step != step:
-            self._end_step()  # a step not folded by the optimizer closure (manual optimization)
+            self._end_step()  # a safeguard: a step whose optimizer closure did not fold its scores
         elif pl_module.automatic_optimization and int(batch_idx) % trainer.accumulate_grad_batches == 0:
             # a step's first micro-batch: forget scores observed by a call outside the loop (a profile)
             self.running.discard_step()
@@ -570,8 +578,7 @@ class SelectiveTokenLoss(Callback):
         self, trainer: Trainer, pl_module: LightningModule, kept_sum: Tensor, keep: Tensor, batch_idx: int,
         non_finite: Tensor,
     ) -> Tensor:
-        """The micro-batch's loss from its kept-loss sum, weighted for the step (manual optimization is refused in
-        :meth:`setup`)."""
+        """The micro-batch's loss from its kept-loss sum, weighted for the step (manual optimization is refused)."""
         if batch_idx % trainer.accumulate_grad_batches == 0:
             # a step's first micro-batch: forget tokens counted by a call outside the loop (a profile)
             self.normaliser.begin_step()

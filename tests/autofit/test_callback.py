@@ -1093,13 +1093,22 @@ def test_batch_counts_lightning_takes_as_integers_count_the_same_samples_at_the_
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 1)  # the user's again after the fit
 
 
-def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_and_said(recwarn):
+def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_up_and_said(recwarn):
     trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=3, val_check_interval=8, logger=False)
     autofit = AutoFit(budget="1GiB")
     autofit._rescale_batch_counts(trainer, 4, 16)  # batches of 4 counted in micro-batches of 16
-    assert (trainer.limit_train_batches, trainer.val_check_interval) == (1, 2)
+    # the validation interval at most the batches trained (Lightning refuses more), 2 -> 1
+    assert (trainer.limit_train_batches, trainer.val_check_interval) == (1, 1)
     said = [str(w.message) for w in recwarn.list if "AutoFit" in str(w.message)]
     assert said == ["AutoFit: limit_train_batches=3 batches of 4 samples is 0.75 micro-batches of 16; counting 1 (16 samples) "
+                    "while the fit runs",
+                    "AutoFit: val_check_interval=8 batches of 4 samples is 2 micro-batches of 16; counting 1 (16 samples) "
                     "while the fit runs"]
     autofit._undo(None)
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 8)
+    # review: no training (0) stays none, and a time-based interval (no val_check_interval attribute) is left alone
+    recwarn.clear()
+    trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0, val_check_interval="00:00:01:00", logger=False)
+    autofit._rescale_batch_counts(trainer, 4, 2)
+    assert trainer.limit_train_batches == 0 and not hasattr(trainer, "val_check_interval") and autofit._undo_settings == []
+    assert not [w for w in recwarn.list if "AutoFit" in str(w.message)]
