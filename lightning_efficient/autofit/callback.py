@@ -877,21 +877,21 @@ class AutoFit(Callback):
         ``overfit_batches`` sets, and ``val_check_interval``) counted the user's DataLoader batches of ``batch``: they
         count the plan's micro-batches of ``micro`` while the fit runs, so the same samples train between the same
         checks (a new user's trial: ``limit_train_batches=2`` trained half the samples). Fractions, times and 0 are
-        left as they are; a count that is no whole number of micro-batches is rounded up, and said; a validation
-        interval is at most the epoch's micro-batches (a short last batch splits into fewer than whole ones)."""
+        left as they are; a count that is no whole number of micro-batches is rounded up, and said. A validation
+        interval of at most an epoch's batches, counted per epoch, is at most the epoch's micro-batches (a short last
+        batch splits into fewer than whole batches' worth, and Lightning refuses an interval beyond the epoch)."""
         if isinstance(batch, bool) or not isinstance(batch, int):
             return
-        limit: int | None = None
         for name in ("limit_train_batches", "val_check_interval"):
             value = getattr(trainer, name, None)  # (a time-based val_check_interval leaves the attribute unset)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 continue
             scaled = Fraction(value * batch, micro)
             counted = math.ceil(scaled)
-            if name == "val_check_interval":
-                counted = min(c for c in (counted, limit, self._micro_batches_per_epoch(trainer, micro)) if c is not None)
-            else:
-                limit = counted
+            if name == "val_check_interval" and trainer.check_val_every_n_epoch is not None:
+                theirs, ours = self._batches_per_epoch(trainer, batch), self._batches_per_epoch(trainer, micro)
+                if theirs is not None and ours is not None and value <= theirs:
+                    counted = min(counted, ours)
             if scaled != counted:
                 rank_zero_warn(f"AutoFit: {name}={value} batches of {batch} samples is {float(scaled):g} micro-batches of "
                                f"{micro}; counting {counted} ({counted * micro} samples) while the fit runs")
@@ -899,13 +899,13 @@ class AutoFit(Callback):
             setattr(trainer, name, counted)
 
     @staticmethod
-    def _micro_batches_per_epoch(trainer: Trainer, micro: int) -> int | None:
-        """Micro-batches of ``micro`` in an epoch of this rank's samples (None where the dataset has no length)."""
+    def _batches_per_epoch(trainer: Trainer, size: int) -> int | None:
+        """Batches of ``size`` in an epoch of this rank's samples (None where the dataset has no length)."""
         try:
             samples = len(trainer.fit_loop._data_source.dataloader().dataset)
         except Exception:  # noqa: BLE001 - no loader or an iterable dataset: nothing to cap by
             return None
-        return max(1, math.ceil(math.ceil(samples / trainer.world_size) / micro))
+        return max(1, math.ceil(math.ceil(samples / trainer.world_size) / size))
 
     def _undo(self, pl_module: LightningModule) -> None:
         for item in reversed(self._undo_settings):

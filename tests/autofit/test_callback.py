@@ -1094,21 +1094,35 @@ def test_batch_counts_lightning_takes_as_integers_count_the_same_samples_at_the_
 
 
 def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_up_and_said(recwarn):
-    trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=3, val_check_interval=8, logger=False)
+    trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=3, val_check_interval=2, logger=False)
     autofit = AutoFit(budget="1GiB")
     autofit._rescale_batch_counts(trainer, 4, 16)  # batches of 4 counted in micro-batches of 16
-    # the validation interval at most the batches trained (Lightning refuses more), 2 -> 1
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (1, 1)
     said = [str(w.message) for w in recwarn.list if "AutoFit" in str(w.message)]
     assert said == ["AutoFit: limit_train_batches=3 batches of 4 samples is 0.75 micro-batches of 16; counting 1 (16 samples) "
                     "while the fit runs",
-                    "AutoFit: val_check_interval=8 batches of 4 samples is 2 micro-batches of 16; counting 1 (16 samples) "
+                    "AutoFit: val_check_interval=2 batches of 4 samples is 0.5 micro-batches of 16; counting 1 (16 samples) "
                     "while the fit runs"]
     autofit._undo(None)
-    assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 8)
+    assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 2)
     # review: no training (0) stays none, and a time-based interval (no val_check_interval attribute) is left alone
     recwarn.clear()
     trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0, val_check_interval="00:00:01:00", logger=False)
     autofit._rescale_batch_counts(trainer, 4, 2)
     assert trainer.limit_train_batches == 0 and not hasattr(trainer, "val_check_interval") and autofit._undo_settings == []
     assert not [w for w in recwarn.list if "AutoFit" in str(w.message)]
+
+
+@pytest.mark.parametrize(("interval", "every_n_epoch", "counted"), [
+    (3, 1, 5),  # the whole epoch (3 batches of 4 of its 10 samples): its 5 micro-batches of 2, not 6 (Lightning refuses 6)
+    (2, 1, 4),
+    (3, None, 6),  # counted across epochs (check_val_every_n_epoch=None): not cut to the epoch (a new user's trial)
+    (12, None, 24),
+])
+def test_a_validation_interval_is_cut_to_the_epochs_micro_batches_only_where_lightning_counts_it_per_epoch(
+        interval, every_n_epoch, counted):
+    trainer = lightning.Trainer(accelerator="cpu", val_check_interval=interval, check_val_every_n_epoch=every_n_epoch, logger=False)
+    autofit = AutoFit(budget="1GiB")
+    autofit._batches_per_epoch = lambda trainer, size: -(-10 // size)  # 10 samples on this rank
+    autofit._rescale_batch_counts(trainer, 4, 2)
+    assert trainer.val_check_interval == counted
