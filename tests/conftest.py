@@ -31,7 +31,6 @@ SERIAL = (
     "fsdp/test_fsdp_plugins.py",
     "optim/test_fsdp.py",
     "test_composition.py",
-    "tokens/test_callback_fixes.py::test_a_fit_under_ddp_spawn_trains_with_the_callback",
     "test_configs_and_examples.py::test_every_config_parses_and_runs_two_steps",
     "test_device_clock.py",
     "test_report.py::test_ddp_report_counts_every_rank_and_gives_each_rank_memory",
