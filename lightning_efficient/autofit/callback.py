@@ -889,9 +889,9 @@ class AutoFit(Callback):
             scaled = Fraction(value * batch, micro)
             counted = math.ceil(scaled)
             if name == "val_check_interval" and trainer.check_val_every_n_epoch is not None:
-                theirs, ours = self._batches_per_epoch(trainer, batch), self._batches_per_epoch(trainer, micro)
-                if theirs is not None and ours is not None and value <= theirs:
-                    counted = min(counted, ours)
+                samples = self._samples_per_rank(trainer)
+                if samples is not None and value <= math.ceil(samples / batch):
+                    counted = min(counted, max(1, math.ceil(samples / micro)))
             if scaled != counted:
                 rank_zero_warn(f"AutoFit: {name}={value} batches of {batch} samples is {float(scaled):g} micro-batches of "
                                f"{micro}; counting {counted} ({counted * micro} samples) while the fit runs")
@@ -899,13 +899,13 @@ class AutoFit(Callback):
             setattr(trainer, name, counted)
 
     @staticmethod
-    def _batches_per_epoch(trainer: Trainer, size: int) -> int | None:
-        """Batches of ``size`` in an epoch of this rank's samples (None where the dataset has no length)."""
+    def _samples_per_rank(trainer: Trainer) -> int | None:
+        """This rank's samples in an epoch (None where the dataset has no length)."""
         try:
             samples = len(trainer.fit_loop._data_source.dataloader().dataset)
         except Exception:  # noqa: BLE001 - no loader or an iterable dataset: nothing to cap by
             return None
-        return max(1, math.ceil(math.ceil(samples / trainer.world_size) / size))
+        return math.ceil(samples / trainer.world_size)
 
     def _undo(self, pl_module: LightningModule) -> None:
         for item in reversed(self._undo_settings):

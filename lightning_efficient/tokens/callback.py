@@ -261,7 +261,7 @@ class SelectiveTokenLoss(Callback):
         self.threshold = threshold
         self.running = RunningThreshold()
         self._observed_step: int | None = None
-        self.generator = torch.Generator()  # seeded before each draw; not pickled (ddp_spawn), see __getstate__
+        self.generator = torch.Generator()  # seeded before each draw; made anew when unpickled (see __getstate__)
         self._rank = 0
         self._reference_module: nn.Module | None = None
         self._reference_as_it_was: tuple[list[bool], list[bool], dict[str, Any], torch.device] | None = None  # a user's reference
@@ -270,8 +270,8 @@ class SelectiveTokenLoss(Callback):
         self._log_every_step = False  # set in setup: a callback monitors a selection figure
 
     def __getstate__(self) -> dict[str, Any]:
-        # a torch.Generator cannot be pickled to the processes ddp_spawn starts; it is seeded before every draw, so a
-        # fresh one there draws the same
+        # a torch.Generator's state went to ddp_spawn's processes through torch's shared memory, which failed in a
+        # new user's trial; it is seeded before every draw, so a fresh one there draws the same
         state = dict(self.__dict__)
         state["generator"] = None
         return state
@@ -466,7 +466,7 @@ class SelectiveTokenLoss(Callback):
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         if self._observed_step is not None and self._observed_step != step:
             self._end_step()  # a safeguard: a step whose optimizer closure did not fold its scores
-        elif pl_module.automatic_optimization and int(batch_idx) % trainer.accumulate_grad_batches == 0:
+        elif int(batch_idx) % trainer.accumulate_grad_batches == 0:
             # a step's first micro-batch: forget scores observed by a call outside the loop (a profile)
             self.running.discard_step()
             self._observed_step = None
@@ -497,7 +497,7 @@ class SelectiveTokenLoss(Callback):
             self.running.observe(scores.detach(), valid, selection.keep if estimated else None,
                                  keep_ratio if estimated else None)
             self._observed_step = step
-        loss = self._loss(trainer, pl_module, kept_sum, selection.keep, int(batch_idx), non_finite)
+        loss = self._loss(trainer, kept_sum, selection.keep, int(batch_idx), non_finite)
         if self._log_every_step or _writes_logs(trainer):
             pl_module.log_dict(self._stats(losses, valid, keep_ratio, selection, streamed is not None),
                                on_step=True, on_epoch=False, batch_size=int(valid.shape[0]))
@@ -523,10 +523,9 @@ class SelectiveTokenLoss(Callback):
     def _check_finite(self, trainer: Trainer, pl_module: LightningModule, losses: Tensor, valid: Tensor) -> Tensor:
         """This micro-batch's count of non-finite valid losses; raises here unless it is deferred."""
         non_finite = (valid & ~torch.isfinite(losses)).sum()
-        # under data parallelism (automatic optimization) the count travels with the step's token count
-        # and every rank raises together after the backward; one rank raising alone would leave the
-        # others waiting in a collective
-        deferred = pl_module.automatic_optimization and distributed_world_size() > 1
+        # under data parallelism the count travels with the step's token count and every rank raises
+        # together after the backward; one rank raising alone would leave the others waiting in a collective
+        deferred = distributed_world_size() > 1
         if not deferred and int(non_finite):
             raise FloatingPointError(
                 f"{int(non_finite)} of {int(valid.sum())} per-token losses are not finite at step "
@@ -574,10 +573,7 @@ class SelectiveTokenLoss(Callback):
         gather = _stack_ranks if distributed_world_size() > 1 else None
         self.running.end_step(gather, self.scope)
 
-    def _loss(
-        self, trainer: Trainer, pl_module: LightningModule, kept_sum: Tensor, keep: Tensor, batch_idx: int,
-        non_finite: Tensor,
-    ) -> Tensor:
+    def _loss(self, trainer: Trainer, kept_sum: Tensor, keep: Tensor, batch_idx: int, non_finite: Tensor) -> Tensor:
         """The micro-batch's loss from its kept-loss sum, weighted for the step (manual optimization is refused)."""
         if batch_idx % trainer.accumulate_grad_batches == 0:
             # a step's first micro-batch: forget tokens counted by a call outside the loop (a profile)

@@ -1123,6 +1123,6 @@ def test_a_validation_interval_is_cut_to_the_epochs_micro_batches_only_where_lig
         interval, every_n_epoch, counted):
     trainer = lightning.Trainer(accelerator="cpu", val_check_interval=interval, check_val_every_n_epoch=every_n_epoch, logger=False)
     autofit = AutoFit(budget="1GiB")
-    autofit._batches_per_epoch = lambda trainer, size: -(-10 // size)  # 10 samples on this rank
+    autofit._samples_per_rank = lambda trainer: 10
     autofit._rescale_batch_counts(trainer, 4, 2)
     assert trainer.val_check_interval == counted
