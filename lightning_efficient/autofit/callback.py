@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
+from lightning_efficient._batch_counts import counts_in_micro_batches, integer_batch_counts
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._validation import require, require_int
@@ -873,30 +874,23 @@ class AutoFit(Callback):
             self._optimizer.offload = "cpu" if plan.optimizer == "8-bit offload" else None
 
     def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int) -> None:
-        """Lightning's settings that count training batches as integers (``limit_train_batches``, which
-        ``overfit_batches`` sets, and ``val_check_interval``) counted the user's DataLoader batches of ``batch``: they
-        count the plan's micro-batches of ``micro`` while the fit runs, so the same samples train between the same
-        checks (a new user's trial: ``limit_train_batches=2`` trained half the samples). Fractions, times and 0 are
-        left as they are; a count that is no whole number of micro-batches is rounded up, and said. A validation
-        interval of at most an epoch's batches, counted per epoch, is at most the epoch's micro-batches (a short last
-        batch splits into fewer than whole batches' worth, and Lightning refuses an interval beyond the epoch)."""
+        """Lightning's integer counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the
+        user's DataLoader batches of ``batch``: they count the plan's micro-batches of ``micro`` while the fit runs, so
+        the same samples train between the same checks (a new user's trial: ``limit_train_batches=2`` trained half the
+        samples)."""
         if isinstance(batch, bool) or not isinstance(batch, int):
             return
-        for name in ("limit_train_batches", "val_check_interval"):
-            value = getattr(trainer, name, None)  # (a time-based val_check_interval leaves the attribute unset)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                continue
-            scaled = Fraction(value * batch, micro)
-            counted = math.ceil(scaled)
-            if name == "val_check_interval" and trainer.check_val_every_n_epoch is not None:
-                samples = self._samples_per_rank(trainer)
-                if samples is not None and value <= math.ceil(samples / batch):
-                    counted = min(counted, max(1, math.ceil(samples / micro)))
-            if scaled != counted:
-                rank_zero_warn(f"AutoFit: {name}={value} batches of {batch} samples is {float(scaled):g} micro-batches of "
-                               f"{micro}; counting {counted} ({counted * micro} samples) while the fit runs")
-            self._undo_settings.append((trainer, name, value))
-            setattr(trainer, name, counted)
+        counts = integer_batch_counts(trainer)
+        if not counts:
+            return
+        per_epoch = "val_check_interval" in counts and trainer.check_val_every_n_epoch is not None
+        samples = self._samples_per_rank(trainer) if per_epoch else None
+        epoch = None if samples is None else (math.ceil(samples / batch), math.ceil(samples / micro))
+        counted = counts_in_micro_batches(trainer, counts, Fraction(batch, micro), epoch=epoch, who="AutoFit",
+                                          batch_words=f"batches of {batch} samples", micro_words=f"micro-batches of {micro}")
+        for name, value in counted.items():
+            self._undo_settings.append((trainer, name, counts[name]))
+            setattr(trainer, name, value)
 
     @staticmethod
     def _samples_per_rank(trainer: Trainer) -> int | None:

@@ -15,6 +15,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Literal
 
 import torch
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_efficient._batch_counts import counts_in_micro_batches, integer_batch_counts
 from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
@@ -189,6 +191,7 @@ class Balancer:
         self._wait_start: object | None = None
         self._hooks: list = []
         self._user_accumulation: tuple[Any, int] | None = None  # (trainer, its accumulate_grad_batches before the plan)
+        self._user_batch_counts: dict[str, int] = {}  # its integer limit_train_batches / val_check_interval, the same
         self.probe_refusal: str | None = None  # what max_micro_batch="auto" is refused with (None: allowed)
 
     def set_setting(self, name: str, value: Any) -> None:
@@ -267,6 +270,7 @@ class Balancer:
         # the plan's own), and put back when the fit ends (a second fit with this Trainer trains the same global batch)
         if self._user_accumulation is None or self._user_accumulation[0] is not trainer:
             self._user_accumulation = (trainer, trainer.accumulate_grad_batches)
+            self._user_batch_counts = integer_batch_counts(trainer)
         requested = self.requested_accumulation(trainer)
         # by default a step trains what it would under plain data parallelism: a DataLoader batch per rank and micro-batch
         global_batch = self.global_batch_size or dataloader.batch_size * world * requested
@@ -293,6 +297,7 @@ class Balancer:
         self.sampler = HeterogeneousBatchSampler(
             len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, self.shuffle, drop_last, name
         )
+        self._count_micro_batches(trainer, requested, len(dataloader.dataset), drop_last)
         workers = dataloader.num_workers
         self.lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self.plan.accumulation)
         rank_zero_info(f"{name}: global batch {global_batch}, shares {list(self.plan.shares)}")
@@ -306,6 +311,28 @@ class Balancer:
             persistent_workers=dataloader.persistent_workers if workers else False,
             balancer=self,
         )
+
+    def _count_micro_batches(self, trainer: Any, requested: int, samples: int, drop_last: bool) -> None:
+        """Lightning's integer counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
+        batches, ``requested`` of them a step: where the caps give a step more micro-batches, they count those, so a
+        fit trains the same samples between the same checks as under plain data parallelism."""
+        counts = self._user_batch_counts
+        accumulation = self.plan.accumulation
+        if accumulation != requested:
+            world = self.world
+            # the user's batches in a rank's epoch under plain data parallelism (DistributedSampler pads to the ranks)
+            per_rank = samples // world if drop_last else -(-samples // world)
+            per_batch = Fraction(self.sampler.global_batch, world * requested)
+            batches = per_rank // per_batch if drop_last else math.ceil(per_rank / per_batch)
+            counts = counts_in_micro_batches(trainer, counts, Fraction(accumulation, requested), epoch=(int(batches), len(self.sampler)),
+                                             who=self.name, batch_words=f"batches ({requested} a step)",
+                                             micro_words=f"micro-batches ({accumulation} a step under the caps)")
+            if counts:
+                said = ", ".join(f"{key}={value}" for key, value in self._user_batch_counts.items())
+                rank_zero_info(f"{self.name}: {said} of your batches count {', '.join(map(str, counts.values()))} micro-batches "
+                               "while the fit runs")
+        for name, value in counts.items():
+            setattr(trainer, name, value)
 
     def _probe_caps(self, dataloader: DataLoader, global_batch: int) -> list[int | None]:
         """Each rank's largest micro-batch up to the global batch that trains without running out of
@@ -407,12 +434,15 @@ class Balancer:
         return trainer.accumulate_grad_batches
 
     def restore_trainer(self) -> None:
-        """Put back the ``accumulate_grad_batches`` the user set, where the plan changed it (at the fit's end, or its
-        failure)."""
+        """Put back the ``accumulate_grad_batches`` and integer batch counts the user set, where the plan changed them
+        (at the fit's end, or its failure)."""
         if self._user_accumulation is not None:
             trainer, accumulation = self._user_accumulation
             trainer.accumulate_grad_batches = accumulation
+            for name, value in self._user_batch_counts.items():
+                setattr(trainer, name, value)
             self._user_accumulation = None
+            self._user_batch_counts = {}
 
     def remove_hooks(self) -> None:
         """Remove every timing hook."""

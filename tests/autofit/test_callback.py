@@ -1099,9 +1099,9 @@ def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_up_an
     autofit._rescale_batch_counts(trainer, 4, 16)  # batches of 4 counted in micro-batches of 16
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (1, 1)
     said = [str(w.message) for w in recwarn.list if "AutoFit" in str(w.message)]
-    assert said == ["AutoFit: limit_train_batches=3 batches of 4 samples is 0.75 micro-batches of 16; counting 1 (16 samples) "
+    assert said == ["AutoFit: limit_train_batches=3 batches of 4 samples is 0.75 micro-batches of 16; counting 1 "
                     "while the fit runs",
-                    "AutoFit: val_check_interval=2 batches of 4 samples is 0.5 micro-batches of 16; counting 1 (16 samples) "
+                    "AutoFit: val_check_interval=2 batches of 4 samples is 0.5 micro-batches of 16; counting 1 "
                     "while the fit runs"]
     autofit._undo(None)
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 2)

@@ -168,6 +168,25 @@ def test_the_trainer_gets_back_the_accumulation_the_user_set_after_a_fit_a_reloa
     assert failed["sizes"] == [] and failed["accumulation_after"] == 1
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_caps_add_micro_batches(tmp_path, devices):
+    # limit_train_batches=3 (batches of 4, each two micro-batches of 2 under the cap) trained half the samples, and
+    # val_check_interval=2 validated every step; they count the micro-batches now, and are the user's again after the
+    # fit, also one that fails
+    run_script(SCRIPT.parent / "hetero_batch_counts.py", devices, tmp_path / "out.json", timeout=240)
+    found = json.loads((tmp_path / "out.json").read_text())
+    for case in ("limited", "overfit", "failed"):
+        plain, hetero = found["plain"][case], found["hetero"][case]
+        assert {key: hetero[key] for key in ("steps", "samples", "validated_at", "after")} == \
+            {key: plain[key] for key in ("steps", "samples", "validated_at", "after")}
+        for run in (plain, hetero):  # (plain ddp shuffles the samples, the strategy here was told not to)
+            assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
+    assert found["hetero"]["limited"]["steps"] == 6 and found["hetero"]["limited"]["samples"] == 6 * 4 * devices
+    assert found["hetero"]["limited"]["validated_at"] == [2, 5] and found["hetero"]["overfit"]["steps"] == 4
+    # AutoFit's caps split the batches the same way (a device that holds 2 samples a micro-step)
+    assert found["autofit"]["limited"] == found["hetero"]["limited"]
+
+
 def test_a_dataloader_that_drops_its_last_batch_drops_the_last_incomplete_global_batch(tmp_path):
     # a new user's trial: DataLoader(drop_last=True) was ignored (70 samples, 8 a step: 9 steps and 72 samples, 2 repeated)
     import json

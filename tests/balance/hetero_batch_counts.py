@@ -1,0 +1,89 @@
+"""Run by test_strategy.py: Lightning's integer batch counts under hetero_ddp whose max_micro_batch=2 splits each
+DataLoader batch of 4 into two micro-batches a step, beside the same fit under plain ``ddp``, on DEVICES processes:
+``limit_train_batches=3`` and ``val_check_interval=2`` over two epochs, then ``overfit_batches=2``, then a fit that
+fails at its first step; then the first under AutoFit, whose caps split the batches on a device that holds 2 samples.
+Writes each fit's steps, samples trained, the steps validated at, the float64 weights with the weights one global-batch
+mean a step gives from the samples trained (plain ``ddp`` shuffles them, the strategy here does not), and the
+trainer's settings after it (rank 0, JSON, OUT).
+
+Usage: python hetero_batch_counts.py DEVICES OUT
+"""
+
+import json
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_efficient import AutoFit, HeterogeneousDDPStrategy
+
+LR = 0.1
+
+
+class Linear(L.LightningModule):
+    """A loss linear in the weights, a mean over the step's samples: every step moves the weights by its global batch's
+    mean input, so the weights after a fit are known from the samples trained, however a rank's share is split."""
+
+    def __init__(self, fail: bool = False, holds: int | None = None) -> None:
+        super().__init__()
+        self.holds = holds
+        self.weight = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+        self.samples = 0
+        self.input_sum = torch.zeros(2, dtype=torch.float64)
+        self.validated_at: list[int] = []
+        self.fail = fail
+
+    def on_train_start(self) -> None:
+        self.samples, self.input_sum = 0, torch.zeros(2, dtype=torch.float64)  # the fit's, not AutoFit's measuring steps
+
+    def training_step(self, batch, batch_idx):
+        if self.fail:
+            raise RuntimeError("failed on purpose")
+        (x,) = batch
+        if self.holds is not None and x.shape[0] > self.holds:  # a device that holds this many samples a micro-step
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples' activations")
+        self.samples += int(x.shape[0])
+        self.input_sum += x.detach().sum(0)
+        return (x * self.weight).sum(1).mean()
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.validated_at.append(self.trainer.global_step)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, **settings) -> dict:
+    data = torch.randn(40, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    strategy = HeterogeneousDDPStrategy(max_micro_batch=None if autofit else 2, shuffle=False) if hetero else "ddp"
+    planner = AutoFit(budget="4GiB", activation_policies=["keep"], optimizer_options=["32-bit"]) if autofit else None
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, num_sanity_val_steps=0,
+                        limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[planner] if planner else None, **settings)
+    model = Linear(fail, holds=2 if autofit else None)
+    loader = DataLoader(TensorDataset(data), batch_size=4)
+    try:
+        trainer.fit(model, loader, DataLoader(TensorDataset(data[:4]), batch_size=4))
+    except RuntimeError as error:
+        assert "failed on purpose" in str(error)
+    samples = trainer.strategy.reduce(torch.tensor(float(model.samples)), reduce_op="sum")
+    input_sum = trainer.strategy.reduce(model.input_sum, reduce_op="sum")
+    return {"steps": trainer.global_step, "samples": int(samples), "validated_at": model.validated_at,
+            "weight": model.weight.tolist(), "expected_weight": (1 - LR * input_sum / (4 * devices)).tolist(),
+            "after": [trainer.limit_train_batches, trainer.val_check_interval, trainer.accumulate_grad_batches]}
+
+
+if __name__ == "__main__":
+    devices = int(sys.argv[1])
+    found = {}
+    for hetero in (False, True):
+        name = "hetero" if hetero else "plain"
+        found[name] = {"limited": fit(devices, hetero, limit_train_batches=3, val_check_interval=2),
+                       "overfit": fit(devices, hetero, overfit_batches=2),
+                       "failed": fit(devices, hetero, fail=True, limit_train_batches=3, val_check_interval=2)}
+    # AutoFit's caps (the device holds 2 samples a micro-step) in place of max_micro_batch
+    found["autofit"] = {"limited": fit(devices, True, autofit=True, limit_train_batches=3, val_check_interval=2)}
+    if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:
+        json.dump(found, open(sys.argv[2], "w"))
