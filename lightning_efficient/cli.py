@@ -91,18 +91,39 @@ def _refusal_of_ours(error: BaseException) -> ConfigValueError | None:
     """Where jsonargparse called the constructor of one of this package's classes and it raised a ValueError (the
     error itself, or one in its chain of causes: jsonargparse wraps it), that refusal as a :class:`ConfigValueError`
     naming the class; None otherwise. A user's class that builds one of ours and raises its own error keeps its
-    traceback, as does any error jsonargparse does not chain (a union-typed key, such as ``trainer.strategy``, chains
-    the first type's mismatch; its message still lists ours)."""
+    traceback, as does any error jsonargparse neither chains nor lists (a union-typed key, such as
+    ``trainer.strategy``, chains only the first type's mismatch: the other types' are read where jsonargparse
+    listed them)."""
     seen: set[int] = set()
-    chained: BaseException | None = error
-    while chained is not None and id(chained) not in seen:
+    waiting: list[BaseException] = [error]
+    while waiting:
+        chained = waiting.pop(0)
+        if id(chained) in seen:
+            continue
         seen.add(id(chained))
         if isinstance(chained, ValueError):
             owner = _constructor_called_by_jsonargparse(chained)
             if owner is not None:
-                return ConfigValueError(f"{owner}: {chained}") if owner else None
-        chained = chained.__cause__ or chained.__context__
+                if owner:
+                    return ConfigValueError(f"{owner}: {chained}")
+                continue  # a user's class refused it: theirs to read
+        waiting += [e for e in (chained.__cause__, chained.__context__) if e is not None]
+        waiting += _union_alternatives(chained)
     return None
+
+
+def _union_alternatives(error: BaseException) -> list[BaseException]:
+    """The errors jsonargparse met trying each type of a union-typed key, where ``error`` is the one it raised for
+    them all (it chains only the first; the others are in the frame that raised it)."""
+    alternatives: list[BaseException] = []
+    frame = error.__traceback__
+    while frame is not None:
+        code, scope = frame.tb_frame.f_code, frame.tb_frame.f_globals
+        if code.co_name == "raise_union_unexpected_value" and str(scope.get("__name__", "")).startswith("jsonargparse"):
+            listed = frame.tb_frame.f_locals.get("exceptions")
+            alternatives += [e for e in listed if isinstance(e, BaseException)] if isinstance(listed, list) else []
+        frame = frame.tb_next
+    return alternatives
 
 
 def _constructor_called_by_jsonargparse(error: BaseException) -> str | None:

@@ -174,3 +174,19 @@ def test_a_value_one_of_the_packages_classes_refuses_is_said_in_one_line_and_a_u
         raised = run("fit", callback)
         assert raised.returncode == 1 and "Traceback" in raised.stderr and theirs in raised.stderr
         assert "lightning-efficient: " not in raised.stderr
+
+
+def test_a_strategy_value_the_strategy_refuses_is_said_in_one_line_too(tmp_path):
+    # trainer.strategy is a union (a name or a Strategy): jsonargparse chains only the first type's mismatch ("Expected
+    # a <class 'str'>"), and the refusal came with 60 lines of traceback
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False,
+                    "strategy": {"class_path": "lightning_efficient.HeterogeneousDDPStrategy", "init_args": {"hysteresis": 2.0}}},
+        "model": {"class_path": "lightning_efficient.DemoGPT"},
+        "data": {"class_path": "lightning_efficient.CorpusDataModule", "init_args": {"data_path": str(tmp_path)}},
+    }))
+    refused = _cli(["fit", "--config", config], cwd=tmp_path)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "lightning-efficient: HeterogeneousDDPStrategy: hysteresis=2.0 is not allowed: expected a fraction in [0, 1).")
