@@ -12,6 +12,7 @@ import math
 from fractions import Fraction
 from typing import Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 COUNTED_SETTINGS = ("limit_train_batches", "val_check_interval")
@@ -48,3 +49,18 @@ def counts_in_micro_batches(trainer: Any, counts: dict[str, int], micro_per_batc
                            "while the fit runs")
         counted_counts[name] = counted
     return counted_counts
+
+
+def checkpoint_timing_kept(trainer: Any, counts: dict[str, int], counted: dict[str, int]) -> list[tuple[Any, str, Any]]:
+    """Where ``val_check_interval=1`` (every batch) counts more micro-batches, each ``ModelCheckpoint`` that decides
+    when to save from the trainer's settings is told what it decides with the user's: Lightning's saves at the
+    epoch's end, not after every validation, wherever ``trainer.val_check_interval == 1.0`` (which the integer 1
+    meets) and validation runs every epoch. Returns ``(callback, attribute, value before)`` to put back."""
+    if counts.get("val_check_interval") != 1 or counted.get("val_check_interval", 1) == 1:
+        return []
+    undo = []
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback._save_on_train_epoch_end is None:
+            undo.append((callback, "_save_on_train_epoch_end", None))
+            callback._save_on_train_epoch_end = trainer.check_val_every_n_epoch == 1
+    return undo

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
-from lightning_efficient._batch_counts import counts_in_micro_batches, integer_batch_counts
+from lightning_efficient._batch_counts import checkpoint_timing_kept, counts_in_micro_batches, integer_batch_counts
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._validation import require, require_int
@@ -891,6 +891,7 @@ class AutoFit(Callback):
         for name, value in counted.items():
             self._undo_settings.append((trainer, name, counts[name]))
             setattr(trainer, name, value)
+        self._undo_settings += checkpoint_timing_kept(trainer, counts, counted)
 
     @staticmethod
     def _samples_per_rank(trainer: Trainer) -> int | None:

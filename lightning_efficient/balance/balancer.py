@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_efficient._batch_counts import counts_in_micro_batches, integer_batch_counts
+from lightning_efficient._batch_counts import checkpoint_timing_kept, counts_in_micro_batches, integer_batch_counts
 from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
@@ -192,6 +192,7 @@ class Balancer:
         self._hooks: list = []
         self._user_accumulation: tuple[Any, int] | None = None  # (trainer, its accumulate_grad_batches before the plan)
         self._user_batch_counts: dict[str, int] = {}  # its integer limit_train_batches / val_check_interval, the same
+        self._checkpoint_timing: list[tuple[Any, str, Any]] = []  # ModelCheckpoint settings to put back after the fit
         self.probe_refusal: str | None = None  # what max_micro_batch="auto" is refused with (None: allowed)
 
     def set_setting(self, name: str, value: Any) -> None:
@@ -316,6 +317,7 @@ class Balancer:
         """Lightning's integer counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
         batches, ``requested`` of them a step: where the caps give a step more micro-batches, they count those, so a
         fit trains the same samples between the same checks as under plain data parallelism."""
+        self._put_back_checkpoint_timing()
         counts = self._user_batch_counts
         accumulation = self.plan.accumulation
         if accumulation != requested:
@@ -333,6 +335,12 @@ class Balancer:
                                "while the fit runs")
         for name, value in counts.items():
             setattr(trainer, name, value)
+        self._checkpoint_timing = checkpoint_timing_kept(trainer, self._user_batch_counts, counts)
+
+    def _put_back_checkpoint_timing(self) -> None:
+        for callback, attribute, value in self._checkpoint_timing:
+            setattr(callback, attribute, value)
+        self._checkpoint_timing = []
 
     def _probe_caps(self, dataloader: DataLoader, global_batch: int) -> list[int | None]:
         """Each rank's largest micro-batch up to the global batch that trains without running out of
@@ -441,6 +449,7 @@ class Balancer:
             trainer.accumulate_grad_batches = accumulation
             for name, value in self._user_batch_counts.items():
                 setattr(trainer, name, value)
+            self._put_back_checkpoint_timing()
             self._user_accumulation = None
             self._user_batch_counts = {}
 

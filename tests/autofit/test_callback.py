@@ -1073,24 +1073,28 @@ class _Counts(lightning.Callback):
         self.validations += not trainer.sanity_checking
 
 
-def test_batch_counts_lightning_takes_as_integers_count_the_same_samples_at_the_plans_micro_batch(small_datamodule_kwargs):
+def test_batch_counts_lightning_takes_as_integers_count_the_same_samples_at_the_plans_micro_batch(small_datamodule_kwargs, tmp_path):
     # a new user's trial: limit_train_batches=2 (batches of 16) trained half the samples once AutoFit split the batch
     # into micro-batches of 8 x 2, and val_check_interval=2 validated twice as often; they count the same samples now
-    def fit(callbacks, model_class):
+    def fit(callbacks, model_class, saves_in):
         lightning.seed_everything(0)
         counts = _Counts()
+        checkpoints = ModelCheckpoint(dirpath=saves_in, save_top_k=-1)
         trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=3, val_check_interval=1,
-                                    limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, counts])
+                                    limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                                    enable_model_summary=False, callbacks=[*callbacks, counts, checkpoints])
         trainer.fit(model_class(**tiny_gpt_kwargs()), CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8}))
-        return trainer, counts
+        return trainer, counts, sorted(path.name for path in saves_in.iterdir()), checkpoints
 
     autofit = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"])
-    trainer, counts = fit([autofit], _holding(2))  # a device that holds 2 samples a micro-step
+    trainer, counts, saved, checkpoints = fit([autofit], _holding(2), tmp_path / "autofit")  # a device that holds 2 samples
     assert autofit.plan.micro_batches == [2] and autofit.plan.accumulation == 4
-    _, plain = fit([], DemoGPT)
+    _, plain, plain_saved, _ = fit([], DemoGPT, tmp_path / "plain")
     assert (trainer.global_step, counts.samples, counts.validations) == (3, 24, 3) == (3, plain.samples, plain.validations)
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 1)  # the user's again after the fit
+    # validation every batch: Lightning's ModelCheckpoint saves at the epoch's end only (its "val_check_interval == 1.0"
+    # holds for the integer 1), and it saved after each of the 3 validations once AutoFit counted 4 micro-batches
+    assert saved == plain_saved == ["epoch=0-step=3.ckpt"] and checkpoints._save_on_train_epoch_end is None
 
 
 def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_up_and_said(recwarn):

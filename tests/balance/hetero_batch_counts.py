@@ -1,7 +1,8 @@
 """Run by test_strategy.py: Lightning's integer batch counts under hetero_ddp whose max_micro_batch=2 splits each
 DataLoader batch of 4 into two micro-batches a step, beside the same fit under plain ``ddp``, on DEVICES processes:
 ``limit_train_batches=3`` and ``val_check_interval=2`` over two epochs, then ``overfit_batches=2``, then a fit that
-fails at its first step; then the first under AutoFit, whose caps split the batches on a device that holds 2 samples.
+fails at its first step, then ``val_check_interval=1`` with every checkpoint kept; then the first under AutoFit,
+whose caps split the batches on a device that holds 2 samples.
 Writes each fit's steps, samples trained, the steps validated at, the float64 weights with the weights one global-batch
 mean a step gives from the samples trained (plain ``ddp`` shuffles them, the strategy here does not), and the
 trainer's settings after it (rank 0, JSON, OUT).
@@ -11,9 +12,12 @@ Usage: python hetero_batch_counts.py DEVICES OUT
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_efficient import AutoFit, HeterogeneousDDPStrategy
@@ -55,13 +59,16 @@ class Linear(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, **settings) -> dict:
+def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, saves_in: str | None = None, **settings) -> dict:
     data = torch.randn(40, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     strategy = HeterogeneousDDPStrategy(max_micro_batch=None if autofit else 2, shuffle=False) if hetero else "ddp"
     planner = AutoFit(budget="4GiB", activation_policies=["keep"], optimizer_options=["32-bit"]) if autofit else None
+    callbacks = [planner] if planner else []
+    if saves_in is not None:  # every checkpoint kept, named by its epoch and step
+        callbacks.append(ModelCheckpoint(dirpath=saves_in, save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, num_sanity_val_steps=0,
-                        limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[planner] if planner else None, **settings)
+                        limit_val_batches=1, logger=False, enable_checkpointing=saves_in is not None, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks, **settings)
     model = Linear(fail, holds=2 if autofit else None)
     loader = DataLoader(TensorDataset(data), batch_size=4)
     try:
@@ -70,9 +77,11 @@ def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, *
         assert "failed on purpose" in str(error)
     samples = trainer.strategy.reduce(torch.tensor(float(model.samples)), reduce_op="sum")
     input_sum = trainer.strategy.reduce(model.input_sum, reduce_op="sum")
-    return {"steps": trainer.global_step, "samples": int(samples), "validated_at": model.validated_at,
+    saved = sorted(path.name for path in Path(saves_in).iterdir()) if saves_in is not None else None
+    return {"saved": saved, "steps": trainer.global_step, "samples": int(samples), "validated_at": model.validated_at,
             "weight": model.weight.tolist(), "expected_weight": (1 - LR * input_sum / (4 * devices)).tolist(),
-            "after": [trainer.limit_train_batches, trainer.val_check_interval, trainer.accumulate_grad_batches]}
+            "after": [trainer.limit_train_batches, trainer.val_check_interval, trainer.accumulate_grad_batches,
+                      [callback._save_on_train_epoch_end for callback in trainer.checkpoint_callbacks]]}
 
 
 if __name__ == "__main__":
@@ -82,7 +91,10 @@ if __name__ == "__main__":
         name = "hetero" if hetero else "plain"
         found[name] = {"limited": fit(devices, hetero, limit_train_batches=3, val_check_interval=2),
                        "overfit": fit(devices, hetero, overfit_batches=2),
-                       "failed": fit(devices, hetero, fail=True, limit_train_batches=3, val_check_interval=2)}
+                       "failed": fit(devices, hetero, fail=True, limit_train_batches=3, val_check_interval=2),
+                       # every batch validated: Lightning's ModelCheckpoint then saves at the epoch's end only
+                       "every_batch": fit(devices, hetero, saves_in=tempfile.mkdtemp(), limit_train_batches=3,
+                                          val_check_interval=1)}
     # AutoFit's caps (the device holds 2 samples a micro-step) in place of max_micro_batch
     found["autofit"] = {"limited": fit(devices, True, autofit=True, limit_train_batches=3, val_check_interval=2)}
     if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:

@@ -172,17 +172,23 @@ def test_the_trainer_gets_back_the_accumulation_the_user_set_after_a_fit_a_reloa
 def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_caps_add_micro_batches(tmp_path, devices):
     # limit_train_batches=3 (batches of 4, each two micro-batches of 2 under the cap) trained half the samples, and
     # val_check_interval=2 validated every step; they count the micro-batches now, and are the user's again after the
-    # fit, also one that fails
+    # fit, also one that fails; the checkpoints are saved when plain ddp's are
     run_script(SCRIPT.parent / "hetero_batch_counts.py", devices, tmp_path / "out.json", timeout=240)
     found = json.loads((tmp_path / "out.json").read_text())
-    for case in ("limited", "overfit", "failed"):
+    for case in ("limited", "overfit", "failed", "every_batch"):
         plain, hetero = found["plain"][case], found["hetero"][case]
-        assert {key: hetero[key] for key in ("steps", "samples", "validated_at", "after")} == \
-            {key: plain[key] for key in ("steps", "samples", "validated_at", "after")}
+        assert {key: hetero[key] for key in ("steps", "samples", "validated_at", "saved", "after")} == \
+            {key: plain[key] for key in ("steps", "samples", "validated_at", "saved", "after")}
         for run in (plain, hetero):  # (plain ddp shuffles the samples, the strategy here was told not to)
             assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
     assert found["hetero"]["limited"]["steps"] == 6 and found["hetero"]["limited"]["samples"] == 6 * 4 * devices
     assert found["hetero"]["limited"]["validated_at"] == [2, 5] and found["hetero"]["overfit"]["steps"] == 4
+    # val_check_interval=1 (every batch, 2 micro-batches here): ModelCheckpoint saved after every validation, where
+    # Lightning's saves at each epoch's end (its "val_check_interval == 1.0" holds for the integer 1); and its setting
+    # is the user's again after the fit
+    assert found["hetero"]["every_batch"]["validated_at"] == [1, 2, 3, 4, 5, 6]
+    assert found["hetero"]["every_batch"]["saved"] == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+    assert found["hetero"]["every_batch"]["after"][3] == [None]
     # AutoFit's caps split the batches too (a device that holds 2 samples a micro-step: micro-batches of 1 or 2, by
     # the speeds it reads)
     autofit, plain = found["autofit"]["limited"], found["plain"]["limited"]
