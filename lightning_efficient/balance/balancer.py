@@ -491,7 +491,7 @@ class Balancer:
         Lightning divides each micro-batch's loss by the accumulation ``A``, and DDP's all-reduce and
         FSDP2's reduce-scatter both average over the ``W`` data-parallel ranks. By samples, each
         micro-batch loss (a mean over its samples) is multiplied by ``samples * W * A / global_batch``
-        — the plan fixes every size, so no communication. By tokens (a :class:`~lightning_efficient.TokenLosses`
+        (an epoch's short last batch: its own size) — the plan fixes every size, so no communication. By tokens (a :class:`~lightning_efficient.TokenLosses`
         or :class:`~lightning_efficient.FusedTokenLoss` output; any other dict is weighted by samples),
         the global token count of the step is only known after its last micro-batch:
         :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser` weights each micro-batch's
@@ -521,7 +521,8 @@ class Balancer:
             loss = output
         else:
             return output
-        scaled = loss * (samples * self.world * self.plan.accumulation / self.sampler.global_batch)
+        step_samples = self.sampler.step_samples((self.micro_done - 1) // self.plan.accumulation)  # (this micro-step's)
+        scaled = loss * (samples * self.world * self.plan.accumulation / step_samples)
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
     def _token_weighted(self, local_sum: Tensor, count: Tensor) -> Tensor:

@@ -139,6 +139,23 @@ def plan_shares(
     return best
 
 
+def shrunk_plan(plan: SharePlan, samples: int) -> SharePlan:
+    """``plan`` for a global batch of ``samples`` fewer than its own (an epoch's short last batch): shares in
+    proportion to ``plan``'s, each at least the accumulation (a sample in every micro-batch) and at most its share
+    in ``plan`` (so within any cap ``plan`` kept), with the same accumulation.
+
+    Raises:
+        ValueError: where ``samples`` is not from ``ranks x accumulation`` to ``plan``'s global batch.
+    """
+    world, steps, total = len(plan.shares), plan.accumulation, sum(plan.shares)
+    if not world * steps <= samples <= total:
+        raise ValueError(f"samples={samples} is not allowed: expected {world * steps} to {total} (plan {list(plan.shares)} "
+                         f"with accumulation {steps})")
+    if samples == total:
+        return plan
+    return SharePlan(tuple(_water_fill(samples, plan.shares, [steps] * world, plan.shares)), steps)
+
+
 def largest_fitting_batch(fits: Callable[[int], bool], upper: int) -> int:
     """The largest micro-batch in ``[1, upper]`` for which ``fits(size)`` is true, assuming that what
     fits at one size fits at every smaller one: doubling from 1, then bisection.

@@ -4,7 +4,8 @@ Every rank draws the same permutation of the dataset from ``seed + epoch``. Glob
 ``permutation[k * G : (k + 1) * G]``; rank ``r`` takes the slice after the shares of ranks
 ``0..r-1`` and splits it into the plan's micro-batches. Share changes are scheduled from a global
 batch index onwards (the same on every rank, far enough ahead of any prefetching), so whatever the
-shares and however they change, every sample is used exactly once per epoch.
+shares and however they change, every sample is used exactly once per epoch. An epoch's short last
+global batch keeps its own size, shared in proportion to the plan's shares.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from lightning_efficient._torch import seeded_permutation
-from lightning_efficient.balance.planner import SharePlan
+from lightning_efficient.balance.planner import SharePlan, shrunk_plan
 
 
 class HeterogeneousBatchSampler(Sampler[list[int]]):
@@ -30,8 +31,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         plan: the initial shares and accumulation.
         seed: seed of the per-epoch permutation.
         shuffle: permute the dataset each epoch (else the identity order).
-        drop_last: drop the last incomplete global batch (else complete it with samples from the
-            start of the permutation, as ``DistributedSampler`` pads).
+        drop_last: drop the last incomplete global batch (else train it at its own size, shared in proportion
+            to the plan's shares; where fewer samples remain than a sample per rank and micro-batch, it is
+            completed to that many from the start of the permutation, as ``DistributedSampler`` pads).
         name: the strategy's name, in messages.
     """
 
@@ -80,6 +82,20 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         position = bisect.bisect_right([start for start, _ in self.schedule], batch_index) - 1
         return self.schedule[position][1]
 
+    def step_samples(self, batch_index: int) -> int:
+        """The samples global batch ``batch_index`` of this epoch trains: the global batch, or what remains of the
+        epoch for its short last batch (at least a sample per rank and micro-batch)."""
+        remaining = self.dataset_size - batch_index * self.global_batch
+        if self.drop_last or remaining >= self.global_batch:
+            return self.global_batch
+        plan = self.plan_at(batch_index)
+        return max(remaining, len(plan.shares) * plan.accumulation)
+
+    def step_plan(self, batch_index: int) -> SharePlan:
+        """The shares global batch ``batch_index`` of this epoch is sliced by: the plan in force, shrunk in proportion
+        for an epoch's short last batch."""
+        return shrunk_plan(self.plan_at(batch_index), self.step_samples(batch_index))
+
     def schedule_plan(self, plan: SharePlan, from_batch: int) -> None:
         """Slice global batches from ``from_batch`` on by ``plan`` (it must keep the accumulation)."""
         if plan.accumulation != self.schedule[0][1].accumulation:
@@ -91,17 +107,18 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         return seeded_permutation(self.dataset_size, self.seed + self.epoch, self.shuffle)
 
     def global_batch_indices(self, batch_index: int, permutation: list[int]) -> list[int]:
-        """The sample indices of global batch ``batch_index`` (padded from the start when short)."""
-        start = batch_index * self.global_batch
-        chunk = permutation[start : start + self.global_batch]
-        while len(chunk) < self.global_batch:
-            chunk += permutation[: self.global_batch - len(chunk)]
+        """The sample indices of global batch ``batch_index`` (:meth:`step_samples` of them: completed from the
+        permutation's start where fewer remain)."""
+        start, size = batch_index * self.global_batch, self.step_samples(batch_index)
+        chunk = permutation[start : start + size]
+        while len(chunk) < size:
+            chunk += permutation[: size - len(chunk)]
         return chunk
 
     def rank_slice(self, batch_index: int, permutation: list[int], rank: int | None = None) -> list[list[int]]:
         """``rank``'s micro-batches of global batch ``batch_index``."""
         rank = self.rank if rank is None else rank
-        plan = self.plan_at(batch_index)
+        plan = self.step_plan(batch_index)
         chunk = self.global_batch_indices(batch_index, permutation)
         offset = sum(plan.shares[:rank])
         mine = chunk[offset : offset + plan.shares[rank]]

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_efficient.balance.planner import plan_shares
+from lightning_efficient.balance.planner import plan_shares, shrunk_plan
 
 speeds = st.lists(st.floats(0.1, 10.0), min_size=1, max_size=64)
 
@@ -105,3 +105,21 @@ def test_a_least_accumulation_the_global_batch_cannot_give_every_rank_is_refused
     # 8 samples over 2 ranks: at most 4 micro-batches a step with a sample each (review: 5 was lowered to 4 silently)
     with pytest.raises(ValueError, match=rf"least_accumulation={least!r} is not allowed: expected an integer from 1 to 4"):
         plan_shares(8, [1.0, 1.0], least_accumulation=least)
+
+
+@settings(max_examples=300, deadline=None)
+@given(speeds, st.integers(0, 500), st.integers(1, 6), st.data())
+def test_an_epochs_short_last_batch_is_shared_in_proportion_within_the_plans_micro_batches(speeds, extra, steps, data):
+    world = len(speeds)
+    plan = plan_shares(world * steps + extra, speeds, accumulation=steps)
+    samples = data.draw(st.integers(world * steps, sum(plan.shares)))
+    short = shrunk_plan(plan, samples)
+    assert sum(short.shares) == samples and short.accumulation == steps
+    for rank, (new, old) in enumerate(zip(short.shares, plan.shares)):
+        assert steps <= new <= old  # a sample in every micro-batch, and no micro-batch above the plan's (its caps)
+        assert max(short.micro_batches(rank)) <= max(plan.micro_batches(rank))
+        # in proportion: no rank over its part by a sample or more (its time a step), except one lifted to the floor
+        # of a sample a micro-batch (the others then give up those samples)
+        assert new == steps or new < old * samples / sum(plan.shares) + 1
+    with pytest.raises(ValueError, match=r"samples=.* is not allowed"):
+        shrunk_plan(plan, world * steps - 1)

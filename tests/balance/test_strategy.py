@@ -197,6 +197,26 @@ def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_ca
     assert autofit["weight"] == pytest.approx(autofit["expected_weight"], abs=1e-12)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_an_epochs_short_last_global_batch_trains_its_own_samples_once_as_plain_ddp(tmp_path, devices):
+    # it was completed to the whole global batch with samples from the epoch's start (22 samples, 8 a step: a last step
+    # of 8 where plain ddp's is 6, 2 samples trained twice); now it is shared in proportion at its own size, each step
+    # a mean over its samples (float64)
+    run_script(SCRIPT.parent / "short_last_batch.py", devices, tmp_path / "out.json", timeout=240)
+    found = json.loads((tmp_path / "out.json").read_text())
+    global_batch = 4 * devices
+    for samples, runs in found.items():
+        for run in runs.values():
+            assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
+        plain = runs["plain"]["step_samples"]
+        assert plain[:-1] == [global_batch] * (int(samples) // global_batch)
+        assert runs["hetero"]["step_samples"] == plain
+    assert found["22"]["capped"]["step_samples"] == found["22"]["plain"]["step_samples"]
+    # fewer left than a sample per rank and micro-batch (max_micro_batch=2: 2 micro-batches a step on 1 process, 3
+    # for rank 0's 6 of shares 3:1 on 2): completed to that many from the epoch's start
+    assert found["17"]["capped"]["step_samples"][-1] == (2 if devices == 1 else 6)
+
+
 def test_a_dataloader_that_drops_its_last_batch_drops_the_last_incomplete_global_batch(tmp_path):
     # a new user's trial: DataLoader(drop_last=True) was ignored (70 samples, 8 a step: 9 steps and 72 samples, 2 repeated)
     import json

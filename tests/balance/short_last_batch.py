@@ -1,0 +1,72 @@
+"""Run by test_strategy.py: an epoch whose last global batch is short, on DEVICES processes, under plain ``ddp`` and
+under hetero_ddp (shares 3:1 on 2 processes; then with max_micro_batch=2, two micro-batches a step), over 22 samples
+(global batch 4 x ranks: the last holds 22 mod it), and over 17 (on 2 processes fewer remain than a sample per rank and
+micro-batch). Writes for each fit the samples every step trained (over all ranks), the float64 weights and the
+weights a mean over each step's samples gives (rank 0, JSON, OUT).
+
+Usage: python short_last_batch.py DEVICES OUT
+"""
+
+import json
+import sys
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_efficient import HeterogeneousDDPStrategy
+
+LR = 0.1
+
+
+class Linear(L.LightningModule):
+    """A loss linear in the weights, a mean over samples: every step moves the weights by its samples' mean input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+        self.trained: list[tuple[int, list[float], int]] = []  # (step, input sum, samples) of each micro-batch
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        self.trained.append((self.global_step, x.detach().sum(0).tolist(), int(x.shape[0])))
+        return (x * self.weight).sum(1).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def fit(devices: int, strategy, samples: int) -> dict:
+    data = torch.randn(samples, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    model = Linear()
+    trainer.fit(model, DataLoader(TensorDataset(data), batch_size=4))
+    trained = [model.trained]
+    if dist.is_initialized():
+        trained = [None] * dist.get_world_size()
+        dist.all_gather_object(trained, model.trained)
+    sums, counts = {}, {}
+    for step, input_sum, count in (item for rank in trained for item in rank):
+        sums[step] = sums.get(step, torch.zeros(2, dtype=torch.float64)) + torch.tensor(input_sum, dtype=torch.float64)
+        counts[step] = counts.get(step, 0) + count
+    expected = torch.ones(2, dtype=torch.float64)
+    for step in sorted(sums):
+        expected -= LR * sums[step] / counts[step]
+    return {"step_samples": [counts[step] for step in sorted(counts)], "weight": model.weight.tolist(),
+            "expected_weight": expected.tolist()}
+
+
+if __name__ == "__main__":
+    devices = int(sys.argv[1])
+    shares = [3, 1] if devices == 2 else "auto"
+    found = {}
+    for samples in (22, 17):
+        found[samples] = {
+            "plain": fit(devices, "ddp", samples),
+            "hetero": fit(devices, HeterogeneousDDPStrategy(shares=shares, shuffle=False), samples),
+            "capped": fit(devices, HeterogeneousDDPStrategy(shares=shares, max_micro_batch=2, shuffle=False), samples),
+        }
+    if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:
+        json.dump(found, open(sys.argv[2], "w"))
