@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._step import restored_run_state, step_loss
 from lightning_efficient._validation import require, require_bool, require_int, require_path
-from lightning_efficient.activations.discovery import find_blocks
+from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
 from lightning_efficient.activations.planner import BlockProfile, Plan, parse_budget, plan_blocks
 from lightning_efficient.activations.policies import POLICIES, unwrap_block, wrap_block
@@ -118,6 +118,7 @@ class ActivationMemory(Callback):
         self._profiles: list[BlockProfile] = []
         self._plan_summary: Plan | None = None
         self._use_cache_off: list[Any] = []
+        self._transformers_checkpointing_off: list[Any] = []  # modules whose transformers checkpointing was turned off
         self._closed_disk: DiskOffload | None = None  # the last fit's disk offload, closed: its byte counts
         self._warned_cpu_offload = False
         self._exclude: ParameterStorages | None = None
@@ -134,6 +135,7 @@ class ActivationMemory(Callback):
         self._plan, self._rank_plans, self._plan_summary, self._profiles = None, None, None, []
         self._closed_disk = None
         self._block_list = find_blocks(pl_module, self.blocks)
+        self._take_over_transformers_checkpointing(pl_module)
         if self._exclude is not None:
             self._exclude.stop()
         # weights are not activations: offload, disk and the profiler leave them alone (under FSDP2 too,
@@ -234,6 +236,20 @@ class ActivationMemory(Callback):
         self._plan = list(plan)
         self._turn_off_use_cache(pl_module, plan)
         rank_zero_info(f"ActivationMemory: {len(plan)} blocks ({self._block_list[0][0]} ...): {_counts(plan)}")
+
+    def _take_over_transformers_checkpointing(self, pl_module: LightningModule) -> None:
+        """transformers' own gradient checkpointing (``gradient_checkpointing_enable()``) recomputes every layer
+        whatever policy wraps it: a block kept or sent to disk would be recomputed and save nothing, and ``auto``
+        would profile recomputed blocks. It is off while the fit runs, the policies deciding each block; restored
+        when the fit ends."""
+        found = transformers_checkpointing(pl_module, self._block_list)
+        for _, module in found:
+            module.gradient_checkpointing = False
+        self._transformers_checkpointing_off += [module for _, module in found]
+        if found:
+            rank_zero_warn(f"ActivationMemory: transformers' gradient checkpointing is on in {found[0][0] or type(found[0][1]).__name__}"
+                           f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}; turned off while the fit runs, so that "
+                           f"policy={self._policy_text()} decides each block (restored when fit ends)")
 
     def _turn_off_use_cache(self, pl_module: LightningModule, plan: list[str]) -> None:
         """A transformers model caches keys and values when ``config.use_cache``: a recomputed layer
@@ -386,6 +402,9 @@ class ActivationMemory(Callback):
         for config in self._use_cache_off:
             config.use_cache = True
         self._use_cache_off = []
+        for module in self._transformers_checkpointing_off:
+            module.gradient_checkpointing = True
+        self._transformers_checkpointing_off = []
         disk, self._disk, self._host = self._disk, None, None
         if disk is not None:
             disk.close()  # its flush may still write

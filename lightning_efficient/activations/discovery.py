@@ -82,3 +82,18 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
 def count_block_classes(blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
     """How many blocks of each class, for the plan printout."""
     return dict(Counter(unsharded_class(m).__name__ for _, m in blocks))
+
+
+def transformers_checkpointing(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every module whose transformers gradient checkpointing is on (the
+    ``gradient_checkpointing`` flag ``gradient_checkpointing_enable()`` sets) where it recomputes one of ``blocks``: a
+    block, a module inside one, or a module holding one (older transformers read the flag in the layer loop)."""
+    block_modules = [block for _, block in blocks]
+    inside = {id(m) for block in block_modules for m in block.modules()}
+    found = []
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", None) is not True:
+            continue
+        if id(module) in inside or any(id(block) in {id(m) for m in module.modules()} for block in block_modules):
+            found.append((name, module))
+    return found

@@ -27,7 +27,7 @@ from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._validation import require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
-from lightning_efficient.activations.discovery import find_blocks
+from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget, validate_budget
@@ -796,6 +796,10 @@ class AutoFit(Callback):
             return blocks, fixed, tuple(dict.fromkeys(("keep", *fixed)))
         if policies == ("keep",):
             return [], None, policies
+        if transformers_checkpointing(pl_module, blocks):  # the user's setting, kept as AutoFit keeps theirs
+            notes.append("block policies kept as transformers' gradient checkpointing sets them (gradient_checkpointing_enable(): "
+                         "every layer recomputed; measured as it is)")
+            return [], None, ("keep",)
         return blocks, None, policies
 
     def _optimizer_specs(self, trainer: Trainer, pl_module: LightningModule, notes: list[str]) -> list[OptimizerSpec]:

@@ -344,6 +344,48 @@ def test_reentrant_checkpoint_of_hugging_face_layers_turns_off_use_cache_and_giv
         assert (got["checkpoint"].grads[name] - grad).abs().max() <= 1e-12, name
 
 
+class _Checkpointing(lightning.Callback):
+    """Each step's transformers checkpointing flags (layers' and the model's) and the first step's gradients."""
+
+    def __init__(self, fail=False):
+        self.flags, self.fail = [], fail
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.flags.append({m.gradient_checkpointing for m in pl_module.modules() if hasattr(m, "gradient_checkpointing")})
+        if self.fail:
+            raise RuntimeError("failed on purpose")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
+
+
+def test_transformers_gradient_checkpointing_is_turned_off_while_the_policies_decide_and_restored_after(tmp_path):
+    # a new user's trial: with model.gradient_checkpointing_enable() on, policy="disk" reported blocks on disk and
+    # wrote nothing (transformers recomputed every layer around the wrapper), and "auto" profiled recomputed blocks
+    def fit(hf_checkpointing, callbacks, fail=False):
+        model = _Llama().double()
+        if hf_checkpointing:
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        seen = _Checkpointing(fail)
+        try:
+            _trainer([*callbacks, seen], steps=1, precision="64-true").fit(model, _loader())
+        except RuntimeError as error:
+            assert "failed on purpose" in str(error)
+        after = {m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")}
+        return seen, after
+
+    plain, _ = fit(False, [])
+    disk = ActivationMemory(policy="disk", offload_dir=str(tmp_path / "disk"))
+    with pytest.warns(UserWarning, match="transformers' gradient checkpointing is on in model.model and 2 more; turned off"):
+        seen, after = fit(True, [disk])
+    assert seen.flags == [{False}] and after == {True}  # off in the fit, the user's again after it
+    assert disk.memory_figures()["activation_disk_offloaded_bytes"] > 0
+    for name, grad in plain.grads.items():
+        assert (seen.grads[name] - grad).abs().max() <= 1e-12, name
+    _, after = fit(True, [ActivationMemory(policy="keep")], fail=True)  # a fit that fails puts it back too
+    assert after == {True}
+
+
 def _auto_plan_under_hetero_ddp(budget, out_dir):
     import json
 
@@ -406,3 +448,17 @@ def test_offload_asked_for_by_auto_policies_on_cpu_is_said_to_be_left_out(small_
     with pytest.warns(UserWarning, match=r"auto_policies=\['offload', 'keep'\] includes 'offload', which needs CUDA: planned on cpu"):
         _trainer([ActivationMemory("auto", budget=1.0, auto_policies=["offload", "keep"])]).fit(
             DemoGPT(**tiny_gpt_kwargs()), datamodule=CorpusDataModule(**small_datamodule_kwargs))
+
+
+def test_autofit_keeps_transformers_gradient_checkpointing_the_user_turned_on():
+    # AutoFit keeps what the user set: with transformers' checkpointing on, it plans no block policies (it measured
+    # recomputed blocks as kept ones before), and the flags stay on through the fit
+    from lightning_efficient import AutoFit
+
+    model = _Llama()
+    model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    autofit, seen = AutoFit(budget="4GiB", search_micro_batch=False, optimizer_options=["32-bit"]), _Checkpointing()
+    _trainer([autofit, seen], steps=1).fit(model, _loader())
+    assert any("transformers' gradient checkpointing" in note for note in autofit.plan.notes)
+    assert all(policy == "keep" for policy in autofit.plan.ranks[0].policies)
+    assert seen.flags == [{True}]
