@@ -1,10 +1,10 @@
-"""Lightning's integer counts of training batches, kept to the same samples where a plugin splits the user's batches.
+"""Lightning's counts of training batches, kept to the same samples where a plugin splits the user's batches.
 
 ``limit_train_batches`` (which the training half of ``overfit_batches`` sets) and ``val_check_interval`` count
-DataLoader batches when they are integers. AutoFit (a smaller micro-batch with more accumulation) and the
-heterogeneous strategies (more micro-batches a step where a rank's cap holds its share) hand Lightning more, smaller
-batches than the user's: unchanged, those counts would train fewer samples and validate more often than the same
-fit without the plugin."""
+DataLoader batches: as integers, or as fractions of an epoch's batches that Lightning rounds down to whole batches.
+AutoFit (a smaller micro-batch with more accumulation) and the heterogeneous strategies (more micro-batches a step
+where a rank's cap holds its share) hand Lightning more, smaller batches than the user's: unchanged, those counts
+would train other samples and validate at other steps than the same fit without the plugin."""
 
 from __future__ import annotations
 
@@ -18,14 +18,36 @@ from lightning.pytorch.utilities import rank_zero_warn
 COUNTED_SETTINGS = ("limit_train_batches", "val_check_interval")
 
 
-def integer_batch_counts(trainer: Any) -> dict[str, int]:
-    """The settings of ``trainer`` that count training batches as positive integers (fractions, 0, bools and a
-    time-based validation interval, which leaves ``val_check_interval`` unset, are not counts)."""
-    counts = {}
-    for name in COUNTED_SETTINGS:
-        value = getattr(trainer, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            counts[name] = value
+def batch_settings(trainer: Any) -> dict[str, Any]:
+    """The user's settings of ``trainer`` that count training batches, as they are (a time-based validation interval
+    leaves ``val_check_interval`` unset: it is left out)."""
+    return {name: getattr(trainer, name) for name in COUNTED_SETTINGS if hasattr(trainer, name)}
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, float) and 0.0 < value < 1.0
+
+
+def counted_batches(settings: dict[str, Any], epoch_batches: int | None) -> dict[str, int]:
+    """The user's batches each of ``settings`` counts: an integer as it is; a fraction below 1 as Lightning counts it
+    over an epoch of ``epoch_batches`` of the user's batches (the validation interval's over the epoch's batches
+    trained), where that is known and at least one batch; 0, 1.0 (the whole epoch) and times are left out."""
+    counts = {name: value for name, value in settings.items() if _is_count(value)}
+    if epoch_batches is None:
+        return counts
+    limit = settings.get("limit_train_batches")
+    trained = epoch_batches
+    if _is_count(limit):
+        trained = min(epoch_batches, limit)
+    elif _is_fraction(limit) and int(epoch_batches * limit) >= 1:
+        trained = counts["limit_train_batches"] = int(epoch_batches * limit)
+    interval = settings.get("val_check_interval")
+    if _is_fraction(interval):
+        counts["val_check_interval"] = max(1, int(trained * interval))
     return counts
 
 
@@ -34,16 +56,23 @@ def counts_in_micro_batches(trainer: Any, counts: dict[str, int], micro_per_batc
     """``counts`` of the user's batches as counts of micro-batches, ``micro_per_batch`` of them a batch: rounded up
     (and said, with ``batch_words``/``micro_words`` naming the two units) where it is no whole number.
 
-    ``epoch`` is ``(the user's batches, the micro-batches)`` in an epoch, None where unknown: a validation interval
-    of at most an epoch's batches, counted per epoch, stays at most the epoch's micro-batches (a short last batch
-    splits into fewer than a whole batch's worth, and Lightning refuses an interval beyond the epoch)."""
+    ``epoch`` is ``(the user's batches, the micro-batches)`` in an epoch, None where unknown: a count of a whole epoch
+    or more (a validation interval counted per epoch) is the epoch's micro-batches, which need not be the user's
+    batches times ``micro_per_batch`` (a short last batch splits into fewer, an epoch's last step has its own)."""
     counted_counts = {}
     for name, value in counts.items():
         scaled = value * micro_per_batch
         counted = math.ceil(scaled)
-        per_epoch = name == "val_check_interval" and trainer.check_val_every_n_epoch is not None
-        if per_epoch and epoch is not None and value <= epoch[0]:
-            counted = min(counted, max(1, epoch[1]))
+        per_epoch = name == "limit_train_batches" or trainer.check_val_every_n_epoch is not None
+        trained = None if epoch is None else min(epoch[0], counts.get("limit_train_batches", epoch[0]))
+        if name == "val_check_interval" and per_epoch and trained is not None and value > trained and trainer.limit_val_batches > 0:
+            # Lightning's own refusal, in the user's batches (in micro-batches, it named numbers the user never set)
+            raise ValueError(
+                f" `val_check_interval` ({value}) must be less than or equal to the number of the training batches ({trained})."
+                " If you want to disable validation set `limit_val_batches` to 0.0 instead."
+                " If you want to validate based on the total training batches, set `check_val_every_n_epoch=None`.")
+        if per_epoch and epoch is not None and value >= epoch[0]:
+            counted = scaled = max(1, epoch[1]) if name == "limit_train_batches" or value == epoch[0] else counted
         if scaled != counted:
             rank_zero_warn(f"{who}: {name}={value} {batch_words} is {float(scaled):g} {micro_words}; counting {counted} "
                            "while the fit runs")
@@ -51,12 +80,13 @@ def counts_in_micro_batches(trainer: Any, counts: dict[str, int], micro_per_batc
     return counted_counts
 
 
-def checkpoint_timing_kept(trainer: Any, counts: dict[str, int], counted: dict[str, int]) -> list[tuple[Any, str, Any]]:
+def checkpoint_timing_kept(trainer: Any, settings: dict[str, Any], counted: dict[str, int]) -> list[tuple[Any, str, Any]]:
     """Where ``val_check_interval=1`` (every batch) counts more micro-batches, each ``ModelCheckpoint`` that decides
     when to save from the trainer's settings is told what it decides with the user's: Lightning's saves at the
     epoch's end, not after every validation, wherever ``trainer.val_check_interval == 1.0`` (which the integer 1
     meets) and validation runs every epoch. Returns ``(callback, attribute, value before)`` to put back."""
-    if counts.get("val_check_interval") != 1 or counted.get("val_check_interval", 1) == 1:
+    interval = settings.get("val_check_interval")
+    if not (_is_count(interval) and interval == 1) or counted.get("val_check_interval", 1) == 1:
         return []
     undo = []
     for callback in trainer.checkpoint_callbacks:

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
-from lightning_efficient._batch_counts import checkpoint_timing_kept, counts_in_micro_batches, integer_batch_counts
+from lightning_efficient._batch_counts import batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._validation import require, require_int
@@ -826,6 +826,9 @@ class AutoFit(Callback):
             names = ["8-bit"]
         for name in names:
             reason = _cannot_build(name, strategy.optimizers)
+            if not reason and not EightBitOptimizer(min_8bit_size=self.min_8bit_size).holds_8bit_states(own(), pl_module):
+                reason = (f"no parameter would hold 8-bit states (each below min_8bit_size={self.min_8bit_size:,} or an "
+                          "embedding, kept 32-bit)")
             if reason:
                 notes.append(f"optimizer states {name} not considered: {reason}")
                 continue
@@ -878,24 +881,24 @@ class AutoFit(Callback):
             self._optimizer.offload = "cpu" if plan.optimizer == "8-bit offload" else None
 
     def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int) -> None:
-        """Lightning's integer counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the
-        user's DataLoader batches of ``batch``: they count the plan's micro-batches of ``micro`` while the fit runs, so
-        the same samples train between the same checks (a new user's trial: ``limit_train_batches=2`` trained half the
+        """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
+        DataLoader batches of ``batch``: they count the plan's micro-batches of ``micro`` while the fit runs, so the
+        same samples train between the same checks (a new user's trial: ``limit_train_batches=2`` trained half the
         samples)."""
         if isinstance(batch, bool) or not isinstance(batch, int):
             return
-        counts = integer_batch_counts(trainer)
-        if not counts:
+        settings = batch_settings(trainer)
+        if not counted_batches(settings, None) and not any(isinstance(v, float) and 0 < v < 1 for v in settings.values()):
             return
-        per_epoch = "val_check_interval" in counts and trainer.check_val_every_n_epoch is not None
-        samples = self._samples_per_rank(trainer) if per_epoch else None
+        samples = self._samples_per_rank(trainer)
         epoch = None if samples is None else (math.ceil(samples / batch), math.ceil(samples / micro))
+        counts = counted_batches(settings, None if epoch is None else epoch[0])
         counted = counts_in_micro_batches(trainer, counts, Fraction(batch, micro), epoch=epoch, who="AutoFit",
                                           batch_words=f"batches of {batch} samples", micro_words=f"micro-batches of {micro}")
         for name, value in counted.items():
-            self._undo_settings.append((trainer, name, counts[name]))
+            self._undo_settings.append((trainer, name, settings[name]))
             setattr(trainer, name, value)
-        self._undo_settings += checkpoint_timing_kept(trainer, counts, counted)
+        self._undo_settings += checkpoint_timing_kept(trainer, settings, counted)
 
     @staticmethod
     def _samples_per_rank(trainer: Trainer) -> int | None:

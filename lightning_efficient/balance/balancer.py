@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_efficient._batch_counts import checkpoint_timing_kept, counts_in_micro_batches, integer_batch_counts
+from lightning_efficient._batch_counts import batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
 from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
@@ -191,7 +191,7 @@ class Balancer:
         self._wait_start: object | None = None
         self._hooks: list = []
         self._user_accumulation: tuple[Any, int] | None = None  # (trainer, its accumulate_grad_batches before the plan)
-        self._user_batch_counts: dict[str, int] = {}  # its integer limit_train_batches / val_check_interval, the same
+        self._user_batch_settings: dict[str, Any] = {}  # its limit_train_batches / val_check_interval, the same
         self._checkpoint_timing: list[tuple[Any, str, Any]] = []  # ModelCheckpoint settings to put back after the fit
         self.probe_refusal: str | None = None  # what max_micro_batch="auto" is refused with (None: allowed)
 
@@ -271,7 +271,7 @@ class Balancer:
         # the plan's own), and put back when the fit ends (a second fit with this Trainer trains the same global batch)
         if self._user_accumulation is None or self._user_accumulation[0] is not trainer:
             self._user_accumulation = (trainer, trainer.accumulate_grad_batches)
-            self._user_batch_counts = integer_batch_counts(trainer)
+            self._user_batch_settings = batch_settings(trainer)
         requested = self.requested_accumulation(trainer)
         # by default a step trains what it would under plain data parallelism: a DataLoader batch per rank and micro-batch
         global_batch = self.global_batch_size or dataloader.batch_size * world * requested
@@ -295,8 +295,11 @@ class Balancer:
         self.speeds = [1.0] * world if not self.speeds else self.speeds
         # the DataLoader's own drop_last asks what the strategy's does: plain DDP's last incomplete batches dropped
         drop_last = self.drop_last or bool(dataloader.drop_last)
+        # overfit_batches: Lightning trains the same first batches every epoch (a sequential sampler), and so does this
+        shuffle = self.shuffle and not trainer.overfit_batches
         self.sampler = HeterogeneousBatchSampler(
-            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, self.shuffle, drop_last, name
+            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, shuffle, drop_last, name,
+            batches_per_step=requested,
         )
         self._count_micro_batches(trainer, requested, len(dataloader.dataset), drop_last)
         workers = dataloader.num_workers
@@ -314,28 +317,31 @@ class Balancer:
         )
 
     def _count_micro_batches(self, trainer: Any, requested: int, samples: int, drop_last: bool) -> None:
-        """Lightning's integer counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
+        """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
         batches, ``requested`` of them a step: where the caps give a step more micro-batches, they count those, so a
         fit trains the same samples between the same checks as under plain data parallelism."""
         self._put_back_checkpoint_timing()
-        counts = self._user_batch_counts
-        accumulation = self.plan.accumulation
-        if accumulation != requested:
-            world = self.world
-            # the user's batches in a rank's epoch under plain data parallelism (DistributedSampler pads to the ranks)
-            per_rank = samples // world if drop_last else -(-samples // world)
-            per_batch = Fraction(self.sampler.global_batch, world * requested)
-            batches = per_rank // per_batch if drop_last else math.ceil(per_rank / per_batch)
-            counts = counts_in_micro_batches(trainer, counts, Fraction(accumulation, requested), epoch=(int(batches), len(self.sampler)),
-                                             who=self.name, batch_words=f"batches ({requested} a step)",
-                                             micro_words=f"micro-batches ({accumulation} a step under the caps)")
-            if counts:
-                said = ", ".join(f"{key}={value}" for key, value in self._user_batch_counts.items())
-                rank_zero_info(f"{self.name}: {said} of your batches count {', '.join(map(str, counts.values()))} micro-batches "
-                               "while the fit runs")
-        for name, value in counts.items():
+        settings = self._user_batch_settings
+        for name, value in settings.items():  # the user's, unless counted again below (a plan without more micro-batches)
             setattr(trainer, name, value)
-        self._checkpoint_timing = checkpoint_timing_kept(trainer, self._user_batch_counts, counts)
+        accumulation = self.plan.accumulation
+        if accumulation == requested:
+            return
+        # the user's batches in a rank's epoch under plain data parallelism (DistributedSampler pads to the ranks)
+        per_rank = -(-samples // self.world)
+        per_batch = Fraction(self.sampler.global_batch, self.world * requested)
+        batches = int(per_rank // per_batch) if drop_last else math.ceil(per_rank / per_batch)
+        counts = counted_batches(settings, batches)
+        counted = counts_in_micro_batches(trainer, counts, Fraction(accumulation, requested), epoch=(batches, len(self.sampler)),
+                                          who=self.name, batch_words=f"batches ({requested} a step)",
+                                          micro_words=f"micro-batches ({accumulation} a step under the caps)")
+        if counted:
+            said = ", ".join(f"{key}={settings[key]}" for key in counted)
+            rank_zero_info(f"{self.name}: {said} of your batches count {', '.join(map(str, counted.values()))} micro-batches "
+                           "while the fit runs")
+        for name, value in counted.items():
+            setattr(trainer, name, value)
+        self._checkpoint_timing = checkpoint_timing_kept(trainer, settings, counted)
 
     def _put_back_checkpoint_timing(self) -> None:
         for callback, attribute, value in self._checkpoint_timing:
@@ -424,6 +430,10 @@ class Balancer:
     def setup(self) -> None:
         """After the strategy's setup: forget a failed fit's counts and hook the gradients for timing."""
         self.token_normaliser.reset()  # a fit that raised mid-step must not leak its counts into this one
+        # the position in the epoch counts from this fit's start (a checkpoint's is loaded after this): an earlier fit
+        # of the same epoch that raised, or Tuner.lr_find's steps, left theirs, which scaled the losses by a batch
+        # past the epoch's end and put a checkpoint's position ahead of what was trained
+        self.micro_done, self.counter_epoch = 0, self.strategy.lightning_module.trainer.current_epoch
         self.remove_hooks()
         self._timed, self._unread = None, deque()
         self.micro_step_times.reset()
@@ -447,11 +457,11 @@ class Balancer:
         if self._user_accumulation is not None:
             trainer, accumulation = self._user_accumulation
             trainer.accumulate_grad_batches = accumulation
-            for name, value in self._user_batch_counts.items():
+            for name, value in self._user_batch_settings.items():
                 setattr(trainer, name, value)
             self._put_back_checkpoint_timing()
             self._user_accumulation = None
-            self._user_batch_counts = {}
+            self._user_batch_settings = {}
 
     def remove_hooks(self) -> None:
         """Remove every timing hook."""
@@ -595,7 +605,9 @@ class Balancer:
         # the count of micro-batches trained refers to counter_epoch; once the sampler has started the
         # next epoch (the loader is iterated before that epoch's first step) nothing of it is trained yet
         trained = self.micro_done if self.sampler.epoch == self.counter_epoch else 0
-        state["next_batch"] = trained // self.plan.accumulation
+        # (an epoch's short last step may run fewer micro-batches than the others: trained to the end, it is done)
+        done = trained >= len(self.sampler)
+        state["next_batch"] = self.sampler.batches_per_epoch if done else trained // self.plan.accumulation
         state["speeds"] = list(self.speeds)
         state["step_token_scale"] = self.token_normaliser.scale  # a resumed first step scales as the uninterrupted one
         return state
@@ -614,7 +626,7 @@ class Balancer:
     @property
     def current_shares(self) -> list[int]:
         """The shares in force for the next global batch to train."""
-        return list(self.sampler.plan_at(self.micro_done // self.plan.accumulation).shares)
+        return list(self.sampler.step_plan(self.micro_done // self.plan.accumulation).shares)
 
 
 def _setting(name: str) -> property:

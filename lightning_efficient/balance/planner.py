@@ -139,21 +139,26 @@ def plan_shares(
     return best
 
 
-def shrunk_plan(plan: SharePlan, samples: int) -> SharePlan:
-    """``plan`` for a global batch of ``samples`` fewer than its own (an epoch's short last batch): shares in
-    proportion to ``plan``'s, each at least the accumulation (a sample in every micro-batch) and at most its share
-    in ``plan`` (so within any cap ``plan`` kept), with the same accumulation.
+def shrunk_plan(plan: SharePlan, samples: int, accumulation: int | None = None) -> SharePlan:
+    """``plan`` for a global batch of ``samples`` fewer than its own (an epoch's short last batch), in
+    ``accumulation`` micro-batches (at most ``plan``'s; None: ``plan``'s): shares in proportion to ``plan``'s, each at
+    least the accumulation (a sample in every micro-batch) and with no micro-batch above ``plan``'s largest on that rank
+    (so within any cap ``plan`` kept).
 
     Raises:
-        ValueError: where ``samples`` is not from ``ranks x accumulation`` to ``plan``'s global batch.
+        ValueError: where ``samples`` cannot be shared so.
     """
-    world, steps, total = len(plan.shares), plan.accumulation, sum(plan.shares)
-    if not world * steps <= samples <= total:
-        raise ValueError(f"samples={samples} is not allowed: expected {world * steps} to {total} (plan {list(plan.shares)} "
-                         f"with accumulation {steps})")
-    if samples == total:
+    world, full, total = len(plan.shares), plan.accumulation, sum(plan.shares)
+    steps = full if accumulation is None else accumulation
+    if not 1 <= steps <= full:
+        raise ValueError(f"accumulation={accumulation} is not allowed: expected 1 to {full} (plan {list(plan.shares)})")
+    upper = [min(share, steps * -(-share // full)) for share in plan.shares]
+    if not world * steps <= samples <= sum(upper):
+        raise ValueError(f"samples={samples} is not allowed: expected {world * steps} to {sum(upper)} (plan {list(plan.shares)} "
+                         f"in {steps} micro-batches)")
+    if samples == total and steps == full:
         return plan
-    return SharePlan(tuple(_water_fill(samples, plan.shares, [steps] * world, plan.shares)), steps)
+    return SharePlan(tuple(_water_fill(samples, plan.shares, [steps] * world, upper)), steps)
 
 
 def largest_fitting_batch(fits: Callable[[int], bool], upper: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 from torch.utils.data import Sampler
@@ -32,14 +33,17 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         seed: seed of the per-epoch permutation.
         shuffle: permute the dataset each epoch (else the identity order).
         drop_last: drop the last incomplete global batch (else train it at its own size, shared in proportion
-            to the plan's shares; where fewer samples remain than a sample per rank and micro-batch, it is
+            to the plan's shares, in as many micro-batches as plain data parallelism's last step has batches, scaled
+            as the plan scales a step's; where fewer samples remain than a sample per rank and micro-batch, it is
             completed to that many from the start of the permutation, as ``DistributedSampler`` pads).
         name: the strategy's name, in messages.
+        batches_per_step: the DataLoader batches a step of plain data parallelism holds (the user's
+            ``accumulate_grad_batches``), which the plan's micro-batches a step may exceed.
     """
 
     def __init__(
         self, dataset_size: int, global_batch: int, rank: int, plan: SharePlan, seed: int = 0,
-        shuffle: bool = True, drop_last: bool = False, name: str = "hetero_ddp",
+        shuffle: bool = True, drop_last: bool = False, name: str = "hetero_ddp", batches_per_step: int = 1,
     ) -> None:
         if dataset_size < 1:
             raise ValueError(f"the dataset is empty: {name} needs at least one sample (global batch {global_batch})")
@@ -54,6 +58,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.batches_per_step = batches_per_step
         self.epoch = 0
         self.schedule: list[tuple[int, SharePlan]] = [(0, plan)]  # (from global batch index, plan)
         self.next_batch = 0  # global batches of this epoch already handed out
@@ -82,19 +87,30 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         position = bisect.bisect_right([start for start, _ in self.schedule], batch_index) - 1
         return self.schedule[position][1]
 
-    def step_samples(self, batch_index: int) -> int:
-        """The samples global batch ``batch_index`` of this epoch trains: the global batch, or what remains of the
-        epoch for its short last batch (at least a sample per rank and micro-batch)."""
-        remaining = self.dataset_size - batch_index * self.global_batch
-        if self.drop_last or remaining >= self.global_batch:
-            return self.global_batch
+    def step_layout(self, batch_index: int) -> tuple[int, int]:
+        """``(samples, micro-batches a rank)`` of global batch ``batch_index`` of this epoch: the global batch in the
+        plan's micro-batches; an epoch's short last batch, what remains, in the plan's micro-batches for the batches
+        plain data parallelism's last step holds (a step of ``batches_per_step`` batches is the plan's whole step),
+        completed to a sample per rank and micro-batch where fewer remain."""
         plan = self.plan_at(batch_index)
-        return max(remaining, len(plan.shares) * plan.accumulation)
+        remaining = self.dataset_size - batch_index * self.global_batch
+        if self.drop_last or remaining >= self.global_batch or batch_index >= self.batches_per_epoch:
+            return self.global_batch, plan.accumulation
+        world = len(plan.shares)
+        # plain DDP: every rank's part (DistributedSampler pads to the ranks) in batches of G / (ranks x accumulation)
+        batches = math.ceil(Fraction(-(-remaining // world) * world * self.batches_per_step, self.global_batch))
+        micro = min(plan.accumulation, math.ceil(Fraction(batches * plan.accumulation, self.batches_per_step)))
+        return max(remaining, world * micro), micro
+
+    def step_samples(self, batch_index: int) -> int:
+        """The samples global batch ``batch_index`` of this epoch trains (:meth:`step_layout`)."""
+        return self.step_layout(batch_index)[0]
 
     def step_plan(self, batch_index: int) -> SharePlan:
         """The shares global batch ``batch_index`` of this epoch is sliced by: the plan in force, shrunk in proportion
-        for an epoch's short last batch."""
-        return shrunk_plan(self.plan_at(batch_index), self.step_samples(batch_index))
+        for an epoch's short last batch (:meth:`step_layout`)."""
+        samples, micro = self.step_layout(batch_index)
+        return shrunk_plan(self.plan_at(batch_index), samples, micro)
 
     def schedule_plan(self, plan: SharePlan, from_batch: int) -> None:
         """Slice global batches from ``from_batch`` on by ``plan`` (it must keep the accumulation)."""
@@ -141,7 +157,8 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         # checkpoint taken then must name the epoch being trained
 
     def __len__(self) -> int:
-        return self.batches_per_epoch * self.schedule[0][1].accumulation
+        steps = self.batches_per_epoch
+        return 0 if steps == 0 else (steps - 1) * self.schedule[0][1].accumulation + self.step_layout(steps - 1)[1]
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, position (global batches of the epoch handed out), global batch, number of ranks and

@@ -174,6 +174,14 @@ class EightBitOptimizer(Callback):
             raise ValueError(f"keep_32bit={keep_32bit!r} matches no parameter name; names look like {names}")
         return reasons
 
+    def holds_8bit_states(self, optimizers: list[torch.optim.Optimizer], pl_module: LightningModule) -> bool:
+        """Whether the twins of ``optimizers`` would hold any state in 8 bits under these settings (every parameter
+        below ``min_8bit_size``, an embedding kept 32-bit or matched by ``keep_32bit``: they would not)."""
+        kept = self._kept_32bit(pl_module)
+        return any(param.numel() >= self.min_8bit_size and id(param) not in kept
+                   for optimizer in optimizers if not (isinstance(optimizer, eight_bit_classes()) or is_stateless(optimizer))
+                   for param in _flat_params(optimizer))
+
     def _uses_8bit(self, param: torch.Tensor) -> bool:
         return param.numel() >= self.min_8bit_size and id(param) not in self._overridden
 

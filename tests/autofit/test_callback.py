@@ -1130,3 +1130,33 @@ def test_a_validation_interval_is_cut_to_the_epochs_micro_batches_only_where_lig
     autofit._samples_per_rank = lambda trainer: 10
     autofit._rescale_batch_counts(trainer, 4, 2)
     assert trainer.val_check_interval == counted
+
+
+def test_8_bit_states_are_not_an_option_where_no_parameter_would_hold_them(small_datamodule_kwargs):
+    # a new user's trial: on a tiny model AutoFit picked "optimizer states 8-bit" while every tensor was below
+    # min_8bit_size (the twins held 32-bit states only; the pick rested on timing noise)
+    autofit = AutoFit(budget="8GiB", activation_policies=["keep"], min_8bit_size=10**9)
+    _fit(small_datamodule_kwargs, [autofit], steps=1)
+    assert autofit.plan.optimizer == "32-bit"
+    assert any(note.startswith("optimizer states 8-bit not considered: no parameter would hold 8-bit states")
+               for note in autofit.plan.notes)
+    # where the weights are above it, the option is measured (its own reading, beside 32-bit's)
+    autofit = AutoFit(budget="8GiB", activation_policies=["keep"], min_8bit_size=1024, plan_only=True)
+    _fit(small_datamodule_kwargs, [autofit], steps=1)
+    assert not any("8-bit not considered" in note for note in autofit.plan.notes)
+
+
+def test_fractions_of_an_epoch_count_the_users_batches_as_lightning_would_then_micro_batches():
+    # review: fractions were left to Lightning, which took them of the micro-batches and rounded there (half of an
+    # epoch of 3 batches: 1 batch; of its 6 micro-batches: 3, a step and a half)
+    trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0.5, val_check_interval=0.5, logger=False)
+    autofit = AutoFit(budget="1GiB")
+    autofit._samples_per_rank = lambda trainer: 12  # 3 batches of 4, 6 micro-batches of 2
+    autofit._rescale_batch_counts(trainer, 4, 2)
+    assert (trainer.limit_train_batches, trainer.val_check_interval) == (2, 2)  # 1 batch trained, validated after it
+    autofit._undo(None)
+    assert (trainer.limit_train_batches, trainer.val_check_interval) == (0.5, 0.5)
+    # an interval beyond the batches trained is refused in the user's numbers (it named 8 of 6 micro-batches)
+    trainer = lightning.Trainer(accelerator="cpu", val_check_interval=4, logger=False)
+    with pytest.raises(ValueError, match=r"`val_check_interval` \(4\) must be less than or equal to the number of the training batches \(3\)"):
+        autofit._rescale_batch_counts(trainer, 4, 2)
