@@ -234,15 +234,22 @@ class ActivationMemory(Callback):
             effective = "keep" if policy == "offload" and not on_cuda else policy
             wrap_block(block, effective, hooks=self._hooks_for(effective, index), reentrant=self.reentrant)
         self._plan = list(plan)
-        self._turn_off_use_cache(pl_module, plan)
+        self._turn_off_use_cache(pl_module, [block for (_, block), policy in zip(self._block_list, plan) if policy in _RECOMPUTED])
         rank_zero_info(f"ActivationMemory: {len(plan)} blocks ({self._block_list[0][0]} ...): {_counts(plan)}")
 
-    def _take_over_transformers_checkpointing(self, pl_module: LightningModule) -> None:
+    def _take_over_transformers_checkpointing(self, pl_module: LightningModule,
+                                              blocks: list[tuple[str, Any]] | None = None) -> None:
         """transformers' own gradient checkpointing (``gradient_checkpointing_enable()``) recomputes every layer
-        whatever policy wraps it: a block kept or sent to disk would be recomputed and save nothing, and ``auto``
-        would profile recomputed blocks. It is off while the fit runs, the policies deciding each block; restored
-        when the fit ends."""
-        found = transformers_checkpointing(pl_module, self._block_list)
+        whatever policy wraps it: a block sent to disk would be recomputed and save nothing, and ``auto`` would profile
+        recomputed blocks. Where a policy other than keep applies, it is off while the fit runs, the policies deciding
+        each block (a policy of keep only leaves it on: the user's setting); restored when the fit ends. Its
+        ``use_cache=False``, which transformers forces only while its checkpointing is on, stays off the same while:
+        the layers would otherwise build a cache of every key and value in each training forward. ``blocks``: where
+        AutoFit measures before this callback's ``on_fit_start``, the blocks it found."""
+        if all(policy == "keep" for policy in self.policy):
+            return
+        blocks = self._block_list if blocks is None else blocks
+        found = transformers_checkpointing(pl_module, blocks)
         for _, module in found:
             module.gradient_checkpointing = False
         self._transformers_checkpointing_off += [module for _, module in found]
@@ -250,13 +257,13 @@ class ActivationMemory(Callback):
             rank_zero_warn(f"ActivationMemory: transformers' gradient checkpointing is on in {found[0][0] or type(found[0][1]).__name__}"
                            f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}; turned off while the fit runs, so that "
                            f"policy={self._policy_text()} decides each block (restored when fit ends)")
+            self._turn_off_use_cache(pl_module, [block for _, block in blocks])
 
-    def _turn_off_use_cache(self, pl_module: LightningModule, plan: list[str]) -> None:
+    def _turn_off_use_cache(self, pl_module: LightningModule, blocks: list[Any]) -> None:
         """A transformers model caches keys and values when ``config.use_cache``: a recomputed layer
-        would add its keys and values to the cache a second time. Off while its layers are recomputed,
+        would add its keys and values to the cache a second time. Off while its layers (``blocks``) are recomputed,
         as transformers' own gradient checkpointing does; restored when fit ends."""
-        recomputed = [block for (_, block), policy in zip(self._block_list, plan) if policy in _RECOMPUTED]
-        if not recomputed:
+        if not blocks:
             return
         names = []
         for name, module in pl_module.named_modules():
@@ -264,7 +271,7 @@ class ActivationMemory(Callback):
             if getattr(config, "use_cache", None) is not True or any(c is config for c in self._use_cache_off):
                 continue
             inside = set(module.modules())
-            if any(block in inside for block in recomputed):
+            if any(block in inside for block in blocks):
                 config.use_cache = False
                 self._use_cache_off.append(config)
                 names.append(name or type(module).__name__)

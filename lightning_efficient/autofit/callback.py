@@ -791,6 +791,9 @@ class AutoFit(Callback):
             notes.append(f"block policies not planned: {error}")
             return [], None, ("keep",)
         if user is not None:
+            # where the user's callback turns transformers' checkpointing off at its own start, it is off for the
+            # measuring too (the fit's peak is that without it)
+            user._take_over_transformers_checkpointing(pl_module, blocks)
             fixed = user.policy * len(blocks) if len(user.policy) == 1 else list(user.policy)
             notes.append(f"block policies kept as set by ActivationMemory(policy={user.policy!r})")
             return blocks, fixed, tuple(dict.fromkeys(("keep", *fixed)))
@@ -890,8 +893,11 @@ class AutoFit(Callback):
         settings = batch_settings(trainer)
         if not counted_batches(settings, None) and not any(isinstance(v, float) and 0 < v < 1 for v in settings.values()):
             return
-        samples = self._samples_per_rank(trainer)
-        epoch = None if samples is None else (math.ceil(samples / batch), math.ceil(samples / micro))
+        rank_epoch = self._rank_epoch(trainer)
+        epoch = None
+        if rank_epoch is not None:  # (batches, micro-batches) of an epoch: a DataLoader that drops its last one, whole ones
+            samples, drops_last = rank_epoch
+            epoch = (samples // batch, samples // micro) if drops_last else (math.ceil(samples / batch), math.ceil(samples / micro))
         counts = counted_batches(settings, None if epoch is None else epoch[0])
         counted = counts_in_micro_batches(trainer, counts, Fraction(batch, micro), epoch=epoch, who="AutoFit",
                                           batch_words=f"batches of {batch} samples", micro_words=f"micro-batches of {micro}")
@@ -901,13 +907,15 @@ class AutoFit(Callback):
         self._undo_settings += checkpoint_timing_kept(trainer, settings, counted)
 
     @staticmethod
-    def _samples_per_rank(trainer: Trainer) -> int | None:
-        """This rank's samples in an epoch (None where the dataset has no length)."""
+    def _rank_epoch(trainer: Trainer) -> tuple[int, bool] | None:
+        """This rank's samples in an epoch and whether the training DataLoader drops its last incomplete batch (None
+        where the dataset has no length)."""
         try:
-            samples = len(trainer.fit_loop._data_source.dataloader().dataset)
-        except Exception:  # noqa: BLE001 - no loader or an iterable dataset: nothing to cap by
+            loader = trainer.fit_loop._data_source.dataloader()
+            samples = len(loader.dataset)
+        except Exception:  # noqa: BLE001 - no loader or an iterable dataset: nothing to count by
             return None
-        return math.ceil(samples / trainer.world_size)
+        return math.ceil(samples / trainer.world_size), bool(getattr(loader, "drop_last", False))
 
     def _undo(self, pl_module: LightningModule) -> None:
         for item in reversed(self._undo_settings):

@@ -293,13 +293,13 @@ class Balancer:
         # another accumulation, under caps since changed (AutoFit's)
         trainer.accumulate_grad_batches = self.plan.accumulation
         self.speeds = [1.0] * world if not self.speeds else self.speeds
-        # the DataLoader's own drop_last asks what the strategy's does: plain DDP's last incomplete batches dropped
+        # the DataLoader's own drop_last: plain DDP's last incomplete batches dropped (the whole ones before them train)
         drop_last = self.drop_last or bool(dataloader.drop_last)
         # overfit_batches: Lightning trains the same first batches every epoch (a sequential sampler), and so does this
         shuffle = self.shuffle and not trainer.overfit_batches
         self.sampler = HeterogeneousBatchSampler(
-            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, shuffle, drop_last, name,
-            batches_per_step=requested,
+            len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, shuffle, self.drop_last, name,
+            batches_per_step=requested, drop_last_batch=bool(dataloader.drop_last),
         )
         self._count_micro_batches(trainer, requested, len(dataloader.dataset), drop_last)
         workers = dataloader.num_workers

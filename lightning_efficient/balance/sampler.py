@@ -39,11 +39,15 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         name: the strategy's name, in messages.
         batches_per_step: the DataLoader batches a step of plain data parallelism holds (the user's
             ``accumulate_grad_batches``), which the plan's micro-batches a step may exceed.
+        drop_last_batch: the DataLoader's ``drop_last``: of the last incomplete global batch only whole DataLoader
+            batches train (``global_batch / (ranks x batches_per_step)`` samples over the ranks), as plain data
+            parallelism drops each rank's incomplete last batch and still steps on the whole ones before it.
     """
 
     def __init__(
         self, dataset_size: int, global_batch: int, rank: int, plan: SharePlan, seed: int = 0,
         shuffle: bool = True, drop_last: bool = False, name: str = "hetero_ddp", batches_per_step: int = 1,
+        drop_last_batch: bool = False,
     ) -> None:
         if dataset_size < 1:
             raise ValueError(f"the dataset is empty: {name} needs at least one sample (global batch {global_batch})")
@@ -59,16 +63,29 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.batches_per_step = batches_per_step
+        self.drop_last_batch = drop_last_batch
         self.epoch = 0
         self.schedule: list[tuple[int, SharePlan]] = [(0, plan)]  # (from global batch index, plan)
         self.next_batch = 0  # global batches of this epoch already handed out
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"drop_last=True in the training DataLoader with {dataset_size} samples over {len(plan.shares)} "
+                             f"rank(s): no whole batch of {Fraction(global_batch, len(plan.shares) * batches_per_step)} "
+                             "samples a rank")
 
     @property
     def batches_per_epoch(self) -> int:
         """Optimizer steps per epoch."""
-        if self.drop_last:
-            return self.dataset_size // self.global_batch
-        return math.ceil(self.dataset_size / self.global_batch)
+        full, remaining = divmod(self.dataset_size, self.global_batch)
+        if self.drop_last or not remaining:
+            return full
+        return full + (self._last_step_batches(remaining) >= 1 if self.drop_last_batch else 1)
+
+    def _last_step_batches(self, remaining: int) -> int:
+        """The batches each rank's DataLoader makes of ``remaining`` samples under plain data parallelism (every rank's
+        part, as ``DistributedSampler`` pads them to the ranks, in batches of G / (ranks x batches_per_step))."""
+        world = len(self.schedule[0][1].shares)
+        per_rank = Fraction(-(-remaining // world) * world * self.batches_per_step, self.global_batch)
+        return math.floor(per_rank) if self.drop_last_batch else math.ceil(per_rank)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation of ``epoch`` and start it from its first batch (a no-op for the
@@ -97,9 +114,13 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         if self.drop_last or remaining >= self.global_batch or batch_index >= self.batches_per_epoch:
             return self.global_batch, plan.accumulation
         world = len(plan.shares)
-        # plain DDP: every rank's part (DistributedSampler pads to the ranks) in batches of G / (ranks x accumulation)
-        batches = math.ceil(Fraction(-(-remaining // world) * world * self.batches_per_step, self.global_batch))
-        micro = min(plan.accumulation, math.ceil(Fraction(batches * plan.accumulation, self.batches_per_step)))
+        batches = self._last_step_batches(remaining)
+        if self.drop_last_batch:  # whole DataLoader batches only
+            remaining = min(remaining, math.floor(Fraction(batches * self.global_batch, self.batches_per_step)))
+        # as many micro-batches as the plan makes of those batches, but no more than the ranks can fill without
+        # repeating samples (where fewer remain than the ranks, each gets one: DistributedSampler pads so too)
+        micro = min(plan.accumulation, math.ceil(Fraction(batches * plan.accumulation, self.batches_per_step)),
+                    max(1, remaining // world))
         return max(remaining, world * micro), micro
 
     def step_samples(self, batch_index: int) -> int:
@@ -188,7 +209,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         saved_global = int(state.get("global_batch", sum(saved_plan.shares)))
         saved_size = int(state.get("dataset_size", self.dataset_size))
         next_batch = int(state["next_batch"])
-        if self.drop_last:
+        if (saved_size, saved_global) == (self.dataset_size, self.global_batch):
+            saved_batches = self.batches_per_epoch
+        elif self.drop_last:
             saved_batches = saved_size // saved_global
         else:
             saved_batches = math.ceil(saved_size / saved_global)

@@ -352,6 +352,7 @@ class _Checkpointing(lightning.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.flags.append({m.gradient_checkpointing for m in pl_module.modules() if hasattr(m, "gradient_checkpointing")})
+        self.use_cache = pl_module.model.config.use_cache
         if self.fail:
             raise RuntimeError("failed on purpose")
 
@@ -379,11 +380,16 @@ def test_transformers_gradient_checkpointing_is_turned_off_while_the_policies_de
     with pytest.warns(UserWarning, match="transformers' gradient checkpointing is on in model.model and 2 more; turned off"):
         seen, after = fit(True, [disk])
     assert seen.flags == [{False}] and after == {True}  # off in the fit, the user's again after it
+    # review: transformers forces use_cache=False only while its checkpointing is on: without it, every training
+    # forward built a cache of each layer's keys and values (beside the blocks on disk)
+    assert seen.use_cache is False
     assert disk.memory_figures()["activation_disk_offloaded_bytes"] > 0
     for name, grad in plain.grads.items():
         assert (seen.grads[name] - grad).abs().max() <= 1e-12, name
-    _, after = fit(True, [ActivationMemory(policy="keep")], fail=True)  # a fit that fails puts it back too
-    assert after == {True}
+    _, after = fit(True, [ActivationMemory(policy="disk", offload_dir=str(tmp_path / "failing"))], fail=True)
+    assert after == {True}  # a fit that fails puts it back too
+    seen, after = fit(True, [ActivationMemory(policy="keep")])  # keep only: the user's setting stays
+    assert seen.flags == [{True}] and after == {True}
 
 
 def _auto_plan_under_hetero_ddp(budget, out_dir):
@@ -462,3 +468,31 @@ def test_autofit_keeps_transformers_gradient_checkpointing_the_user_turned_on():
     assert any("transformers' gradient checkpointing" in note for note in autofit.plan.notes)
     assert all(policy == "keep" for policy in autofit.plan.ranks[0].policies)
     assert seen.flags == [{True}]
+    # review: measured with it on, the fit ran with it off, where an ActivationMemory followed AutoFit (the user's) or
+    # AutoFit's own was kept for another fit; the measuring and the fit see the same now
+    for make in (lambda: [AutoFit(budget="4GiB", search_micro_batch=False, optimizer_options=["32-bit"]),
+                          ActivationMemory(policy="disk")],
+                 lambda: [autofit]):
+        callbacks, seen = make(), _Measured()
+        model = _Llama()
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _trainer([*callbacks, seen], steps=1).fit(model, _loader())
+        assert len(set(seen.flags)) == 1, seen.flags  # the same while AutoFit measured and while the fit ran
+
+
+class _Measured(_Checkpointing):
+    """The transformers checkpointing flags at every training step, AutoFit's measuring steps included."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pass
+
+    def setup(self, trainer, pl_module, stage):
+        self.flags = []
+        model = pl_module.model
+        original = model.forward
+
+        def forward(*args, **kwargs):
+            self.flags.append(frozenset(m.gradient_checkpointing for m in pl_module.modules() if hasattr(m, "gradient_checkpointing")))
+            return original(*args, **kwargs)
+
+        model.forward = forward

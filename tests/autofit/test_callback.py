@@ -1127,7 +1127,7 @@ def test_a_validation_interval_is_cut_to_the_epochs_micro_batches_only_where_lig
         interval, every_n_epoch, counted):
     trainer = lightning.Trainer(accelerator="cpu", val_check_interval=interval, check_val_every_n_epoch=every_n_epoch, logger=False)
     autofit = AutoFit(budget="1GiB")
-    autofit._samples_per_rank = lambda trainer: 10
+    autofit._rank_epoch = lambda trainer: (10, False)
     autofit._rescale_batch_counts(trainer, 4, 2)
     assert trainer.val_check_interval == counted
 
@@ -1151,7 +1151,7 @@ def test_fractions_of_an_epoch_count_the_users_batches_as_lightning_would_then_m
     # epoch of 3 batches: 1 batch; of its 6 micro-batches: 3, a step and a half)
     trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0.5, val_check_interval=0.5, logger=False)
     autofit = AutoFit(budget="1GiB")
-    autofit._samples_per_rank = lambda trainer: 12  # 3 batches of 4, 6 micro-batches of 2
+    autofit._rank_epoch = lambda trainer: (12, False)  # 3 batches of 4, 6 micro-batches of 2
     autofit._rescale_batch_counts(trainer, 4, 2)
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (2, 2)  # 1 batch trained, validated after it
     autofit._undo(None)
@@ -1160,3 +1160,9 @@ def test_fractions_of_an_epoch_count_the_users_batches_as_lightning_would_then_m
     trainer = lightning.Trainer(accelerator="cpu", val_check_interval=4, logger=False)
     with pytest.raises(ValueError, match=r"`val_check_interval` \(4\) must be less than or equal to the number of the training batches \(3\)"):
         autofit._rescale_batch_counts(trainer, 4, 2)
+    # a DataLoader that drops its last incomplete batch: whole batches (10 samples: 2 of 4, 5 of 2), as Lightning counts
+    # them (review: 0.7 of 3 batches counted 2 where Lightning's 0.7 of 2 is 1)
+    trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0.7, logger=False)
+    autofit._rank_epoch = lambda trainer: (10, True)
+    autofit._rescale_batch_counts(trainer, 4, 2)
+    assert trainer.limit_train_batches == 2

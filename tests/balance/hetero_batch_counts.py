@@ -1,7 +1,8 @@
 """Run by test_strategy.py: Lightning's integer batch counts under hetero_ddp whose max_micro_batch=2 splits each
 DataLoader batch of 4 into two micro-batches a step, beside the same fit under plain ``ddp``, on DEVICES processes:
 ``limit_train_batches=3`` and ``val_check_interval=2`` over two epochs, then ``overfit_batches=2``, fractions of an
-epoch, an epoch whose batches ``accumulate_grad_batches=2`` does not divide, then a fit that fails at its first step,
+epoch, an epoch whose batches ``accumulate_grad_batches=2`` does not divide (also with the DataLoader's
+``drop_last``), then a fit that fails at its first step,
 then ``val_check_interval=1`` with every checkpoint kept; then the first under AutoFit,
 whose caps split the batches on a device that holds 2 samples.
 Writes each fit's steps, samples trained, the steps validated at, the float64 weights with the weights one global-batch
@@ -61,7 +62,7 @@ class Linear(L.LightningModule):
 
 
 def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, saves_in: str | None = None,
-        samples: int = 40, shuffle: bool = False, **settings) -> dict:
+        samples: int = 40, shuffle: bool = False, drop_last: bool = False, **settings) -> dict:
     data = torch.randn(samples, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     strategy = HeterogeneousDDPStrategy(max_micro_batch=None if autofit else 2, shuffle=shuffle) if hetero else "ddp"
     planner = AutoFit(budget="4GiB", activation_policies=["keep"], optimizer_options=["32-bit"]) if autofit else None
@@ -72,7 +73,7 @@ def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, s
                         limit_val_batches=1, logger=False, enable_checkpointing=saves_in is not None, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, **settings)
     model = Linear(fail, holds=2 if autofit else None)
-    loader = DataLoader(TensorDataset(data), batch_size=4)
+    loader = DataLoader(TensorDataset(data), batch_size=4, drop_last=drop_last)
     try:
         trainer.fit(model, loader, DataLoader(TensorDataset(data[:4]), batch_size=4))
     except RuntimeError as error:
@@ -98,6 +99,7 @@ if __name__ == "__main__":
                        # 36 samples: 9 batches a rank on 1 process, 5 on 2, so the last step holds 1 of the 2 batches
                        "uneven_steps": fit(devices, hetero, samples=36, accumulate_grad_batches=2, val_check_interval=2),
                        "whole_epochs": fit(devices, hetero, samples=36, accumulate_grad_batches=2, limit_train_batches=100),
+                       "loader_drops_last": fit(devices, hetero, samples=38, accumulate_grad_batches=2, drop_last=True),
                        "failed": fit(devices, hetero, fail=True, limit_train_batches=3, val_check_interval=2),
                        # every batch validated: Lightning's ModelCheckpoint then saves at the epoch's end only
                        "every_batch": fit(devices, hetero, saves_in=tempfile.mkdtemp(), limit_train_batches=3,

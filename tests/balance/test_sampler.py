@@ -1,5 +1,7 @@
+import math
 import random
 from collections import Counter
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -172,31 +174,39 @@ def test_a_pass_fetched_to_its_end_keeps_its_epoch_until_the_next_pass():
     assert resumed.epoch == 1 and second == [i for b in range(2) for i in seeded_permutation(8, 4)[4 * b : 4 * b + 2]]
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 120), st.integers(0, 30), st.integers(1, 4), st.data())
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 120), st.integers(0, 30), st.integers(1, 4), st.booleans(), st.data())
 def test_a_short_last_step_runs_the_micro_batches_plain_data_parallelism_would_scaled_as_the_plan_scales_a_step(
-        world, size, extra, accumulation, data):
+        world, size, extra, accumulation, loader_drops_last, data):
     # review: the last step ran the plan's whole accumulation, so Lightning counted more micro-batches in the epoch
-    # than the user's batches x the plan's micro-batches per batch (a whole epoch's limit trained 36 of 40 samples)
+    # than the user's batches x the plan's micro-batches per batch (a whole epoch's limit trained 36 of 40 samples);
+    # then, it repeated samples to fill them; and a DataLoader's drop_last dropped whole batches plain DDP trains
     batches_per_step = data.draw(st.integers(1, accumulation))  # the user's accumulate_grad_batches
     global_batch = world * accumulation + extra
     rng = random.Random(size)
     plan = plan_shares(global_batch, [rng.uniform(0.2, 5) for _ in range(world)], accumulation=accumulation)
-    samplers = [HeterogeneousBatchSampler(size, global_batch, r, plan, seed=1, batches_per_step=batches_per_step)
-                for r in range(world)]
+    per_batch = Fraction(global_batch, world * batches_per_step)  # a DataLoader batch of each rank
+    full, left = divmod(size, global_batch)
+    plain_last = math.ceil(Fraction(-(-left // world), 1) / per_batch)  # plain DDP's batches a rank in the last step
+    if loader_drops_last:
+        plain_last = math.floor(Fraction(-(-left // world), 1) / per_batch)
+        if full == 0 and plain_last == 0:
+            with pytest.raises(ValueError, match="no whole batch"):
+                HeterogeneousBatchSampler(size, global_batch, 0, plan, batches_per_step=batches_per_step, drop_last_batch=True)
+            return
+        left = min(left, math.floor(plain_last * per_batch * world))
+    samplers = [HeterogeneousBatchSampler(size, global_batch, r, plan, seed=1, batches_per_step=batches_per_step,
+                                          drop_last_batch=loader_drops_last) for r in range(world)]
     yielded = [list(s) for s in samplers]
     assert all(len(batches) == len(samplers[0]) for batches in yielded) and all(b for batches in yielded for b in batches)
-    steps = samplers[0].batches_per_epoch
-    remaining = size - (steps - 1) * global_batch
-    last_micro = len(samplers[0]) - (steps - 1) * accumulation
-    if remaining == global_batch:
-        assert last_micro == accumulation
-    else:
-        # plain DDP's last step: each rank's part of what remains, in DataLoader batches of G / (ranks x A)
-        per_rank = -(-remaining // world)
-        plain_batches = -(-per_rank * world * batches_per_step // global_batch)
-        assert last_micro == min(accumulation, -(-plain_batches * accumulation // batches_per_step))
+    assert samplers[0].batches_per_epoch == full + (1 if left and plain_last else 0)
+    last_micro = len(samplers[0]) - full * accumulation
+    if left and plain_last:
+        # the plan's micro-batches for plain DDP's batches, no more than the ranks can fill without repeats
+        assert last_micro == min(accumulation, math.ceil(Fraction(plain_last * accumulation, batches_per_step)),
+                                 max(1, left // world))
     counts = Counter(i for batches in yielded for b in batches for i in b)
-    assert set(counts) == set(range(size))
-    padded = max(0, world * last_micro - remaining)
-    assert sum(counts.values()) == size + padded
+    trained = full * global_batch + (left if plain_last else 0)
+    assert len(counts) == trained
+    padded = max(0, world - left) if left and plain_last else 0  # fewer left than the ranks: one each
+    assert sum(counts.values()) == trained + padded
