@@ -612,6 +612,23 @@ class Balancer:
         state["step_token_scale"] = self.token_normaliser.scale  # a resumed first step scales as the uninterrupted one
         return state
 
+    def load_pending_data_state(self) -> None:
+        """Hand the sampler the checkpoint's position where Lightning did not: a training DataLoader built before the
+        checkpoint was restored (``trainer.estimated_stepping_batches`` in ``configure_optimizers`` builds it, for a
+        ``OneCycleLR``'s total steps) is not set up again, so Lightning never loads its state, and a mid-epoch resume
+        trained the epoch's first batches again (a new user's trial). Then the training iterator is made again from
+        the position (the one made before read the sampler from the epoch's start)."""
+        fit_loop = self.strategy.lightning_module.trainer.fit_loop
+        states = fit_loop._combined_loader_states_to_load
+        if not states or fit_loop._combined_loader is None:
+            return
+        # (also at an epoch's end, where Lightning does not restart the loop and leaves the states unread: the sampler
+        # learns the epoch trained, and the iterator made again starts the next one)
+        fit_loop._combined_loader._load_state_dicts(states)
+        fit_loop._combined_loader_states_to_load = []
+        if fit_loop._data_fetcher is not None:
+            iter(fit_loop._data_fetcher)
+
     def load_data_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the sampler (also on another number of ranks) and, on the same number of ranks,
         the measured speeds."""
@@ -676,6 +693,12 @@ class BalancedStrategy:
         super().setup(trainer)
         self.balancer.bind(self)
         self.balancer.setup()
+
+    def on_train_start(self) -> None:
+        """The strategy's, then the checkpoint's data position where Lightning left it unread
+        (:meth:`Balancer.load_pending_data_state`)."""
+        super().on_train_start()
+        self.balancer.load_pending_data_state()
 
     def teardown(self) -> None:
         """Remove the timing hooks, put back the trainer's ``accumulate_grad_batches``, then the strategy's teardown."""

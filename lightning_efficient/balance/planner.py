@@ -139,6 +139,16 @@ def plan_shares(
     return best
 
 
+def _shrunk_upper(plan: SharePlan, accumulation: int) -> list[int]:
+    """Each rank's most samples in ``accumulation`` micro-batches none larger than ``plan``'s largest on that rank."""
+    return [min(share, accumulation * -(-share // plan.accumulation)) for share in plan.shares]
+
+
+def shrunk_capacity(plan: SharePlan, accumulation: int) -> int:
+    """The most samples :func:`shrunk_plan` can share in ``accumulation`` micro-batches."""
+    return sum(_shrunk_upper(plan, accumulation))
+
+
 def shrunk_plan(plan: SharePlan, samples: int, accumulation: int | None = None) -> SharePlan:
     """``plan`` for a global batch of ``samples`` fewer than its own (an epoch's short last batch), in
     ``accumulation`` micro-batches (at most ``plan``'s; None: ``plan``'s): shares in proportion to ``plan``'s, each at
@@ -152,7 +162,7 @@ def shrunk_plan(plan: SharePlan, samples: int, accumulation: int | None = None) 
     steps = full if accumulation is None else accumulation
     if not 1 <= steps <= full:
         raise ValueError(f"accumulation={accumulation} is not allowed: expected 1 to {full} (plan {list(plan.shares)})")
-    upper = [min(share, steps * -(-share // full)) for share in plan.shares]
+    upper = _shrunk_upper(plan, steps)
     if not world * steps <= samples <= sum(upper):
         raise ValueError(f"samples={samples} is not allowed: expected {world * steps} to {sum(upper)} (plan {list(plan.shares)} "
                          f"in {steps} micro-batches)")

@@ -19,7 +19,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from lightning_efficient._torch import seeded_permutation
-from lightning_efficient.balance.planner import SharePlan, shrunk_plan
+from lightning_efficient.balance.planner import SharePlan, shrunk_capacity, shrunk_plan
 
 
 class HeterogeneousBatchSampler(Sampler[list[int]]):
@@ -118,9 +118,12 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         if self.drop_last_batch:  # whole DataLoader batches only
             remaining = min(remaining, math.floor(Fraction(batches * self.global_batch, self.batches_per_step)))
         # as many micro-batches as the plan makes of those batches, but no more than the ranks can fill without
-        # repeating samples (where fewer remain than the ranks, each gets one: DistributedSampler pads so too)
-        micro = min(plan.accumulation, math.ceil(Fraction(batches * plan.accumulation, self.batches_per_step)),
-                    max(1, remaining // world))
+        # repeating samples (where fewer remain than the ranks, each gets one: DistributedSampler pads so too), unless
+        # fewer would hold a micro-batch above the plan's largest on a rank (its cap): then repeats complete them
+        most = min(plan.accumulation, math.ceil(Fraction(batches * plan.accumulation, self.batches_per_step)))
+        micro = min(most, max(1, remaining // world))
+        while micro < most and shrunk_capacity(plan, micro) < max(remaining, world * micro):
+            micro += 1
         return max(remaining, world * micro), micro
 
     def step_samples(self, batch_index: int) -> int:

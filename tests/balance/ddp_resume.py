@@ -5,7 +5,8 @@ Usage: python ddp_resume.py OUT_DIR JOBS_JSON MAX_EPOCHS
 JOBS_JSON is a list of fits run one after the other in this process (several only with devices=1:
 under DDP, Lightning re-executes this script for the other rank), each
 {"tag", "devices", "global_batch", "resume": a checkpoint path or null, "saves": ["step=N" (saved after
-global step N), "epoch=E" (saved at the end of epoch E)], "no_batching": bool}. Each rank writes
+global step N), "epoch=E" (saved at the end of epoch E)], "no_batching": bool, "estimates": bool (configure_optimizers reads
+trainer.estimated_stepping_batches)}. Each rank writes
 TAG_rankR.json: the steps it trained ({"step", "epoch", "indices"}, one entry per micro-batch) and
 the final global step. A ValueError from fit is written to TAG_error.txt instead.
 """
@@ -32,10 +33,11 @@ class Items(Dataset):
 
 
 class Module(lightning.LightningModule):
-    def __init__(self):
+    def __init__(self, estimates: bool = False):
         super().__init__()
         self.net = torch.nn.Linear(2, 1)
         self.trained = []
+        self.estimates = estimates
 
     def training_step(self, batch, batch_idx):
         step = {"step": self.trainer.global_step, "epoch": self.current_epoch, "indices": batch["index"].tolist()}
@@ -43,6 +45,8 @@ class Module(lightning.LightningModule):
         return self.net(batch["x"]).square().mean()
 
     def configure_optimizers(self):
+        if self.estimates:  # as for a OneCycleLR's total_steps: builds the training DataLoader before a checkpoint loads
+            self.estimated = self.trainer.estimated_stepping_batches
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
@@ -64,7 +68,7 @@ class Save(lightning.Callback):
 
 def fit(out, job, max_epochs):
     lightning.seed_everything(0)
-    module = Module()
+    module = Module(estimates=job.get("estimates", False))
     trainer = lightning.Trainer(
         accelerator="cpu", devices=job["devices"], max_epochs=max_epochs,
         strategy=HeterogeneousDDPStrategy(global_batch_size=job["global_batch"], seed=SEED),

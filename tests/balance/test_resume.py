@@ -51,6 +51,8 @@ def runs(tmp_path_factory):
         {"tag": "one", "devices": 1, "resume": str(out / "straight_step3.ckpt"), "saves": ["step=5"]},
         {"tag": "bigger", "devices": 1, "resume": str(out / "straight_step3.ckpt"), "global_batch": 2 * GLOBAL_BATCH},
         {"tag": "unbatched", "devices": 1, "no_batching": True},
+        {"tag": "one_estimating", "devices": 1, "resume": str(out / "straight_step3.ckpt"), "estimates": True},
+        {"tag": "from_end_estimating", "devices": 1, "resume": str(out / "straight_epoch0.ckpt"), "estimates": True},
     )
     _launch(out, {"tag": "two", "devices": 2, "resume": str(out / "one_step5.ckpt")})
     return out
@@ -100,3 +102,11 @@ def test_a_dataloader_without_batching_is_refused_before_the_first_step(runs):
     error = _result(runs, "unbatched", 1)
     assert "batch_size=None" in error and "Give the DataLoader a batch_size" in error
     assert not list(runs.glob("unbatched_rank*.json"))
+
+
+def test_a_resume_continues_where_configure_optimizers_built_the_dataloader_before_the_checkpoint_loaded(runs):
+    # a new user's trial: reading trainer.estimated_stepping_batches (a OneCycleLR's total_steps) builds the training
+    # DataLoader before the checkpoint is restored, and Lightning then never handed it the checkpoint's position: a
+    # mid-epoch resume trained the epoch's first batches again, an end-of-epoch one replayed epoch 0's permutation
+    _assert_continues(_result(runs, "one_estimating", 1), 3)
+    _assert_continues(_result(runs, "from_end_estimating", 1), STEPS_PER_EPOCH)

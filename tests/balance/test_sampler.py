@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_efficient._torch import seeded_permutation
-from lightning_efficient.balance.planner import plan_shares
+from lightning_efficient.balance.planner import plan_shares, shrunk_capacity
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 
 
@@ -201,12 +201,20 @@ def test_a_short_last_step_runs_the_micro_batches_plain_data_parallelism_would_s
     assert all(len(batches) == len(samplers[0]) for batches in yielded) and all(b for batches in yielded for b in batches)
     assert samplers[0].batches_per_epoch == full + (1 if left and plain_last else 0)
     last_micro = len(samplers[0]) - full * accumulation
+    padded = 0
     if left and plain_last:
-        # the plan's micro-batches for plain DDP's batches, no more than the ranks can fill without repeats
-        assert last_micro == min(accumulation, math.ceil(Fraction(plain_last * accumulation, batches_per_step)),
-                                 max(1, left // world))
+        # the plan's micro-batches for plain DDP's batches, no more than the ranks can fill without repeats unless
+        # fewer would need a micro-batch above the plan's largest on a rank
+        most = min(accumulation, math.ceil(Fraction(plain_last * accumulation, batches_per_step)))
+        fewest = min(most, max(1, left // world))
+        assert fewest <= last_micro <= most
+        if last_micro > fewest:
+            assert shrunk_capacity(plan, last_micro - 1) < max(left, world * (last_micro - 1))
+        padded = max(0, world * last_micro - left)
+        largest = [max(plan.micro_batches(rank)) for rank in range(world)]
+        last = [batches[len(batches) - last_micro:] for batches in yielded]
+        assert all(len(b) <= largest[rank] for rank, batches in enumerate(last) for b in batches)
     counts = Counter(i for batches in yielded for b in batches for i in b)
     trained = full * global_batch + (left if plain_last else 0)
     assert len(counts) == trained
-    padded = max(0, world - left) if left and plain_last else 0  # fewer left than the ranks: one each
     assert sum(counts.values()) == trained + padded
