@@ -452,7 +452,7 @@ class Balancer:
         return trainer.accumulate_grad_batches
 
     def restore_trainer(self) -> None:
-        """Put back the ``accumulate_grad_batches`` and integer batch counts the user set, where the plan changed them
+        """Put back the ``accumulate_grad_batches`` and the batch counts the user set, where the plan changed them
         (at the fit's end, or its failure)."""
         if self._user_accumulation is not None:
             trainer, accumulation = self._user_accumulation
