@@ -85,6 +85,10 @@ class _BalancedLoader(DataLoader):
 
     def __iter__(self) -> Any:
         self.batch_sampler.set_epoch(self.balancer.training_epoch)
+        # an iterator made again within an epoch (Lightning makes one when it sets the data up and another as the epoch
+        # starts) starts at what was trained: the one before handed prefetching workers batches ahead (with workers and
+        # reload_dataloaders_every_n_epochs, every epoch after the first skipped its first batches)
+        self.batch_sampler.next_batch = self.balancer.trained_batches()
         return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
@@ -599,15 +603,21 @@ class Balancer:
         """The epoch the training loop runs, or starts next (Lightning's count of processed epochs)."""
         return self.strategy.lightning_module.trainer.fit_loop.epoch_progress.current.processed
 
+    def trained_batches(self) -> int:
+        """The global batches of the sampler's epoch trained so far (not those handed out ahead)."""
+        # the count of micro-batches trained refers to counter_epoch; once the sampler has started the next epoch (the
+        # loader is iterated before that epoch's first step) nothing of it is trained yet
+        if self.sampler.epoch != self.counter_epoch:
+            return 0
+        # (an epoch's short last step may run fewer micro-batches than the others: trained to the end, it is done)
+        if self.micro_done >= len(self.sampler):
+            return self.sampler.batches_per_epoch
+        return self.micro_done // self.plan.accumulation
+
     def data_state_dict(self) -> dict[str, Any]:
         """The sampler's state at the position trained (not prefetched), with the measured speeds."""
         state = self.sampler.state_dict()
-        # the count of micro-batches trained refers to counter_epoch; once the sampler has started the
-        # next epoch (the loader is iterated before that epoch's first step) nothing of it is trained yet
-        trained = self.micro_done if self.sampler.epoch == self.counter_epoch else 0
-        # (an epoch's short last step may run fewer micro-batches than the others: trained to the end, it is done)
-        done = trained >= len(self.sampler)
-        state["next_batch"] = self.sampler.batches_per_epoch if done else trained // self.plan.accumulation
+        state["next_batch"] = self.trained_batches()
         state["speeds"] = list(self.speeds)
         state["step_token_scale"] = self.token_normaliser.scale  # a resumed first step scales as the uninterrupted one
         return state
@@ -726,6 +736,17 @@ class BalancedStrategy:
     def training_epoch(self) -> int:
         """The epoch the training loop runs, or starts next (Lightning's count of processed epochs)."""
         return self.balancer.training_epoch
+
+    def trained_batches(self) -> int:
+        """The global batches of the sampler's epoch trained so far (not those handed out ahead)."""
+        # the count of micro-batches trained refers to counter_epoch; once the sampler has started the next epoch (the
+        # loader is iterated before that epoch's first step) nothing of it is trained yet
+        if self.sampler.epoch != self.counter_epoch:
+            return 0
+        # (an epoch's short last step may run fewer micro-batches than the others: trained to the end, it is done)
+        if self.micro_done >= len(self.sampler):
+            return self.sampler.batches_per_epoch
+        return self.micro_done // self.plan.accumulation
 
     def data_state_dict(self) -> dict[str, Any]:
         """The sampler's state at the position trained (not prefetched), with the measured speeds."""

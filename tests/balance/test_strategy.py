@@ -237,6 +237,16 @@ def test_an_epochs_short_last_global_batch_trains_its_own_samples_once_as_plain_
         assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
 
 
+def test_dataloader_workers_with_a_reload_every_epoch_train_every_sample_of_every_epoch(tmp_path):
+    # review: the iterator Lightning makes as an epoch starts began where the one made when it reloaded the data had
+    # handed 2 workers x 2 prefetched batches: epochs after the first trained 2 of their 6 steps
+    run_script(SCRIPT.parent / "reload_workers.py", tmp_path / "out.json", timeout=240)
+    found = json.loads((tmp_path / "out.json").read_text())
+    assert found["steps"] == 3 * 6
+    for epoch, indices in found["trained"].items():
+        assert sorted(indices) == list(range(22)), epoch
+
+
 def test_a_dataloader_that_drops_its_last_batch_drops_the_last_incomplete_global_batch(tmp_path):
     # a new user's trial: DataLoader(drop_last=True) was ignored (70 samples, 8 a step: 9 steps and 72 samples, 2 repeated)
     import json
