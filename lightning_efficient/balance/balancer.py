@@ -737,17 +737,6 @@ class BalancedStrategy:
         """The epoch the training loop runs, or starts next (Lightning's count of processed epochs)."""
         return self.balancer.training_epoch
 
-    def trained_batches(self) -> int:
-        """The global batches of the sampler's epoch trained so far (not those handed out ahead)."""
-        # the count of micro-batches trained refers to counter_epoch; once the sampler has started the next epoch (the
-        # loader is iterated before that epoch's first step) nothing of it is trained yet
-        if self.sampler.epoch != self.counter_epoch:
-            return 0
-        # (an epoch's short last step may run fewer micro-batches than the others: trained to the end, it is done)
-        if self.micro_done >= len(self.sampler):
-            return self.sampler.batches_per_epoch
-        return self.micro_done // self.plan.accumulation
-
     def data_state_dict(self) -> dict[str, Any]:
         """The sampler's state at the position trained (not prefetched), with the measured speeds."""
         return self.balancer.data_state_dict()
