@@ -216,5 +216,6 @@ def test_a_short_last_step_runs_the_micro_batches_plain_data_parallelism_would_s
         assert all(len(b) <= largest[rank] for rank, batches in enumerate(last) for b in batches)
     counts = Counter(i for batches in yielded for b in batches for i in b)
     trained = full * global_batch + (left if plain_last else 0)
-    assert len(counts) == trained
+    # (completing a step takes the permutation's next samples, where the DataLoader's drop_last left some, else repeats)
+    assert trained <= len(counts) <= min(size, trained + padded)
     assert sum(counts.values()) == trained + padded
