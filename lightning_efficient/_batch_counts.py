@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 COUNTED_SETTINGS = ("limit_train_batches", "val_check_interval")
 
@@ -35,7 +36,8 @@ def _is_fraction(value: Any) -> bool:
 def counted_batches(settings: dict[str, Any], epoch_batches: int | None) -> dict[str, int]:
     """The user's batches each of ``settings`` counts: an integer as it is; a fraction below 1 as Lightning counts it
     over an epoch of ``epoch_batches`` of the user's batches (the validation interval's over the epoch's batches
-    trained), where that is known and at least one batch; 0, 1.0 (the whole epoch) and times are left out."""
+    trained), where that is known; 0, 1.0 (the whole epoch) and times are left out. A fraction of no whole batch is
+    refused as Lightning refuses it, in the user's batches."""
     counts = {name: value for name, value in settings.items() if _is_count(value)}
     if epoch_batches is None:
         return counts
@@ -43,7 +45,11 @@ def counted_batches(settings: dict[str, Any], epoch_batches: int | None) -> dict
     trained = epoch_batches
     if _is_count(limit):
         trained = min(epoch_batches, limit)
-    elif _is_fraction(limit) and int(epoch_batches * limit) >= 1:
+    elif _is_fraction(limit) and epoch_batches > 0:
+        if int(epoch_batches * limit) == 0:  # Lightning's own refusal, in the user's batches (it counted micro-batches)
+            raise MisconfigurationException(
+                f"You requested to check {limit} of the `train_dataloader` but {limit} * {epoch_batches} < 1. Please increase"
+                f" the `limit_train_batches` argument. Try at least `limit_train_batches={1.0 / epoch_batches}`")
         trained = counts["limit_train_batches"] = int(epoch_batches * limit)
     interval = settings.get("val_check_interval")
     if _is_fraction(interval):

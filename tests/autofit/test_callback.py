@@ -19,6 +19,7 @@ import torch
 import torchmetrics
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport
 from lightning_efficient.activations.discovery import find_blocks
@@ -1166,3 +1167,11 @@ def test_fractions_of_an_epoch_count_the_users_batches_as_lightning_would_then_m
     autofit._rank_epoch = lambda trainer: (10, True)
     autofit._rescale_batch_counts(trainer, 4, 2)
     assert trainer.limit_train_batches == 2
+    # a fraction of no whole batch of the user's (0.3 of 3) is refused as Lightning refuses it; taken of the 6
+    # micro-batches, it counted 1 and trained half a batch
+    trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0.3, logger=False)
+    autofit = AutoFit(budget="1GiB")
+    autofit._rank_epoch = lambda trainer: (12, False)
+    with pytest.raises(MisconfigurationException, match=r"You requested to check 0.3 of the `train_dataloader` but 0.3 \* 3 < 1"):
+        autofit._rescale_batch_counts(trainer, 4, 2)
+    assert trainer.limit_train_batches == 0.3 and autofit._undo_settings == []

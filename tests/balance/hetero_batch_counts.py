@@ -1,7 +1,7 @@
 """Run by test_strategy.py: Lightning's integer batch counts under hetero_ddp whose max_micro_batch=2 splits each
 DataLoader batch of 4 into two micro-batches a step, beside the same fit under plain ``ddp``, on DEVICES processes:
 ``limit_train_batches=3`` and ``val_check_interval=2`` over two epochs, then ``overfit_batches=2``, fractions of an
-epoch, an epoch whose batches ``accumulate_grad_batches=2`` does not divide (also with the DataLoader's
+epoch (one of no whole batch, refused), an epoch whose batches ``accumulate_grad_batches=2`` does not divide (also with the DataLoader's
 ``drop_last``), then a fit that fails at its first step,
 then ``val_check_interval=1`` with every checkpoint kept; then the first under AutoFit,
 whose caps split the batches on a device that holds 2 samples.
@@ -20,6 +20,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_efficient import AutoFit, HeterogeneousDDPStrategy
@@ -74,14 +75,17 @@ def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, s
                         enable_model_summary=False, callbacks=callbacks, **settings)
     model = Linear(fail, holds=2 if autofit else None)
     loader = DataLoader(TensorDataset(data), batch_size=4, drop_last=drop_last)
+    refused = None
     try:
         trainer.fit(model, loader, DataLoader(TensorDataset(data[:4]), batch_size=4))
     except RuntimeError as error:
         assert "failed on purpose" in str(error)
+    except MisconfigurationException as error:
+        refused = str(error)
     samples = trainer.strategy.reduce(torch.tensor(float(model.samples)), reduce_op="sum")
     input_sum = trainer.strategy.reduce(model.input_sum, reduce_op="sum")
     saved = sorted(path.name for path in Path(saves_in).iterdir()) if saves_in is not None else None
-    return {"saved": saved, "steps": trainer.global_step, "samples": int(samples), "validated_at": model.validated_at,
+    return {"refused": refused, "saved": saved, "steps": trainer.global_step, "samples": int(samples), "validated_at": model.validated_at,
             "weight": model.weight.tolist(), "expected_weight": (1 - LR * input_sum / (4 * devices)).tolist(),
             "after": [trainer.limit_train_batches, trainer.val_check_interval, trainer.accumulate_grad_batches,
                       [callback._save_on_train_epoch_end for callback in trainer.checkpoint_callbacks]]}
@@ -96,6 +100,8 @@ if __name__ == "__main__":
                        # (the strategy's own shuffling on: Lightning trains the same first batches every epoch)
                        "overfit": fit(devices, hetero, overfit_batches=2, shuffle=True),
                        "fractions": fit(devices, hetero, limit_train_batches=0.5, val_check_interval=0.5),
+                       # a fraction of no whole batch (0.05 of 10 or 5), which Lightning refuses
+                       "no_whole_batch": fit(devices, hetero, limit_train_batches=0.05),
                        # 36 samples: 9 batches a rank on 1 process, 5 on 2, so the last step holds 1 of the 2 batches
                        "uneven_steps": fit(devices, hetero, samples=36, accumulate_grad_batches=2, val_check_interval=2),
                        "whole_epochs": fit(devices, hetero, samples=36, accumulate_grad_batches=2, limit_train_batches=100),

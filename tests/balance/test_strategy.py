@@ -175,10 +175,11 @@ def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_ca
     # fit, also one that fails; the checkpoints are saved when plain ddp's are
     run_script(SCRIPT.parent / "hetero_batch_counts.py", devices, tmp_path / "out.json", timeout=240)
     found = json.loads((tmp_path / "out.json").read_text())
-    for case in ("limited", "overfit", "failed", "every_batch", "fractions", "uneven_steps", "whole_epochs", "loader_drops_last"):
+    for case in ("limited", "overfit", "failed", "every_batch", "fractions", "uneven_steps", "whole_epochs", "loader_drops_last",
+                 "no_whole_batch"):
         plain, hetero = found["plain"][case], found["hetero"][case]
-        assert {key: hetero[key] for key in ("steps", "samples", "validated_at", "saved", "after")} == \
-            {key: plain[key] for key in ("steps", "samples", "validated_at", "saved", "after")}, case
+        assert {key: hetero[key] for key in ("refused", "steps", "samples", "validated_at", "saved", "after")} == \
+            {key: plain[key] for key in ("refused", "steps", "samples", "validated_at", "saved", "after")}, case
         if case not in ("uneven_steps", "whole_epochs", "loader_drops_last"):  # (steps of 4 x ranks samples: the weights follow from them)
             for run in (plain, hetero):  # (plain ddp shuffles the samples, the strategy here was told not to)
                 assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
@@ -188,6 +189,9 @@ def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_ca
     # (a whole epoch's limit trained 36 of 40 samples, an interval of 2 validated at the epoch's end too)
     assert found["hetero"]["overfit"]["weight"] == pytest.approx(found["plain"]["overfit"]["weight"], abs=1e-12)
     assert found["hetero"]["fractions"]["samples"] == 2 * 4 * devices * (5 // devices)
+    # a fraction of no whole batch of the user's was taken of the micro-batches (0.05 of 20 is 1), where Lightning
+    # refuses it: refused in the same words, and nothing trained
+    assert "0.05 * " in found["hetero"]["no_whole_batch"]["refused"] and found["hetero"]["no_whole_batch"]["samples"] == 0
     assert found["hetero"]["uneven_steps"]["validated_at"] == ([1, 2, 3, 4, 6, 7, 8, 9] if devices == 1 else [1, 2, 4, 5])
     assert found["hetero"]["whole_epochs"]["samples"] == 2 * 36 + (0 if devices == 1 else 2 * 0)
     # the DataLoader's drop_last drops the incomplete DataLoader batches only: plain DDP still steps on the whole ones
