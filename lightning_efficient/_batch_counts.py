@@ -79,6 +79,13 @@ def counts_in_micro_batches(trainer: Any, counts: dict[str, int], micro_per_batc
                 " If you want to validate based on the total training batches, set `check_val_every_n_epoch=None`.")
         if per_epoch and epoch is not None and value >= epoch[0]:
             counted = scaled = max(1, epoch[1]) if name == "limit_train_batches" or value == epoch[0] else counted
+        if name == "val_check_interval" and not per_epoch and epoch is not None and epoch[1] != epoch[0] * micro_per_batch:
+            # counted across epochs, an interval is one number of micro-batches; an epoch of another number than the
+            # user's batches x micro_per_batch (a short last batch splits into fewer) moves each later validation
+            rank_zero_warn(f"{who}: val_check_interval={value} is counted across epochs (check_val_every_n_epoch=None), and"
+                           f" an epoch of {epoch[0]} {batch_words} holds {epoch[1]} {micro_words}, not"
+                           f" {float(epoch[0] * micro_per_batch):g}: validations after the first epoch fall at other samples"
+                           " than the same fit's without it")
         if scaled != counted:
             rank_zero_warn(f"{who}: {name}={value} {batch_words} is {float(scaled):g} {micro_words}; counting {counted} "
                            "while the fit runs")

@@ -887,18 +887,28 @@ class AutoFit(Callback):
         """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
         DataLoader batches of ``batch``: they count the plan's micro-batches of ``micro`` while the fit runs, so the
         same samples train between the same checks (a new user's trial: ``limit_train_batches=2`` trained half the
-        samples)."""
+        samples). A DataLoader that drops its last incomplete batch drops less at the micro-batch: the epoch is then
+        limited to the micro-batches of the user's whole batches (a review: 10 samples in batches of 4 trained 10 in 3
+        steps, where plain Lightning trains 8 in 2)."""
         if isinstance(batch, bool) or not isinstance(batch, int):
             return
         settings = batch_settings(trainer)
-        if not counted_batches(settings, None) and not any(isinstance(v, float) and 0 < v < 1 for v in settings.values()):
-            return
-        rank_epoch = self._rank_epoch(trainer)
+        counting = dict(settings)
         epoch = None
-        if rank_epoch is not None:  # (batches, micro-batches) of an epoch: a DataLoader that drops its last one, whole ones
+        rank_epoch = self._rank_epoch(trainer)
+        if rank_epoch is not None:  # (batches, micro-batches) of an epoch
             samples, drops_last = rank_epoch
-            epoch = (samples // batch, samples // micro) if drops_last else (math.ceil(samples / batch), math.ceil(samples / micro))
-        counts = counted_batches(settings, None if epoch is None else epoch[0])
+            if drops_last:  # the micro-batches that hold the user's whole batches, the samples plain Lightning trains
+                whole = samples // batch
+                epoch = (whole, min(samples // micro, math.ceil(Fraction(whole * batch, micro))))
+                limit = counting.get("limit_train_batches")
+                if epoch[1] < samples // micro and isinstance(limit, float) and limit == 1.0:
+                    counting["limit_train_batches"] = whole  # (the whole epoch: its micro-batches, below)
+            else:
+                epoch = (math.ceil(samples / batch), math.ceil(samples / micro))
+        counts = counted_batches(counting, None if epoch is None else epoch[0])
+        if not counts:
+            return
         counted = counts_in_micro_batches(trainer, counts, Fraction(batch, micro), epoch=epoch, who="AutoFit",
                                           batch_words=f"batches of {batch} samples", micro_words=f"micro-batches of {micro}")
         for name, value in counted.items():

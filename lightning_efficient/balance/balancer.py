@@ -431,13 +431,17 @@ class Balancer:
         """Hooks to remove at teardown (timing hooks a strategy registers)."""
         self._hooks.extend(handles)
 
+    def forget_position(self, epoch: int) -> None:
+        """Count the position in the epoch from a fit's start, in ``epoch`` (a checkpoint's is loaded later)."""
+        self.micro_done, self.counter_epoch = 0, epoch
+
     def setup(self) -> None:
         """After the strategy's setup: forget a failed fit's counts and hook the gradients for timing."""
         self.token_normaliser.reset()  # a fit that raised mid-step must not leak its counts into this one
         # the position in the epoch counts from this fit's start (a checkpoint's is loaded after this): an earlier fit
         # of the same epoch that raised, or Tuner.lr_find's steps, left theirs, which scaled the losses by a batch
         # past the epoch's end and put a checkpoint's position ahead of what was trained
-        self.micro_done, self.counter_epoch = 0, self.strategy.lightning_module.trainer.current_epoch
+        self.forget_position(self.strategy.lightning_module.trainer.current_epoch)
         self.remove_hooks()
         self._timed, self._unread = None, deque()
         self.micro_step_times.reset()
@@ -699,7 +703,11 @@ class BalancedStrategy:
         _set_num_threads_if_needed(num_processes=self.num_processes)
 
     def setup(self, trainer: Any) -> None:
-        """The strategy's setup, then the balancer's (timing hooks, a fresh token count)."""
+        """The strategy's setup, then the balancer's (timing hooks, a fresh token count). The position in the epoch
+        is forgotten first: ``configure_optimizers`` reading ``trainer.estimated_stepping_batches`` iterates the
+        training DataLoader within the strategy's setup (a second review: after a fit that raised, the next trained
+        10 of 22 samples)."""
+        self.balancer.forget_position(trainer.current_epoch)
         super().setup(trainer)
         self.balancer.bind(self)
         self.balancer.setup()

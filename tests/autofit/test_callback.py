@@ -1125,12 +1125,19 @@ def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_up_an
     (12, None, 24),
 ])
 def test_a_validation_interval_is_cut_to_the_epochs_micro_batches_only_where_lightning_counts_it_per_epoch(
-        interval, every_n_epoch, counted):
+        interval, every_n_epoch, counted, recwarn):
     trainer = lightning.Trainer(accelerator="cpu", val_check_interval=interval, check_val_every_n_epoch=every_n_epoch, logger=False)
     autofit = AutoFit(budget="1GiB")
     autofit._rank_epoch = lambda trainer: (10, False)
     autofit._rescale_batch_counts(trainer, 4, 2)
     assert trainer.val_check_interval == counted
+    # a second review: counted across epochs, one number cannot follow an epoch of 5 micro-batches for 3 batches (not
+    # 6): each later validation moves, which is said
+    drifts = [str(w.message) for w in recwarn.list if "counted across epochs" in str(w.message)]
+    assert drifts == ([] if every_n_epoch else [
+        f"AutoFit: val_check_interval={interval} is counted across epochs (check_val_every_n_epoch=None), and an epoch of 3"
+        " batches of 4 samples holds 5 micro-batches of 2, not 6: validations after the first epoch fall at other samples"
+        " than the same fit's without it"])
 
 
 def test_8_bit_states_are_not_an_option_where_no_parameter_would_hold_them(small_datamodule_kwargs):
@@ -1175,3 +1182,70 @@ def test_fractions_of_an_epoch_count_the_users_batches_as_lightning_would_then_m
     with pytest.raises(MisconfigurationException, match=r"You requested to check 0.3 of the `train_dataloader` but 0.3 \* 3 < 1"):
         autofit._rescale_batch_counts(trainer, 4, 2)
     assert trainer.limit_train_batches == 0.3 and autofit._undo_settings == []
+    # with no count set, the epoch is the micro-batches of the user's whole batches (a second review: 10 samples in
+    # batches of 4 with drop_last, at micro-batches of 2, trained 10 samples in 3 steps where plain Lightning trains 8 in 2)
+    trainer = lightning.Trainer(accelerator="cpu", logger=False)
+    autofit = AutoFit(budget="1GiB")
+    autofit._rank_epoch = lambda trainer: (10, True)
+    autofit._rescale_batch_counts(trainer, 4, 2)
+    assert trainer.limit_train_batches == 4
+    autofit._undo(None)
+    assert trainer.limit_train_batches == 1.0 and isinstance(trainer.limit_train_batches, float)
+    # the integer 1 is one batch, not the epoch; where the micro-batch drops nothing more (12 samples), nothing is set
+    trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=1, logger=False)
+    autofit._rescale_batch_counts(trainer, 4, 2)
+    assert trainer.limit_train_batches == 2
+    trainer, autofit = lightning.Trainer(accelerator="cpu", logger=False), AutoFit(budget="1GiB")
+    autofit._rank_epoch = lambda trainer: (12, True)
+    autofit._rescale_batch_counts(trainer, 4, 2)
+    assert trainer.limit_train_batches == 1.0 and autofit._undo_settings == []
+
+
+class _DropsLastBatch(lightning.LightningModule):
+    """An ordinary module: a linear model in float64 over 10 samples, its DataLoader built at ``self.batch_size`` with
+    ``drop_last=True``; ``holds``: a device that holds that many samples a micro-step (more raise CUDA's out-of-memory
+    error)."""
+
+    def __init__(self, batch_size: int = 4, holds: int | None = None) -> None:
+        super().__init__()
+        self.batch_size, self.holds = batch_size, holds
+        self.layer = torch.nn.Linear(3, 1, dtype=torch.float64)
+        self.samples = 0
+
+    def train_dataloader(self):
+        data = torch.randn(10, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=self.batch_size, drop_last=True)
+
+    def on_train_start(self):
+        self.samples = 0  # (AutoFit's measuring steps before)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        if self.holds is not None and x.shape[0] > self.holds:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate a sample's activations")
+        self.samples += x.shape[0]
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_dataloader_that_drops_its_last_batch_trains_the_samples_plain_lightning_trains_at_the_plans_micro_batch():
+    # a second review: rebuilt at the plan's micro-batch, the DataLoader dropped less (10 samples, batches of 4: plain
+    # Lightning trains 8 in 2 steps an epoch, AutoFit's micro-batches of 2 trained 10 in 3)
+    def fit(holds, callbacks):
+        lightning.seed_everything(0)
+        model = _DropsLastBatch(holds=holds)
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+        trainer.fit(model)
+        return trainer, model
+
+    autofit = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"])
+    trainer, model = fit(2, [autofit])
+    assert autofit.plan.micro_batches == [2] and autofit.plan.accumulation == 2
+    plain_trainer, plain = fit(None, [])
+    assert (trainer.global_step, model.samples) == (plain_trainer.global_step, plain.samples) == (4, 16)
+    assert trainer.limit_train_batches == 1.0 and model.batch_size == 4  # the user's again after the fit
+    for mine, theirs in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-13)

@@ -1,7 +1,8 @@
 """Run by test_strategy.py: an epoch whose last global batch is short, on DEVICES processes, under plain ``ddp`` and
 under hetero_ddp (shares 3:1 on 2 processes; then with max_micro_batch=2, two micro-batches a step), over 22 samples
 (global batch 4 x ranks: the last holds 22 mod it), and over 17 (on 2 processes fewer remain than a sample per rank and
-micro-batch); then over 22 samples after a fit that failed, and after Lightning's learning-rate finder. Writes for
+micro-batch); then over 22 samples after a fit that failed (also one whose module reads
+``estimated_stepping_batches``), and after Lightning's learning-rate finder. Writes for
 each fit the samples every step trained (over all ranks), the float64 weights and the weights a mean over each step's
 samples gives (rank 0, JSON, OUT).
 
@@ -24,10 +25,12 @@ LR = 0.1
 
 class Linear(L.LightningModule):
     """A loss linear in the weights, a mean over samples: every step moves the weights by its samples' mean input.
-    ``fail_at``: the micro-batch whose step raises."""
+    ``fail_at``: the micro-batch whose step raises; ``reads_stepping_batches``: ``configure_optimizers`` reads
+    ``trainer.estimated_stepping_batches`` (for a scheduler's total steps), which iterates the training DataLoader."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, reads_stepping_batches: bool = False) -> None:
         super().__init__()
+        self.reads_stepping_batches = reads_stepping_batches
         self.weight = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
         self.trained: list[tuple[int, list[float], int]] = []  # (step, input sum, samples) of each micro-batch
         self.fail_at, self.lr = fail_at, LR
@@ -44,18 +47,22 @@ class Linear(L.LightningModule):
         return (x * self.weight).sum(1).mean()
 
     def configure_optimizers(self):
+        if self.reads_stepping_batches:
+            assert self.trainer.estimated_stepping_batches > 0
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
 def fit(devices: int, strategy, samples: int, before: str | None = None) -> dict:
-    """``before``: "failed_fit" (a fit of the same epoch on the same Trainer that raises at its 4th micro-batch) or
-    "lr_find" (Lightning's learning-rate finder's 4 steps), then the fit."""
+    """``before``: "failed_fit" (a fit of the same epoch on the same Trainer that raises at its 4th micro-batch; with
+    "failed_fit_estimating", one whose ``configure_optimizers`` reads ``estimated_stepping_batches``) or "lr_find"
+    (Lightning's learning-rate finder's 4 steps), then the fit."""
     data = torch.randn(samples, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    model = Linear(fail_at=4 if before == "failed_fit" else None)
+    model = Linear(fail_at=4 if before and before.startswith("failed_fit") else None,
+                   reads_stepping_batches=before == "failed_fit_estimating")
     loader = DataLoader(TensorDataset(data), batch_size=4)
-    if before == "failed_fit":
+    if before and before.startswith("failed_fit"):
         try:
             trainer.fit(model, loader)
         except RuntimeError as error:
@@ -91,6 +98,6 @@ if __name__ == "__main__":
     # the position in the epoch after an earlier fit of it on the same Trainer (review: a failed fit's or lr_find's
     # scaled the losses as a batch past the epoch's end)
     after = {before: fit(devices, HeterogeneousDDPStrategy(shares=shares, shuffle=False), 22, before)
-             for before in ("failed_fit", "lr_find")}
+             for before in ("failed_fit", "failed_fit_estimating", "lr_find")}
     if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:
         json.dump({"short": found, "after": after}, open(sys.argv[2], "w"))

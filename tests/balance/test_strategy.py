@@ -234,8 +234,10 @@ def test_an_epochs_short_last_global_batch_trains_its_own_samples_once_as_plain_
     for samples in ("22", "17"):
         assert found[samples]["capped"]["step_samples"] == found[samples]["plain"]["step_samples"]
     # review: a fit of the same epoch on the same Trainer that raised, or lr_find's steps, left the position in the
-    # epoch behind, and the next fit's losses were scaled as a batch past the epoch's end (weights 1.42 for 1.24)
-    for before in ("failed_fit", "lr_find"):
+    # epoch behind, and the next fit's losses were scaled as a batch past the epoch's end (weights 1.42 for 1.24);
+    # a second review: where configure_optimizers reads estimated_stepping_batches, the training DataLoader is
+    # iterated before the position was forgotten, and the fit after a failed one trained 10 of 22 samples
+    for before in ("failed_fit", "failed_fit_estimating", "lr_find"):
         run = after[before]
         assert run["step_samples"] == found["22"]["plain"]["step_samples"]
         assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
