@@ -22,6 +22,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_efficient._instance_wrappers import InstanceWrapper
+
 POLICIES = ("keep", "checkpoint", "selective", "offload", "disk")
 
 _aten = torch.ops.aten
@@ -185,16 +187,16 @@ def wrap_block(
         return
     forward = block.forward
     if policy in ("checkpoint", "selective"):
-        block.forward = _checkpointed(forward, selective=policy == "selective", reentrant=reentrant, block=block)
+        wrapped = _checkpointed(forward, selective=policy == "selective", reentrant=reentrant, block=block)
     else:
         if hooks is None:
             raise ValueError(f"policy={policy!r} needs the saved-tensor hooks that move tensors off the device")
-        block.forward = _within(forward, hooks)
-    block._lightning_efficient_policy = policy
+        wrapped = _within(forward, hooks)
+    # (a copy of the block made while the fit runs gets its own forward, unwrapped)
+    block.forward = InstanceWrapper(wrapped, forward)
 
 
 def unwrap_block(block: nn.Module) -> None:
     """Restore the block's own ``forward`` (a no-op for an unwrapped block)."""
-    if "forward" in vars(block) and hasattr(block, "_lightning_efficient_policy"):
+    if isinstance(vars(block).get("forward"), InstanceWrapper):
         del block.forward
-        del block._lightning_efficient_policy

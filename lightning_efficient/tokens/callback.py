@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_efficient._instance_wrappers import InstanceWrapper
 from lightning_efficient._validation import require, require_choice, require_int
 from lightning_efficient.tokens.normalize import (
     StepTokenNormaliser,
@@ -333,10 +334,11 @@ class SelectiveTokenLoss(Callback):
 
             return original_optimizer_step(epoch, batch_idx, optimizer, closure_then_normalise)
 
-        for wrapper in (training_step, optimizer_step):
-            setattr(wrapper, _WRAPPER_MARK, True)
-        pl_module.training_step = training_step
-        pl_module.optimizer_step = optimizer_step
+        # (a copy of the module made while the fit runs, e.g. an EMA callback's, gets its own methods, unwrapped)
+        pl_module.training_step = InstanceWrapper(training_step, original)
+        pl_module.optimizer_step = InstanceWrapper(optimizer_step, original_optimizer_step)
+        for name in _WRAPPED_HOOKS:
+            setattr(getattr(pl_module, name), _WRAPPER_MARK, True)
         self._wrapped = pl_module
 
     def _load_reference(self, pl_module: LightningModule) -> nn.Module:
