@@ -88,7 +88,7 @@ class _BalancedLoader(DataLoader):
         # an iterator made again within an epoch (Lightning makes one when it sets the data up and another as the epoch
         # starts) starts at what was trained: the one before handed prefetching workers batches ahead (with workers and
         # reload_dataloaders_every_n_epochs, every epoch after the first skipped its first batches)
-        self.batch_sampler.next_batch = self.balancer.trained_batches()
+        self.batch_sampler.next_batch, self.batch_sampler.skip_micro = self.balancer.trained_position()
         return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
@@ -607,21 +607,22 @@ class Balancer:
         """The epoch the training loop runs, or starts next (Lightning's count of processed epochs)."""
         return self.strategy.lightning_module.trainer.fit_loop.epoch_progress.current.processed
 
-    def trained_batches(self) -> int:
-        """The global batches of the sampler's epoch trained so far (not those handed out ahead)."""
+    def trained_position(self) -> tuple[int, int]:
+        """``(global batches, micro-batches of the next one)`` of the sampler's epoch trained so far (not those handed
+        out ahead)."""
         # the count of micro-batches trained refers to counter_epoch; once the sampler has started the next epoch (the
         # loader is iterated before that epoch's first step) nothing of it is trained yet
         if self.sampler.epoch != self.counter_epoch:
-            return 0
+            return 0, 0
         # (an epoch's short last step may run fewer micro-batches than the others: trained to the end, it is done)
         if self.micro_done >= len(self.sampler):
-            return self.sampler.batches_per_epoch
-        return self.micro_done // self.plan.accumulation
+            return self.sampler.batches_per_epoch, 0
+        return divmod(self.micro_done, self.plan.accumulation)
 
     def data_state_dict(self) -> dict[str, Any]:
         """The sampler's state at the position trained (not prefetched), with the measured speeds."""
         state = self.sampler.state_dict()
-        state["next_batch"] = self.trained_batches()
+        state["next_batch"], state["next_micro"] = self.trained_position()
         state["speeds"] = list(self.speeds)
         state["step_token_scale"] = self.token_normaliser.scale  # a resumed first step scales as the uninterrupted one
         return state
@@ -647,7 +648,7 @@ class Balancer:
         """Resume the sampler (also on another number of ranks) and, on the same number of ranks,
         the measured speeds."""
         self.sampler.load_state_dict(state)
-        self.micro_done = self.sampler.next_batch * self.plan.accumulation
+        self.micro_done = self.sampler.next_batch * self.plan.accumulation + self.sampler.skip_micro
         speeds = state.get("speeds") or []
         if len(speeds) == self.world:
             self.speeds = [float(s) for s in speeds]

@@ -67,6 +67,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self.schedule: list[tuple[int, SharePlan]] = [(0, plan)]  # (from global batch index, plan)
         self.next_batch = 0  # global batches of this epoch already handed out
+        self.skip_micro = 0  # micro-batches of global batch next_batch trained already (a resume between them)
         if self.batches_per_epoch == 0:
             raise ValueError(f"drop_last=True in the training DataLoader with {dataset_size} samples over {len(plan.shares)} "
                              f"rank(s): no whole batch of {Fraction(global_batch, len(plan.shares) * batches_per_step)} "
@@ -96,7 +97,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         """
         if epoch != self.epoch:
             self.epoch = epoch
-            self.next_batch = 0
+            self.next_batch = self.skip_micro = 0
             self.schedule = [(0, self.schedule[-1][1])]
 
     def plan_at(self, batch_index: int) -> SharePlan:
@@ -172,10 +173,12 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         if self.next_batch >= self.batches_per_epoch:  # the epoch selected is done: the next one starts
             self.set_epoch(self.epoch + 1)
         permutation = self.permutation()
+        skip, self.skip_micro = self.skip_micro, 0
         while self.next_batch < self.batches_per_epoch:
             batch_index = self.next_batch
             self.next_batch += 1
-            yield from self.rank_slice(batch_index, permutation)
+            yield from self.rank_slice(batch_index, permutation)[skip:]
+            skip = 0
         # the epoch stays selected until the next pass starts (above): DataLoader workers fetch indices
         # ahead and finish this generator while the last batches are still to be trained, and a
         # checkpoint taken then must name the epoch being trained
@@ -212,6 +215,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         saved_global = int(state.get("global_batch", sum(saved_plan.shares)))
         saved_size = int(state.get("dataset_size", self.dataset_size))
         next_batch = int(state["next_batch"])
+        self.skip_micro = 0
         if (saved_size, saved_global) == (self.dataset_size, self.global_batch):
             saved_batches = self.batches_per_epoch
         elif self.drop_last:
@@ -249,4 +253,8 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
                 f"end-of-epoch checkpoint"
             )
         self.next_batch = next_batch
+        # taken between a step's micro-batches (a validation or a time-based checkpoint there): the run goes on at
+        # the next micro-batch, where Lightning's count of batches goes on (the gradients of the step's earlier ones
+        # are not in a checkpoint, as under plain Lightning with a resumable DataLoader)
+        self.skip_micro = min(int(state.get("next_micro", 0)), current.accumulation - 1)
         self.schedule = schedule if same_layout else [(0, current)]

@@ -10,6 +10,7 @@ from tests.balance import ddp_hetero
 from tests.ddp import run_script
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_hetero.py"
+LR = 0.1  # (midstep_resume.py's)
 
 
 def _launch(mode, out, *extra):
@@ -241,6 +242,26 @@ def test_an_epochs_short_last_global_batch_trains_its_own_samples_once_as_plain_
         run = after[before]
         assert run["step_samples"] == found["22"]["plain"]["step_samples"]
         assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_checkpoint_taken_between_a_steps_micro_batches_resumes_at_the_next_micro_batch(tmp_path, devices):
+    # a second review: the sampler resumed at the step's first micro-batch while Lightning counted from the next one,
+    # so every later step paired micro-batches of two steps and the epoch's last was never trained. Now the run goes
+    # on at the next micro-batch, on the uninterrupted run's steps, as plain Lightning with a resumable DataLoader
+    # (the gradients of the step's earlier micro-batches are not in a checkpoint)
+    run_script(SCRIPT.parent / "midstep_resume.py", devices, tmp_path / "out.json", timeout=240)
+    found = json.loads((tmp_path / "out.json").read_text())
+    straight, resumed = found["straight"], found["resumed"]
+    assert straight["steps"] == resumed["steps"] == 4
+    for rank_straight, rank_resumed in zip(straight["trained"], resumed["trained"]):
+        assert len(rank_straight) == 8 and rank_resumed == rank_straight[3:]  # saved after its 3rd micro-batch
+    # the weights: the checkpoint's, then each micro-batch's input sum over the step's samples (8 x ranks)
+    expected = torch.tensor(found["saved_weight"], dtype=torch.float64)
+    for rank in resumed["trained"]:
+        for _, input_sum, _ in rank:
+            expected -= LR * torch.tensor(input_sum, dtype=torch.float64) / (8 * devices)
+    assert resumed["weight"] == pytest.approx(expected.tolist(), abs=1e-12)
 
 
 def test_dataloader_workers_with_a_reload_every_epoch_train_every_sample_of_every_epoch(tmp_path):
