@@ -20,11 +20,21 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _set_num_threads_if_needed
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from lightning_efficient._batch_counts import batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
 from lightning_efficient._distributed import gather_or_raise_together
@@ -35,6 +45,7 @@ from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
 from lightning_efficient.memory import first_tensor
+from lightning_efficient.resumable import EpochShuffleSampler
 from lightning_efficient.tokens.normalize import StepTokenNormaliser, kept_loss_sum
 from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses
 
@@ -98,6 +109,49 @@ class _BalancedLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the balancer's data state (:meth:`Balancer.load_data_state_dict`)."""
         self.balancer.load_data_state_dict(state)
+
+
+def _users_sampler(dataloader: DataLoader) -> tuple[Sampler | None, bool]:
+    """The sampler the user gave the training DataLoader (None: an order of the whole dataset Lightning or torch made,
+    sequential or shuffled), seen through the ``DistributedSampler`` Lightning puts around it, and whether Lightning
+    did (then it is the user's order of the whole dataset, which Lightning splits over the ranks)."""
+    sampler = dataloader.sampler
+    wrapped = isinstance(sampler, DistributedSamplerWrapper)
+    if wrapped:  # Lightning's around a sampler of the user's
+        sampler = sampler.dataset._sampler
+    elif isinstance(sampler, DistributedSampler):  # Lightning's for a sequential or shuffled order, or the user's own
+        return None, False
+    if isinstance(sampler, SequentialSampler | EpochShuffleSampler):
+        return None, wrapped
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(dataloader.dataset):
+        return None, wrapped
+    return sampler, wrapped
+
+
+def _check_users_sampler(name: str, dataloader: DataLoader, world: int) -> None:
+    """Refuse a training DataLoader's sampler that the strategy's own order would silently replace by other samples
+    (a subset, weights, another length: a new user's trial trained indices their sampler excluded), and say where
+    one of the whole dataset, or of a rank's part of it (``use_distributed_sampler=False`` with a sampler of one's
+    own), is replaced (its order, a bucketing by length, is not kept)."""
+    sampler, wrapped = _users_sampler(dataloader)
+    batch_sampler = dataloader.batch_sampler
+    if sampler is None and type(batch_sampler) is BatchSampler:
+        return
+    samples = len(dataloader.dataset)
+    given = type(sampler).__name__ if sampler is not None else type(batch_sampler).__name__
+    try:
+        drawn = len(sampler) if sampler is not None else sum(len(batch) for batch in batch_sampler)
+    except TypeError:
+        drawn = None
+    whole = (samples,) if wrapped else (samples, samples // world, -(-samples // world))  # (the dataset, or a rank's part)
+    if isinstance(sampler, SubsetRandomSampler | WeightedRandomSampler) or drawn not in whole:
+        raise ValueError(
+            f"{name} draws each step's samples from its own permutation of the whole training dataset ({samples} samples), "
+            f"so the DataLoader's {given} (drawing {drawn if drawn is not None else 'an unknown number of'} samples) would be "
+            "ignored and other samples trained. Give the DataLoader the samples to train as its dataset (a "
+            "torch.utils.data.Subset for a subset) with a plain or shuffled order, or use strategy='ddp' to keep your sampler")
+    rank_zero_warn(f"{name}: the training DataLoader's {given} is replaced by the strategy's own permutation of the "
+                   f"{samples} samples over the ranks each epoch (seed + epoch; shuffle=False keeps the dataset's order): its order is not kept")
 
 
 class Balancer:
@@ -266,6 +320,7 @@ class Balancer:
                 "unless global_batch_size is set) over a dataset of single samples"
             )
         world = self.world
+        _check_users_sampler(name, dataloader, world)
         if self.global_batch_size is None and dataloader.batch_size is None:
             raise ValueError(
                 f"{name}: the training DataLoader has a batch_sampler and no batch_size, so the global batch is "

@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data import DistributedSampler
 
 from lightning_efficient import HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy
-from lightning_efficient.balance.balancer import all_measured, speed_reading
+from lightning_efficient.balance.balancer import _check_users_sampler, all_measured, speed_reading
 from lightning_efficient.balance.planner import plan_shares
 
 
@@ -48,3 +51,57 @@ def test_hetero_fsdp_refuses_the_probe_set_later_too():
     ddp = HeterogeneousDDPStrategy()
     ddp.max_micro_batch = "auto"
     assert ddp.balancer.max_micro_batch == "auto"
+
+
+class _EvenIndices(torch.utils.data.Sampler):
+    """A user's sampler of a subset: the even indices."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self):
+        return iter(range(0, self.size, 2))
+
+    def __len__(self) -> int:
+        return (self.size + 1) // 2
+
+
+class _LongestFirst(torch.utils.data.Sampler):
+    """A user's order of the whole dataset (a bucketing by length, say)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self):
+        return iter(reversed(range(self.size)))
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def test_a_users_sampler_the_strategys_order_would_replace_by_other_samples_is_refused(recwarn):
+    # a new user's trial: a SubsetRandomSampler, or their own per-rank sampler with use_distributed_sampler=False, was
+    # silently replaced by a permutation of the whole dataset (indices they excluded trained, longer epochs)
+    data = torch.utils.data.TensorDataset(torch.arange(32.0))
+    for sampler, named in ((torch.utils.data.SubsetRandomSampler(range(0, 32, 2)), "SubsetRandomSampler"),
+                           (_EvenIndices(16), "_EvenIndices"),  # (8 samples: neither the dataset nor a rank's part)
+                           (DistributedSamplerWrapper(_EvenIndices(32), num_replicas=2, rank=0), "_EvenIndices"),  # Lightning's
+                           (torch.utils.data.WeightedRandomSampler([1.0] * 32, num_samples=32), "WeightedRandomSampler")):
+        with pytest.raises(ValueError, match=rf"hetero_ddp draws each step's samples from its own permutation of the whole "
+                                             rf"training dataset \(32 samples\), so the DataLoader's {named} "):
+            _check_users_sampler("hetero_ddp", torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler), 2)
+    # an order of the whole dataset, Lightning's or torch's: nothing said
+    for loader in (torch.utils.data.DataLoader(data, batch_size=4), torch.utils.data.DataLoader(data, batch_size=4, shuffle=True),
+                   torch.utils.data.DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=0)),
+                   torch.utils.data.DataLoader(data, batch_size=4, sampler=DistributedSamplerWrapper(
+                       torch.utils.data.RandomSampler(data), num_replicas=2, rank=0))):
+        _check_users_sampler("hetero_ddp", loader, 2)
+    assert not [w for w in recwarn.list if "hetero_ddp" in str(w.message)]
+    # the user's own order of the whole dataset: replaced, and said
+    # the user's own order of the whole dataset, or of a rank's part of it (use_distributed_sampler=False): replaced, and said
+    said = ("hetero_ddp: the training DataLoader's _LongestFirst is replaced by the strategy's own permutation of the 32 samples"
+            " over the ranks each epoch (seed + epoch; shuffle=False keeps the dataset's order): its order is not kept")
+    for sampler in (_LongestFirst(32), _LongestFirst(16)):
+        with pytest.warns(UserWarning) as said_now:
+            _check_users_sampler("hetero_ddp", torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler), 2)
+        assert [str(w.message) for w in said_now] == [said]
