@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
+
+_wait_marks: list[tuple[Callable[[], None], Callable[[], None]]] = []  # (start, end) a step timer marks a wait with
+
+
+@contextlib.contextmanager
+def waiting_for_other_ranks() -> Iterator[None]:
+    """Run a collective that waits for the other ranks (a gather of the step's token scores): a balanced strategy
+    timing this rank's compute leaves the interval out, as a faster rank's wait there is a slower one's compute (a
+    new user's trial: with SelectiveTokenLoss's ``scope="global"``, every rank read the slowest one's speed, and the
+    shares never moved)."""
+    for start, _ in list(_wait_marks):
+        start()
+    try:
+        yield
+    finally:
+        for _, end in list(_wait_marks):
+            end()
+
+
+class WaitMarks:
+    """``start``/``end`` called around every :func:`waiting_for_other_ranks` until :meth:`remove` (a hook handle)."""
+
+    def __init__(self, start: Callable[[], None], end: Callable[[], None]) -> None:
+        self.marks = (start, end)
+        _wait_marks.append(self.marks)
+
+    def remove(self) -> None:
+        """Stop being called."""
+        if self.marks in _wait_marks:
+            _wait_marks.remove(self.marks)
 
 
 def gather_objects(obj: Any) -> list[Any]:

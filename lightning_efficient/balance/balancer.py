@@ -37,7 +37,7 @@ from torch.utils.data import (
 )
 
 from lightning_efficient._batch_counts import batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
-from lightning_efficient._distributed import gather_or_raise_together
+from lightning_efficient._distributed import WaitMarks, gather_or_raise_together
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
@@ -500,8 +500,10 @@ class Balancer:
         self.remove_hooks()
         self._timed, self._unread = None, deque()
         self.micro_step_times.reset()
+        # a plugin's collectives within the step (SelectiveTokenLoss's gather of scores) are waits, not compute
+        self._hooks = [WaitMarks(self.wait_started, self.wait_ended)]
         if self.time_backward:
-            self._hooks = [
+            self._hooks += [
                 p.register_post_accumulate_grad_hook(self.gradient_accumulated)
                 for p in self.strategy.lightning_module.parameters()
                 if p.requires_grad

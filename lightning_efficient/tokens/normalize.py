@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_efficient._distributed import waiting_for_other_ranks
+
 
 def distributed_world_size() -> int:
     """The default process group's size (1 when torch.distributed is not initialised)."""
@@ -16,7 +18,8 @@ def global_sum(value: Tensor) -> Tensor:
     """``value`` summed over every rank (a copy; unchanged outside torch.distributed)."""
     total = value.detach().clone()
     if distributed_world_size() > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        with waiting_for_other_ranks():
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total
 
 
@@ -27,12 +30,14 @@ def all_gather_variable(local: Tensor) -> Tensor:
         return local
     count = torch.tensor([local.numel()], device=local.device)
     counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
-    longest = int(max(c.item() for c in counts))
+    with waiting_for_other_ranks():
+        dist.all_gather(counts, count)
+        longest = int(max(c.item() for c in counts))
     padded = torch.zeros(longest, dtype=local.dtype, device=local.device)
     padded[: local.numel()] = local
     gathered = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded)
+    with waiting_for_other_ranks():
+        dist.all_gather(gathered, padded)
     return torch.cat([g[: int(c.item())] for g, c in zip(gathered, counts)])
 
 

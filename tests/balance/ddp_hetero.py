@@ -2,7 +2,8 @@
 
 Modes: samples / tokens / selective (two steps with shares 2:1 and learning rate 0, rank 0 saves its
 gradients and global batches; with the suffix _acc, a global batch of 10 with micro-batches capped at 3, so the
-shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank 0 saves the shares over time), probe (max_micro_batch="auto"
+shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank 0 saves the shares over time;
+rebalance_selective: the same with SelectiveTokenLoss gathering every rank's token scores in the step), probe (max_micro_batch="auto"
 under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1 by 48 MiB,
 from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is written to OUT).
 """
@@ -57,7 +58,7 @@ class Module(lightning.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none").view(batch["labels"].shape)
 
     def training_step(self, batch, batch_idx):
-        if self.mode.startswith(("tokens", "selective")):
+        if self.mode.startswith(("tokens", "selective", "rebalance_selective")):
             # every parameter takes part (DDP all-reduces only buckets whose gradients are all ready)
             losses = self.per_token(batch) + 0 * self.net(batch["x"]).sum()
             out = TokenLosses(losses, batch["labels"] != -100)
@@ -72,7 +73,7 @@ class Module(lightning.LightningModule):
     def configure_optimizers(self):
         if self.mode.startswith("probe"):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
-        return torch.optim.SGD(self.parameters(), lr=0.0 if self.mode != "rebalance" else 1e-3)
+        return torch.optim.SGD(self.parameters(), lr=0.0 if not self.mode.startswith("rebalance") else 1e-3)
 
 
 def address_space_kib():
@@ -128,7 +129,7 @@ class Record(lightning.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         strategy = trainer.strategy
-        if self.mode == "rebalance":
+        if self.mode.startswith("rebalance"):
             self.shares.append(strategy.current_shares)
             if trainer.global_rank == 0:
                 json.dump({"shares": self.shares}, open(self.out, "w"))
@@ -150,7 +151,7 @@ if __name__ == "__main__":
     kwargs = {"global_batch_size": 6, "shares": [2.0, 1.0]}
     if mode.endswith("_acc"):
         kwargs = {"global_batch_size": 10, "shares": [2.0, 1.0], "max_micro_batch": 3}
-    if mode == "rebalance":
+    if mode.startswith("rebalance"):
         kwargs = {"global_batch_size": 24, "shares": "auto", "warmup_steps": 2, "rebalance_every": 2, "hysteresis": 0.02}
     if mode.startswith("probe"):  # probe_fixed: the caps rank 1's probe finds, given, to compare the RNG with
         caps = "auto" if mode == "probe" else [48, int(sys.argv[3])]
@@ -162,17 +163,18 @@ if __name__ == "__main__":
     if mode == "bad_accumulation":  # 3 micro-batches a step, each rank's 2 samples of 4 cannot fill them
         kwargs = {"global_batch_size": 4}
     strategy = HeterogeneousDDPStrategy(**kwargs)
-    extra = [SelectiveTokenLoss(method="topk", keep_ratio=0.5, scope="global")] if mode.startswith("selective") else []
+    selective = mode.startswith(("selective", "rebalance_selective"))
+    extra = [SelectiveTokenLoss(method="topk", keep_ratio=0.5, scope="global")] if selective else []
     if mode.startswith("probe"):
         extra = [MemoryLimit(out)]
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=14 if mode == "rebalance" else 2,
+        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=14 if mode.startswith("rebalance") else 2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[*extra] if mode.startswith("probe") else [Record(out, mode), *extra],
         accumulate_grad_batches=3 if mode == "bad_accumulation" else 1,
     )
     try:
-        trainer.fit(Module(mode, slow_rank=1 if mode == "rebalance" else None), DataLoader(Rows(), batch_size=3))
+        trainer.fit(Module(mode, slow_rank=1 if mode.startswith("rebalance") else None), DataLoader(Rows(), batch_size=3))
     except ValueError as error:
         if not mode.startswith("bad_"):
             raise
