@@ -703,7 +703,12 @@ class Balancer:
 
     def load_data_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the sampler (also on another number of ranks) and, on the same number of ranks,
-        the measured speeds."""
+        the measured speeds. A state this strategy did not save (another strategy's stateful DataLoader, left unread
+        at an epoch's end) is not a position of its sampler: the epoch starts afresh, as Lightning starts it there."""
+        if "schedule" not in state:
+            rank_zero_warn(f"{self.name}: the checkpoint's training DataLoader state was not saved by {self.name} "
+                           f"(keys {sorted(state)[:5]}): the epoch starts from its first batch")
+            return
         self.sampler.load_state_dict(state)
         self.micro_done = self.sampler.next_batch * self.plan.accumulation + self.sampler.skip_micro
         speeds = state.get("speeds") or []
@@ -711,6 +716,9 @@ class Balancer:
             self.speeds = [float(s) for s in speeds]
         self.counter_epoch = self.sampler.epoch
         self.token_normaliser.scale = state.get("step_token_scale")
+        # (the shares said when the DataLoader was built were the plan's before the checkpoint loaded)
+        rank_zero_info(f"{self.name}: resumed at epoch {self.sampler.epoch}, global batch {self.sampler.next_batch}, "
+                       f"shares {self.current_shares}")
 
     @property
     def current_shares(self) -> list[int]:

@@ -105,3 +105,13 @@ def test_a_users_sampler_the_strategys_order_would_replace_by_other_samples_is_r
         with pytest.warns(UserWarning) as said_now:
             _check_users_sampler("hetero_ddp", torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler), 2)
         assert [str(w.message) for w in said_now] == [said]
+
+
+def test_a_dataloader_state_the_strategy_did_not_save_starts_the_epoch_afresh():
+    # a review: a checkpoint from another strategy whose training DataLoader was stateful (torchdata's
+    # StatefulDataLoader) handed its state over at an epoch's end raised KeyError('schedule')
+    balancer = HeterogeneousDDPStrategy().balancer
+    with pytest.warns(UserWarning, match=r"hetero_ddp: the checkpoint's training DataLoader state was not saved by hetero_ddp "
+                                         r"\(keys \['_num_yielded', '_sampler_iter_yielded'\]\): the epoch starts from its first batch"):
+        balancer.load_data_state_dict({"_num_yielded": 8, "_sampler_iter_yielded": 8})
+    assert balancer.micro_done == 0
