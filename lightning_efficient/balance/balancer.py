@@ -390,6 +390,8 @@ class Balancer:
         per_rank = -(-samples // self.world)
         per_batch = Fraction(self.sampler.global_batch, self.world * requested)
         batches = int(per_rank // per_batch) if drop_last else math.ceil(per_rank / per_batch)
+        if self.drop_last:  # the strategy's own: whole global batches only (a review)
+            batches = samples // self.sampler.global_batch * requested
         counts = counted_batches(settings, batches)
         counted = counts_in_micro_batches(trainer, counts, Fraction(accumulation, requested), epoch=(batches, len(self.sampler)),
                                           who=self.name, batch_words=f"batches ({requested} a step)",

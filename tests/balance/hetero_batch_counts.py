@@ -63,9 +63,10 @@ class Linear(L.LightningModule):
 
 
 def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, saves_in: str | None = None,
-        samples: int = 40, shuffle: bool = False, drop_last: bool = False, **settings) -> dict:
+        samples: int = 40, shuffle: bool = False, drop_last: bool = False, strategy_drops_last: bool = False, **settings) -> dict:
     data = torch.randn(samples, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    strategy = HeterogeneousDDPStrategy(max_micro_batch=None if autofit else 2, shuffle=shuffle) if hetero else "ddp"
+    strategy = HeterogeneousDDPStrategy(max_micro_batch=None if autofit else 2, shuffle=shuffle,
+                                        drop_last=strategy_drops_last) if hetero else "ddp"
     planner = AutoFit(budget="4GiB", activation_policies=["keep"], optimizer_options=["32-bit"]) if autofit else None
     callbacks = [planner] if planner else []
     if saves_in is not None:  # every checkpoint kept, named by its epoch and step
@@ -80,7 +81,7 @@ def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, s
         trainer.fit(model, loader, DataLoader(TensorDataset(data[:4]), batch_size=4))
     except RuntimeError as error:
         assert "failed on purpose" in str(error)
-    except MisconfigurationException as error:
+    except (MisconfigurationException, ValueError) as error:
         refused = str(error)
     samples = trainer.strategy.reduce(torch.tensor(float(model.samples)), reduce_op="sum")
     input_sum = trainer.strategy.reduce(model.input_sum, reduce_op="sum")
@@ -110,6 +111,10 @@ if __name__ == "__main__":
                        # every batch validated: Lightning's ModelCheckpoint then saves at the epoch's end only
                        "every_batch": fit(devices, hetero, saves_in=tempfile.mkdtemp(), limit_train_batches=3,
                                           val_check_interval=1)}
+    # the strategy's own drop_last (whole global batches only) under accumulation 2: 44 samples make the DataLoader 11
+    # batches a rank on 1 process (5 on 2), of which whole global batches hold 10 (4): an interval of 11 (5) is beyond
+    found["strategy_drops_last"] = fit(devices, True, samples=44, strategy_drops_last=True, accumulate_grad_batches=2,
+                                       val_check_interval=11 if devices == 1 else 5)
     # AutoFit's caps (the device holds 2 samples a micro-step) in place of max_micro_batch
     found["autofit"] = {"limited": fit(devices, True, autofit=True, limit_train_batches=3, val_check_interval=2)}
     if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:
