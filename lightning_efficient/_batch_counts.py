@@ -66,11 +66,11 @@ def counts_in_micro_batches(trainer: Any, counts: dict[str, int], micro_per_batc
     or more (a validation interval counted per epoch) is the epoch's micro-batches, which need not be the user's
     batches times ``micro_per_batch`` (a short last batch splits into fewer, an epoch's last step has its own)."""
     counted_counts = {}
+    trained = None if epoch is None else min(epoch[0], counts.get("limit_train_batches", epoch[0]))  # the user's batches
     for name, value in counts.items():
         scaled = value * micro_per_batch
         counted = math.ceil(scaled)
         per_epoch = name == "limit_train_batches" or trainer.check_val_every_n_epoch is not None
-        trained = None if epoch is None else min(epoch[0], counts.get("limit_train_batches", epoch[0]))
         if name == "val_check_interval" and per_epoch and trained is not None and value > trained and trainer.limit_val_batches > 0:
             # Lightning's own refusal, in the user's batches (in micro-batches, it named numbers the user never set)
             raise ValueError(
