@@ -4,6 +4,7 @@ into it (a new user's trial: an EMA copy made in ``on_fit_start`` ran the live m
 after its own weights were zeroed, and ``torch.save`` failed to pickle the wrappers)."""
 
 import copy
+import functools
 import io
 
 import lightning
@@ -12,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_efficient import ActivationMemory, DemoGPT, SelectiveTokenLoss
+from lightning_efficient.activations.policies import unwrap_block, wrap_block
 from tests.conftest import tiny_gpt_kwargs
 
 
@@ -68,3 +70,48 @@ def test_a_copy_made_while_the_fit_runs_is_the_users_module_unwrapped(plugin, tm
         logits = _logits(made, batch)
         torch.testing.assert_close(logits, _logits(plain, batch), rtol=0, atol=0)
         assert not torch.equal(logits, _logits(model, batch))
+
+
+class _WrapsTheStepToo(lightning.Callback):
+    """Someone else's ``functools.wraps`` wrapper over ``training_step``, set up after SelectiveTokenLoss's."""
+
+    def setup(self, trainer, pl_module, stage):
+        inner = pl_module.training_step
+
+        @functools.wraps(inner)
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return inner(*args, **kwargs)
+
+        self.calls, self.inner = 0, inner
+        pl_module.training_step = counted
+
+    def teardown(self, trainer, pl_module, stage):
+        pl_module.training_step = self.inner
+
+
+def test_a_wrapper_of_someone_elses_over_selective_token_losss_runs():
+    # a review: Lightning's is_overridden reads __code__ one __wrapped__ below the outer wrapper, where it met
+    # SelectiveTokenLoss's wrapper object, which had none (AttributeError before the first step)
+    torch.manual_seed(0)
+    other = _WrapsTheStepToo()
+    model = DemoGPT(**tiny_gpt_kwargs())
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[SelectiveTokenLoss(method="topk", keep_ratio=0.5), other])
+    trainer.fit(model, DataLoader(_Tokens(), batch_size=4))
+    assert other.calls == 2
+
+
+def test_unwrapping_a_block_keeps_a_forward_set_on_the_instance_before():
+    # a review: unwrapping deleted the instance's forward, so a block whose forward someone had set on the instance ran
+    # its class's after the fit
+    block = DemoGPT(**tiny_gpt_kwargs()).blocks[0]
+    own = functools.partial(type(block).forward, block)
+    block.forward = own
+    wrap_block(block, "checkpoint")
+    assert vars(block)["forward"] is not own
+    unwrap_block(block)
+    assert vars(block)["forward"] is own
+    wrap_block(block := DemoGPT(**tiny_gpt_kwargs()).blocks[0], "checkpoint")
+    unwrap_block(block)
+    assert "forward" not in vars(block)

@@ -198,5 +198,10 @@ def wrap_block(
 
 def unwrap_block(block: nn.Module) -> None:
     """Restore the block's own ``forward`` (a no-op for an unwrapped block)."""
-    if isinstance(vars(block).get("forward"), InstanceWrapper):
-        del block.forward
+    wrapper = vars(block).get("forward")
+    if isinstance(wrapper, InstanceWrapper):
+        original = wrapper._original
+        if getattr(original, "__self__", None) is block and getattr(original, "__func__", None) is getattr(type(block), "forward", None):
+            del block.forward
+        else:  # a forward set on the instance before (someone else's wrapper): kept
+            block.forward = original

@@ -119,8 +119,12 @@ def _users_sampler(dataloader: DataLoader) -> tuple[Sampler | None, bool]:
     wrapped = isinstance(sampler, DistributedSamplerWrapper)
     if wrapped:  # Lightning's around a sampler of the user's
         sampler = sampler.dataset._sampler
-    elif isinstance(sampler, DistributedSampler):  # Lightning's for a sequential or shuffled order, or the user's own
-        return None, False
+    elif isinstance(sampler, DistributedSampler):
+        # Lightning's for a sequential or shuffled order (or the user's, alike); a subclass or one over other data is
+        # the user's own (a new user's trial: one over a Subset was replaced silently)
+        if type(sampler) is DistributedSampler and len(sampler.dataset) == len(dataloader.dataset):
+            return None, False
+        return sampler, False
     if isinstance(sampler, SequentialSampler | EpochShuffleSampler):
         return None, wrapped
     if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(dataloader.dataset):
@@ -132,26 +136,30 @@ def _check_users_sampler(name: str, dataloader: DataLoader, world: int) -> None:
     """Refuse a training DataLoader's sampler that the strategy's own order would silently replace by other samples
     (a subset, weights, another length: a new user's trial trained indices their sampler excluded), and say where
     one of the whole dataset, or of a rank's part of it (``use_distributed_sampler=False`` with a sampler of one's
-    own), is replaced (its order, a bucketing by length, is not kept)."""
+    own), or a batch sampler of one's own, is replaced (its order, a bucketing by length, is not kept). Neither is
+    iterated (an endless one would never end, and a draw would move its random state)."""
     sampler, wrapped = _users_sampler(dataloader)
     batch_sampler = dataloader.batch_sampler
     if sampler is None and type(batch_sampler) is BatchSampler:
         return
     samples = len(dataloader.dataset)
+    if sampler is not None:
+        try:
+            drawn = len(sampler)
+        except TypeError:
+            drawn = None
+        whole = (samples,) if wrapped else (samples, samples // world, -(-samples // world))  # (the dataset, or a rank's part)
+        if isinstance(sampler, SubsetRandomSampler | WeightedRandomSampler) or drawn not in whole:
+            raise ValueError(
+                f"{name} draws each step's samples from its own permutation of the whole training dataset ({samples} "
+                f"samples), so the DataLoader's {type(sampler).__name__} (drawing "
+                f"{drawn if drawn is not None else 'an unknown number of'} samples) would be ignored and other samples "
+                "trained. Give the DataLoader the samples to train as its dataset (a torch.utils.data.Subset for a subset) "
+                "with a plain or shuffled order, or use strategy='ddp' to keep your sampler")
     given = type(sampler).__name__ if sampler is not None else type(batch_sampler).__name__
-    try:
-        drawn = len(sampler) if sampler is not None else sum(len(batch) for batch in batch_sampler)
-    except TypeError:
-        drawn = None
-    whole = (samples,) if wrapped else (samples, samples // world, -(-samples // world))  # (the dataset, or a rank's part)
-    if isinstance(sampler, SubsetRandomSampler | WeightedRandomSampler) or drawn not in whole:
-        raise ValueError(
-            f"{name} draws each step's samples from its own permutation of the whole training dataset ({samples} samples), "
-            f"so the DataLoader's {given} (drawing {drawn if drawn is not None else 'an unknown number of'} samples) would be "
-            "ignored and other samples trained. Give the DataLoader the samples to train as its dataset (a "
-            "torch.utils.data.Subset for a subset) with a plain or shuffled order, or use strategy='ddp' to keep your sampler")
     rank_zero_warn(f"{name}: the training DataLoader's {given} is replaced by the strategy's own permutation of the "
-                   f"{samples} samples over the ranks each epoch (seed + epoch; shuffle=False keeps the dataset's order): its order is not kept")
+                   f"{samples} samples over the ranks each epoch (seed + epoch; shuffle=False keeps the dataset's order): "
+                   "its order is not kept")
 
 
 class Balancer:
@@ -709,7 +717,8 @@ class Balancer:
         at an epoch's end) is not a position of its sampler: the epoch starts afresh, as Lightning starts it there."""
         if "schedule" not in state:
             rank_zero_warn(f"{self.name}: the checkpoint's training DataLoader state was not saved by {self.name} "
-                           f"(keys {sorted(state)[:5]}): the epoch starts from its first batch")
+                           f"(keys {sorted(state)[:5]}): the epoch starts from its first batch (taken mid-epoch, Lightning "
+                           "goes on counting from the checkpoint's batch: the epoch's last batches are then not trained)")
             return
         self.sampler.load_state_dict(state)
         self.micro_done = self.sampler.next_batch * self.plan.accumulation + self.sampler.skip_micro

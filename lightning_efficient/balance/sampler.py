@@ -226,7 +226,8 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         current = self.schedule[-1][1]
         same_layout = (saved_world == len(current.shares) and saved_global == self.global_batch
                        and saved_plan.accumulation == current.accumulation)
-        if next_batch >= saved_batches or next_batch == 0:  # at an epoch boundary: nothing to re-slice
+        next_micro = int(state.get("next_micro", 0))
+        if next_batch >= saved_batches or (next_batch == 0 and next_micro == 0):  # at an epoch boundary: nothing to re-slice
             self.next_batch = self.batches_per_epoch if next_batch else 0
             self.schedule = schedule if same_layout else [(0, current)]
             return
@@ -256,5 +257,5 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         # taken between a step's micro-batches (a validation or a time-based checkpoint there): the run goes on at
         # the next micro-batch, where Lightning's count of batches goes on (the gradients of the step's earlier ones
         # are not in a checkpoint, as under plain Lightning with a resumable DataLoader)
-        self.skip_micro = min(int(state.get("next_micro", 0)), current.accumulation - 1)
+        self.skip_micro = min(next_micro, current.accumulation - 1)
         self.schedule = schedule if same_layout else [(0, current)]

@@ -86,7 +86,10 @@ def test_a_users_sampler_the_strategys_order_would_replace_by_other_samples_is_r
     for sampler, named in ((torch.utils.data.SubsetRandomSampler(range(0, 32, 2)), "SubsetRandomSampler"),
                            (_EvenIndices(16), "_EvenIndices"),  # (8 samples: neither the dataset nor a rank's part)
                            (DistributedSamplerWrapper(_EvenIndices(32), num_replicas=2, rank=0), "_EvenIndices"),  # Lightning's
-                           (torch.utils.data.WeightedRandomSampler([1.0] * 32, num_samples=32), "WeightedRandomSampler")):
+                           (torch.utils.data.WeightedRandomSampler([1.0] * 32, num_samples=32), "WeightedRandomSampler"),
+                           # a user's own DistributedSampler over a subset, with use_distributed_sampler=False (a trial)
+                           (DistributedSampler(torch.utils.data.Subset(data, range(20)), num_replicas=2, rank=0),
+                            "DistributedSampler")):
         with pytest.raises(ValueError, match=rf"hetero_ddp draws each step's samples from its own permutation of the whole "
                                              rf"training dataset \(32 samples\), so the DataLoader's {named} "):
             _check_users_sampler("hetero_ddp", torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler), 2)
@@ -105,6 +108,26 @@ def test_a_users_sampler_the_strategys_order_would_replace_by_other_samples_is_r
         with pytest.warns(UserWarning) as said_now:
             _check_users_sampler("hetero_ddp", torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler), 2)
         assert [str(w.message) for w in said_now] == [said]
+    # a DistributedSampler of one's own order (a subclass), and batch samplers of one's own, even endless or dropping
+    # the last batch: replaced and said, never iterated (a review: an endless one hung, one dropping its last was refused)
+    class _ShardedLongestFirst(DistributedSampler):
+        pass
+
+    class _DropsLast(torch.utils.data.BatchSampler):
+        pass
+
+    class _Endless(torch.utils.data.Sampler):
+        def __iter__(self):
+            while True:
+                yield [0, 1, 2, 3]
+
+    for loader, named in ((torch.utils.data.DataLoader(data, batch_size=4, sampler=_ShardedLongestFirst(data, num_replicas=2, rank=0)),
+                           "_ShardedLongestFirst"),
+                          (torch.utils.data.DataLoader(data, batch_sampler=_DropsLast(range(10), 4, drop_last=True)), "_DropsLast"),
+                          (torch.utils.data.DataLoader(data, batch_sampler=_Endless()), "_Endless")):
+        with pytest.warns(UserWarning) as said_now:
+            _check_users_sampler("hetero_ddp", loader, 2)
+        assert [str(w.message) for w in said_now] == [said.replace("_LongestFirst", named)]
 
 
 def test_a_dataloader_state_the_strategy_did_not_save_starts_the_epoch_afresh():

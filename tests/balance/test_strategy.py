@@ -261,16 +261,19 @@ def test_a_checkpoint_taken_between_a_steps_micro_batches_resumes_at_the_next_mi
     # (the gradients of the step's earlier micro-batches are not in a checkpoint)
     run_script(SCRIPT.parent / "midstep_resume.py", devices, tmp_path / "out.json", timeout=240)
     found = json.loads((tmp_path / "out.json").read_text())
-    straight, resumed = found["straight"], found["resumed"]
-    assert straight["steps"] == resumed["steps"] == 4
-    for rank_straight, rank_resumed in zip(straight["trained"], resumed["trained"]):
-        assert len(rank_straight) == 8 and rank_resumed == rank_straight[3:]  # saved after its 3rd micro-batch
-    # the weights: the checkpoint's, then each micro-batch's input sum over the step's samples (8 x ranks)
-    expected = torch.tensor(found["saved_weight"], dtype=torch.float64)
-    for rank in resumed["trained"]:
-        for _, input_sum, _ in rank:
-            expected -= LR * torch.tensor(input_sum, dtype=torch.float64) / (8 * devices)
-    assert resumed["weight"] == pytest.approx(expected.tolist(), abs=1e-12)
+    # saved after the 3rd micro-batch, and (a second review: this one still resumed at the epoch's first micro-batch)
+    # after the 1st, in the epoch's first step
+    for case, trained_before in (("second_step", 3), ("first_step", 1)):
+        straight, resumed = found[case]["straight"], found[case]["resumed"]
+        assert straight["steps"] == resumed["steps"] == 4
+        for rank_straight, rank_resumed in zip(straight["trained"], resumed["trained"]):
+            assert len(rank_straight) == 8 and rank_resumed == rank_straight[trained_before:], case
+        # the weights: the checkpoint's, then each micro-batch's input sum over the step's samples (8 x ranks)
+        expected = torch.tensor(found[case]["saved_weight"], dtype=torch.float64)
+        for rank in resumed["trained"]:
+            for _, input_sum, _ in rank:
+                expected -= LR * torch.tensor(input_sum, dtype=torch.float64) / (8 * devices)
+        assert resumed["weight"] == pytest.approx(expected.tolist(), abs=1e-12), case
 
 
 def test_dataloader_workers_with_a_reload_every_epoch_train_every_sample_of_every_epoch(tmp_path):
