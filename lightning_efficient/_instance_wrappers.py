@@ -39,3 +39,13 @@ class InstanceWrapper:
 
     def __reduce__(self) -> tuple[Callable[[Any], Any], tuple[Any]]:
         return _as_is, (self._original,)
+
+
+def put_back(owner: Any, name: str, method: Callable[..., Any]) -> None:
+    """Set ``owner.name`` to ``method`` as it was before a wrapper: no instance attribute where ``method`` is the
+    class's own, bound to ``owner``; else ``method`` itself (one set on the instance before, kept)."""
+    if getattr(method, "__self__", None) is owner and getattr(method, "__func__", None) is getattr(type(owner), name, None):
+        if name in vars(owner):
+            delattr(owner, name)
+    else:
+        setattr(owner, name, method)

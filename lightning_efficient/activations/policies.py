@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_efficient._instance_wrappers import InstanceWrapper
+from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
 
 POLICIES = ("keep", "checkpoint", "selective", "offload", "disk")
 
@@ -199,9 +199,5 @@ def wrap_block(
 def unwrap_block(block: nn.Module) -> None:
     """Restore the block's own ``forward`` (a no-op for an unwrapped block)."""
     wrapper = vars(block).get("forward")
-    if isinstance(wrapper, InstanceWrapper):
-        original = wrapper._original
-        if getattr(original, "__self__", None) is block and getattr(original, "__func__", None) is getattr(type(block), "forward", None):
-            del block.forward
-        else:  # a forward set on the instance before (someone else's wrapper): kept
-            block.forward = original
+    if isinstance(wrapper, InstanceWrapper):  # (a forward set on the instance before, someone else's wrapper, is kept)
+        put_back(block, "forward", wrapper._original)

@@ -397,9 +397,12 @@ class Balancer:
         # the user's batches in a rank's epoch under plain data parallelism (DistributedSampler pads to the ranks)
         per_rank = -(-samples // self.world)
         per_batch = Fraction(self.sampler.global_batch, self.world * requested)
-        batches = int(per_rank // per_batch) if drop_last else math.ceil(per_rank / per_batch)
         if self.drop_last:  # the strategy's own: whole global batches only (a review)
             batches = samples // self.sampler.global_batch * requested
+        elif drop_last:  # the DataLoader's: whole DataLoader batches
+            batches = int(per_rank // per_batch)
+        else:
+            batches = math.ceil(per_rank / per_batch)
         counts = counted_batches(settings, batches)
         counted = counts_in_micro_batches(trainer, counts, Fraction(accumulation, requested), epoch=(batches, len(self.sampler)),
                                           who=self.name, batch_words=f"batches ({requested} a step)",
@@ -497,16 +500,14 @@ class Balancer:
         self._hooks.extend(handles)
 
     def forget_position(self, epoch: int) -> None:
-        """Count the position in the epoch from a fit's start, in ``epoch`` (a checkpoint's is loaded later)."""
+        """Count the position in the epoch from a fit's start, in ``epoch`` (a checkpoint's is loaded later): an
+        earlier fit of the same epoch that raised, or ``Tuner.lr_find``'s steps, left theirs, which scaled the losses by
+        a batch past the epoch's end and put a checkpoint's position ahead of what was trained."""
         self.micro_done, self.counter_epoch = 0, epoch
 
     def setup(self) -> None:
         """After the strategy's setup: forget a failed fit's counts and hook the gradients for timing."""
         self.token_normaliser.reset()  # a fit that raised mid-step must not leak its counts into this one
-        # the position in the epoch counts from this fit's start (a checkpoint's is loaded after this): an earlier fit
-        # of the same epoch that raised, or Tuner.lr_find's steps, left theirs, which scaled the losses by a batch
-        # past the epoch's end and put a checkpoint's position ahead of what was trained
-        self.forget_position(self.strategy.lightning_module.trainer.current_epoch)
         self.remove_hooks()
         self._timed, self._unread = None, deque()
         self.micro_step_times.reset()

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_efficient._instance_wrappers import InstanceWrapper
+from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
 from lightning_efficient._validation import require, require_choice, require_int
 from lightning_efficient.tokens.normalize import (
     StepTokenNormaliser,
@@ -107,10 +107,7 @@ def _restore_hooks(module: LightningModule) -> None:
             continue
         while getattr(method, _WRAPPER_MARK, False):
             method = method.__wrapped__
-        if getattr(method, "__self__", None) is module and getattr(method, "__func__", None) is getattr(type(module), name):
-            delattr(module, name)
-        else:
-            setattr(module, name, method)
+        put_back(module, name, method)
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
