@@ -412,11 +412,14 @@ class SelectiveTokenLoss(Callback):
         _refuse_manual_optimization(pl_module)
         if self._reference_module is not None:
             self._reference_module.to(pl_module.device)
-        rank_zero_info(
-            f"SelectiveTokenLoss: method={self.method}, score={self.score}, scope={self.scope}, "
-            f"keep_ratio={self.schedule.end_ratio} after {self.schedule.warmup_steps} full-loss steps "
-            f"and a {self.schedule.ramp_steps}-step ramp from {self.schedule.start_ratio}"
-        )
+        if self.method == "none":  # its keep_ratio and schedule are never applied
+            rank_zero_info("SelectiveTokenLoss: method=none, every valid token kept (the step loss is their mean over its micro-batches and ranks)")
+        else:
+            rank_zero_info(
+                f"SelectiveTokenLoss: method={self.method}, score={self.score}, scope={self.scope}, "
+                f"keep_ratio={self.schedule.end_ratio} after {self.schedule.warmup_steps} full-loss steps "
+                f"and a {self.schedule.ramp_steps}-step ramp from {self.schedule.start_ratio}"
+            )
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -2,6 +2,7 @@
 and is run again, references that cannot serve, typed choices."""
 
 import contextlib
+import logging
 import typing
 
 import lightning
@@ -349,3 +350,12 @@ def test_the_callback_reaches_processes_that_ddp_spawn_starts():
     callback.generator.manual_seed(3)
     torch.rand(5, generator=callback.generator)  # a used generator, as after a step
     torch.multiprocessing.start_processes(_draw_in_a_spawned_process, args=(callback,), nprocs=1, start_method="spawn")
+
+
+@pytest.mark.parametrize("method", ["none", "topk"])
+def test_the_fit_start_line_names_the_keep_ratio_only_where_one_applies(method, caplog):
+    with caplog.at_level(logging.INFO):
+        _trainer([SelectiveTokenLoss(method=method, keep_ratio=0.7)], steps=1).fit(_TinyLearning())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("SelectiveTokenLoss: method=")]
+    assert len(said) == 1, said
+    assert ("keep_ratio=0.7" in said[0]) == (method != "none"), said[0]
