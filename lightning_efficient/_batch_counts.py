@@ -93,6 +93,51 @@ def counts_in_micro_batches(trainer: Any, counts: dict[str, int], micro_per_batc
     return counted_counts
 
 
+class SchedulerFrequencies:
+    """The steps a learning-rate scheduler of ``interval="step"`` steps after, kept to the user's where a plugin splits
+    each step's batches into more micro-batches.
+
+    Lightning steps such a scheduler after the optimizer step that ends at the epoch's batch ``batch_idx`` where its
+    ``frequency`` divides ``batch_idx + 1``: the frequency counts the user's DataLoader batches (a new user's trial: a
+    ``StepLR`` of frequency 2 halved the rate every step, not every second one, where AutoFit or the caps split each batch
+    in two). Before each batch, each such frequency (above 1; 1 steps after every step) is set to what makes Lightning's
+    test give the same fit's answer without the plugin: whether the frequency divides the user's batches trained in the
+    epoch by the end of this step. Put back when the fit ends."""
+
+    def __init__(self) -> None:
+        self._counting: tuple[int, int, int | None] | None = None
+        self._frequencies: list[tuple[Any, int]] | None = None  # (scheduler config, the user's frequency)
+
+    def count(self, micro_per_step: int, user_per_step: int, counts: dict[str, int], epoch_batches: int | None) -> None:
+        """From now on a step runs ``micro_per_step`` micro-batches where the user's runs ``user_per_step`` batches, and
+        an epoch holds ``epoch_batches`` of the user's batches (None: unknown, an iterable dataset's), of which it trains
+        those the ``counts`` of :func:`counted_batches` limit it to."""
+        self.put_back()
+        if micro_per_step != user_per_step:
+            trained = None if epoch_batches is None else min(epoch_batches, counts.get("limit_train_batches", epoch_batches))
+            self._counting = (micro_per_step, user_per_step, trained)
+
+    def before_batch(self, trainer: Any, batch_idx: int) -> None:
+        """Set the frequencies Lightning tests after the batch ``batch_idx`` of the epoch (an index of micro-batches)."""
+        if self._counting is None:
+            return
+        if self._frequencies is None:  # (the schedulers are configured after the plugin counted)
+            self._frequencies = [(config, config.frequency) for config in trainer.lr_scheduler_configs
+                                 if config.interval == "step" and config.frequency > 1]
+        micro_per_step, user_per_step, user_epoch_batches = self._counting
+        user_batches = (batch_idx // micro_per_step + 1) * user_per_step  # by the end of this batch's step
+        if user_epoch_batches is not None:
+            user_batches = min(user_batches, user_epoch_batches)  # (an epoch's short last step)
+        for config, frequency in self._frequencies:
+            config.frequency = batch_idx + 1 if user_batches % frequency == 0 else batch_idx + 2
+
+    def put_back(self) -> None:
+        """The user's frequencies again; nothing counted until :meth:`count`."""
+        for config, frequency in self._frequencies or []:
+            config.frequency = frequency
+        self._counting, self._frequencies = None, None
+
+
 def checkpoint_timing_kept(trainer: Any, settings: dict[str, Any], counted: dict[str, int]) -> list[tuple[Any, str, Any]]:
     """Where ``val_check_interval=1`` (every batch) counts more micro-batches, each ``ModelCheckpoint`` that decides
     when to save from the trainer's settings is told what it decides with the user's: Lightning's saves at the

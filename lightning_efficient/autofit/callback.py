@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
-from lightning_efficient._batch_counts import batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
+from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._validation import require, require_int
@@ -273,6 +273,7 @@ class AutoFit(Callback):
         self._restored: dict[str, Any] | None = None
         self._checkpoint_states: dict[str, Any] = {}  # the callbacks' states in the checkpoint this fit resumes from
         self._undo_settings: list[Any] = []
+        self._scheduler_frequencies = SchedulerFrequencies()  # interval="step" schedulers step after the user's steps
         self._meter: PeakMemory | None = None
         self._start_rss = 0
         self._unprofiled: _Unprofiled | None = None  # the blocks left unprofiled before the first step
@@ -866,7 +867,7 @@ class AutoFit(Callback):
                 # builds it, for a OneCycleLR's total_steps: the same number of optimizer steps at the plan's global
                 # batch) is built again, at the plan's micro-batch, when the loop starts
                 trainer.fit_loop._combined_loader = None
-                self._rescale_batch_counts(trainer, current, mine.micro_batch)
+                self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
             trainer.accumulate_grad_batches = plan.accumulation
         if self._user_activations is None and ((mine.policies and any(p != "keep" for p in mine.policies)) or self._activations):
@@ -883,13 +884,14 @@ class AutoFit(Callback):
             self._optimizer.paged = plan.optimizer == "8-bit paged"
             self._optimizer.offload = "cpu" if plan.optimizer == "8-bit offload" else None
 
-    def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int) -> None:
+    def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int, accumulation: int) -> None:
         """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
         DataLoader batches of ``batch``: they count the plan's micro-batches of ``micro`` while the fit runs, so the
         same samples train between the same checks (a new user's trial: ``limit_train_batches=2`` trained half the
         samples). A DataLoader that drops its last incomplete batch drops less at the micro-batch: the epoch is then
         limited to the micro-batches of the user's whole batches (a review: 10 samples in batches of 4 trained 10 in 3
-        steps, where plain Lightning trains 8 in 2)."""
+        steps, where plain Lightning trains 8 in 2). Schedulers stepped every few batches step after the user's steps
+        (:class:`~lightning_efficient._batch_counts.SchedulerFrequencies`, ``accumulation`` micro-batches a step)."""
         if isinstance(batch, bool) or not isinstance(batch, int):
             return
         settings = batch_settings(trainer)
@@ -907,6 +909,7 @@ class AutoFit(Callback):
             else:
                 epoch = (math.ceil(samples / batch), math.ceil(samples / micro))
         counts = counted_batches(counting, None if epoch is None else epoch[0])
+        self._scheduler_frequencies.count(accumulation, trainer.accumulate_grad_batches, counts, None if epoch is None else epoch[0])
         if not counts:
             return
         counted = counts_in_micro_batches(trainer, counts, Fraction(batch, micro), epoch=epoch, who="AutoFit",
@@ -928,6 +931,7 @@ class AutoFit(Callback):
         return math.ceil(samples / trainer.world_size), bool(getattr(loader, "drop_last", False))
 
     def _undo(self, pl_module: LightningModule) -> None:
+        self._scheduler_frequencies.put_back()
         for item in reversed(self._undo_settings):
             if item[0] == "batch_size":
                 lightning_setattr(pl_module, "batch_size", item[1])
@@ -954,6 +958,7 @@ class AutoFit(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._scheduler_frequencies.before_batch(trainer, batch_idx)
         if self._step_started is None:
             self._step_started = time.perf_counter()
 

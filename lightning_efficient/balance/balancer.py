@@ -11,7 +11,9 @@ gradient sync is switched off, how compute time is told apart from waiting for o
 
 from __future__ import annotations
 
+import hashlib
 import math
+import pickle
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,8 +38,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from lightning_efficient._batch_counts import batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
-from lightning_efficient._distributed import WaitMarks, gather_or_raise_together
+from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
+from lightning_efficient._distributed import WaitMarks, gather_objects, gather_or_raise_together
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
@@ -162,6 +164,75 @@ def _check_users_sampler(name: str, dataloader: DataLoader, world: int) -> None:
                    "its order is not kept")
 
 
+def _digest(value: Any) -> str | None:
+    """A digest of ``value``'s content, the same in every process (None where it has no such bytes)."""
+    digest = hashlib.sha1()
+    try:
+        _feed(digest, value)
+    except Exception:  # noqa: BLE001 - a sample of objects that do not pickle: not compared
+        return None
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Feed ``value``'s content to ``digest``: tensors by dtype, shape and values (a pickled tensor holds its storage's
+    key, another in each process), containers item by item, anything else pickled."""
+    if isinstance(value, Tensor):
+        value = value.detach().cpu().contiguous()
+        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, Mapping):
+        for key in value:
+            _feed(digest, key)
+            _feed(digest, value[key])
+    elif isinstance(value, list | tuple):
+        digest.update(f"{type(value).__name__}{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(pickle.dumps(value, protocol=4))
+
+
+def _dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
+    """What tells one rank's training dataset from another's without iterating it: its class and length, the indices of
+    each ``Subset`` in it, a Hugging Face dataset's fingerprint, and (``read_samples``) its first and last sample where
+    reading them twice gives the same bytes (a random augmentation is not the data)."""
+    identity: dict[str, Any] = {"class": type(dataset).__qualname__, "length": len(dataset)}
+    chain, inner = [], dataset
+    while hasattr(getattr(inner, "indices", None), "__len__") and hasattr(inner, "dataset"):
+        chain.append(_digest(torch.as_tensor(inner.indices, dtype=torch.int64)))
+        inner = inner.dataset
+    identity["subset indices"] = chain
+    identity["fingerprint"] = getattr(inner, "_fingerprint", None)
+    if read_samples and len(dataset):
+        reads = [_digest(dataset[i]) for i in (0, 0, len(dataset) - 1, len(dataset) - 1)]
+        identity["samples"] = reads[0::2] if reads[0::2] == reads[1::2] and None not in reads else None
+    return identity
+
+
+def _check_same_dataset(name: str, dataset: Any, read_samples: bool) -> None:
+    """Refuse training datasets that differ between the ranks: every rank's share of a global batch is drawn from one
+    dataset by index, so a rank's own part of the data (``use_distributed_sampler=False`` over a ``Subset`` per rank, a
+    new user's trial) trained the part of it the strategy meant for that rank, and the rest of every rank's part never."""
+    identities = gather_objects(_dataset_identity(dataset, read_samples))
+    for key in identities[0]:
+        values = [identity.get(key) for identity in identities]
+        if (key == "samples" and None in values) or all(value == values[0] for value in values):
+            continue
+        differing = ", ".join(str(r) for r, value in enumerate(values) if value != values[0])
+        said = (", ".join(f"rank {r}: {value}" for r, value in enumerate(values)) if key in ("class", "length")
+                else f"those of rank(s) {differing} are not rank 0's")
+        raise ValueError(
+            f"{name}: the ranks' training datasets differ ({_IDENTITY_WORDS[key]}: {said}). {name} draws every rank's share "
+            "of each global batch by index from one dataset that every rank holds whole, so a rank's own part of the data "
+            f"would train only partly. Give every rank the same, whole dataset ({name} splits it by shares; leave "
+            "use_distributed_sampler at its default), or use strategy='ddp' to train each rank's own part")
+
+
+_IDENTITY_WORDS = {"class": "classes", "length": "lengths", "subset indices": "Subset indices",
+                   "fingerprint": "Hugging Face dataset fingerprints", "samples": "first and last samples"}
+
+
 class Balancer:
     """Speed-proportional shares of every global batch over the data-parallel ranks of a strategy.
 
@@ -203,10 +274,9 @@ class Balancer:
         if global_batch_size is not None:
             require_int("global_batch_size", global_batch_size, 1)
         if shares != "auto":
-            ok = isinstance(shares, (list, tuple)) and all(isinstance(s, (int, float)) and s >= 0 for s in shares)
-            require(ok and sum(shares) > 0, "shares", shares, "'auto' or non-negative weights, one per rank, summing to more than 0")
-            require(all(s > 0 and math.isfinite(s) for s in shares), "shares", shares,
-                    "positive finite weights (a rank with share 0 would leave the others waiting for it)")
+            numbers = isinstance(shares, (list, tuple)) and all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in shares)
+            require(numbers and len(shares) > 0 and all(s > 0 and math.isfinite(s) for s in shares), "shares", shares,
+                    "'auto' or positive finite weights, one per rank (a rank with share 0 would leave the others waiting for it)")
         if isinstance(max_micro_batch, str):
             require(max_micro_batch == "auto", "max_micro_batch", max_micro_batch, "an int, a list of ints, 'auto' or None")
         elif isinstance(max_micro_batch, (list, tuple)):
@@ -259,6 +329,7 @@ class Balancer:
         self._user_accumulation: tuple[Any, int] | None = None  # (trainer, its accumulate_grad_batches before the plan)
         self._user_batch_settings: dict[str, Any] = {}  # its limit_train_batches / val_check_interval, the same
         self._checkpoint_timing: list[tuple[Any, str, Any]] = []  # ModelCheckpoint settings to put back after the fit
+        self.scheduler_frequencies = SchedulerFrequencies()  # interval="step" schedulers step after the user's steps
         self.probe_refusal: str | None = None  # what max_micro_batch="auto" is refused with (None: allowed)
 
     def set_setting(self, name: str, value: Any) -> None:
@@ -329,6 +400,7 @@ class Balancer:
             )
         world = self.world
         _check_users_sampler(name, dataloader, world)
+        _check_same_dataset(name, dataloader.dataset, read_samples=not trainer._accelerator_connector.use_distributed_sampler)
         if self.global_batch_size is None and dataloader.batch_size is None:
             raise ValueError(
                 f"{name}: the training DataLoader has a batch_sampler and no batch_size, so the global batch is "
@@ -388,6 +460,7 @@ class Balancer:
         batches, ``requested`` of them a step: where the caps give a step more micro-batches, they count those, so a
         fit trains the same samples between the same checks as under plain data parallelism."""
         self._put_back_checkpoint_timing()
+        self.scheduler_frequencies.put_back()
         settings = self._user_batch_settings
         for name, value in settings.items():  # the user's, unless counted again below (a plan without more micro-batches)
             setattr(trainer, name, value)
@@ -404,6 +477,7 @@ class Balancer:
         else:
             batches = math.ceil(per_rank / per_batch)
         counts = counted_batches(settings, batches)
+        self.scheduler_frequencies.count(accumulation, requested, counts, batches)
         counted = counts_in_micro_batches(trainer, counts, Fraction(accumulation, requested), epoch=(batches, len(self.sampler)),
                                           who=self.name, batch_words=f"batches ({requested} a step)",
                                           micro_words=f"micro-batches ({accumulation} a step under the caps)")
@@ -536,6 +610,7 @@ class Balancer:
             for name, value in self._user_batch_settings.items():
                 setattr(trainer, name, value)
             self._put_back_checkpoint_timing()
+            self.scheduler_frequencies.put_back()
             self._user_accumulation = None
             self._user_batch_settings = {}
 
@@ -795,6 +870,12 @@ class BalancedStrategy:
         (:meth:`Balancer.load_pending_data_state`)."""
         super().on_train_start()
         self.balancer.load_pending_data_state()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The strategy's, then the scheduler frequencies Lightning tests after this micro-batch
+        (:class:`~lightning_efficient._batch_counts.SchedulerFrequencies`)."""
+        super().on_train_batch_start(batch, batch_idx)
+        self.balancer.scheduler_frequencies.before_batch(self.lightning_module.trainer, batch_idx)
 
     def teardown(self) -> None:
         """Remove the timing hooks, put back the trainer's ``accumulate_grad_batches``, then the strategy's teardown."""

@@ -1249,3 +1249,55 @@ def test_a_dataloader_that_drops_its_last_batch_trains_the_samples_plain_lightni
     assert trainer.limit_train_batches == 1.0 and model.batch_size == 4  # the user's again after the fit
     for mine, theirs in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-13)
+
+
+class _Scheduled(_DropsLastBatch):
+    """``_DropsLastBatch`` over ``samples`` samples, keeping its last incomplete batch, with a ``StepLR`` halving the rate
+    every ``frequency`` batches (``interval="step"``); records the rate of each optimizer step."""
+
+    def __init__(self, samples: int, frequency: int, holds: int | None = None) -> None:
+        super().__init__(holds=holds)
+        self.samples_in_epoch, self.frequency = samples, frequency
+        self.lrs: list[float] = []
+
+    def train_dataloader(self):
+        data = torch.randn(self.samples_in_epoch, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=self.batch_size)
+
+    def on_train_start(self):
+        super().on_train_start()
+        self.lrs = []
+
+    def on_before_optimizer_step(self, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        halving = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": halving, "interval": "step", "frequency": self.frequency}}
+
+
+@pytest.mark.parametrize(("samples", "accumulation", "frequency"), [(16, 1, 2), (18, 1, 2), (18, 1, 5), (24, 2, 4)])
+def test_a_scheduler_stepped_every_few_batches_steps_after_the_steps_plain_lightning_steps_it_after(samples, accumulation, frequency):
+    # a new user's trial: Lightning steps an interval="step" scheduler where its frequency divides the epoch's batches
+    # counted; at the plan's micro-batches of 2 for batches of 4, a StepLR of frequency 2 halved the rate every step where
+    # plain Lightning halves it every second one. 18 samples: a last batch of 2, one micro-batch (the epoch's 9th)
+    def fit(holds, callbacks):
+        lightning.seed_everything(0)
+        model = _Scheduled(samples, frequency, holds=holds)
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, accumulate_grad_batches=accumulation, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                    callbacks=callbacks)
+        trainer.fit(model)
+        return trainer, model
+
+    autofit = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"])
+    trainer, model = fit(2, [autofit])
+    assert autofit.plan.micro_batches == [2] and autofit.plan.accumulation == 2 * accumulation
+    plain_trainer, plain = fit(None, [])
+    assert trainer.global_step == plain_trainer.global_step and model.samples == plain.samples == 2 * samples
+    assert model.lrs == plain.lrs and len(set(plain.lrs)) > 1
+    assert [config.frequency for config in trainer.lr_scheduler_configs] == [frequency]  # the user's again after the fit
+    if samples % 4 == 0:  # (a short last window weighs its micro-batches otherwise: README)
+        for mine, theirs in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-13)

@@ -123,7 +123,10 @@ def test_impossible_settings_fail_before_the_first_step(tmp_path, mode, pattern)
     ({"max_micro_batch": "big"}, "max_micro_batch='big'"),
     ({"rebalance_every": 0}, "rebalance_every=0"),
     ({"hysteresis": 1.0}, "hysteresis=1.0"),
-    ({"shares": [float("inf"), 1.0]}, r"shares=\[inf, 1.0\] is not allowed: expected positive finite weights"),
+    ({"shares": [float("inf"), 1.0]}, r"shares=\[inf, 1.0\] is not allowed: expected 'auto' or positive finite weights"),
+    # a new user's trial: a negative weight was answered "non-negative weights", where 0 is refused too
+    ({"shares": [1.0, -1.0]}, r"shares=\[1.0, -1.0\] is not allowed: expected 'auto' or positive finite weights"),
+    ({"shares": [True, 1]}, r"shares=\[True, 1\] is not allowed"),
     ({"max_micro_batch": (2, 0)}, r"max_micro_batch=\(2, 0\) is not allowed: expected an int, a list of ints >= 1"),
     ({"max_micro_batch": 2.0}, r"max_micro_batch=2.0 is not allowed: expected an int >= 1, a list of ints"),
 ])
@@ -180,12 +183,13 @@ def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_ca
     # fit, also one that fails; the checkpoints are saved when plain ddp's are
     run_script(SCRIPT.parent / "hetero_batch_counts.py", devices, tmp_path / "out.json", timeout=240)
     found = json.loads((tmp_path / "out.json").read_text())
+    compared = ("refused", "steps", "samples", "validated_at", "saved", "after", "lrs", "frequencies")
     for case in ("limited", "overfit", "failed", "every_batch", "fractions", "uneven_steps", "whole_epochs", "loader_drops_last",
-                 "no_whole_batch"):
+                 "no_whole_batch", "scheduled", "scheduled_limited"):
         plain, hetero = found["plain"][case], found["hetero"][case]
-        assert {key: hetero[key] for key in ("refused", "steps", "samples", "validated_at", "saved", "after")} == \
-            {key: plain[key] for key in ("refused", "steps", "samples", "validated_at", "saved", "after")}, case
-        if case not in ("uneven_steps", "whole_epochs", "loader_drops_last"):  # (steps of 4 x ranks samples: the weights follow from them)
+        assert {key: hetero[key] for key in compared} == {key: plain[key] for key in compared}, case
+        # (steps of 4 x ranks samples at one learning rate: the weights follow from them)
+        if case not in ("uneven_steps", "whole_epochs", "loader_drops_last", "scheduled", "scheduled_limited"):
             for run in (plain, hetero):  # (plain ddp shuffles the samples, the strategy here was told not to)
                 assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
     # review and a new user's trial: overfit_batches trained other shuffled samples each epoch; fractions counted the
@@ -215,6 +219,22 @@ def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_ca
     interval, batches = (11, 10) if devices == 1 else (5, 4)
     assert f"`val_check_interval` ({interval}) must be less than or equal to the number of the training batches ({batches})" \
         in found["strategy_drops_last"]["refused"]
+    # a new user's trial: Lightning steps an interval="step" scheduler where its frequency divides the epoch's batches
+    # counted, and the micro-batches halved it every step where plain ddp halves it every second step (every 4
+    # batches of 2 a step); the frequency is the user's again after the fit
+    scheduled = found["hetero"]["scheduled"]
+    assert len(scheduled["lrs"]) == 2 * (5 if devices == 1 else 3) and len(set(scheduled["lrs"])) > 2
+    assert scheduled["frequencies"] == [4] and found["hetero"]["scheduled_limited"]["frequencies"] == [3]
+    # another new user's trial: each rank's own part of the data (use_distributed_sampler=False) trained the part of
+    # it the strategy meant for that rank (half the samples); it is refused where the ranks' datasets differ, by their
+    # Subset indices or their samples; the whole dataset on every rank, also drawn with random noise, trains each sample
+    own = found["own_parts"]
+    for case in ("subsets", "tensors"):
+        assert (own[case]["refused"] is not None and "the ranks' training datasets differ" in own[case]["refused"]) == (devices == 2)
+    if devices == 2:
+        assert "Subset indices" in own["subsets"]["refused"] and "first and last samples" in own["tensors"]["refused"]
+    for case in ("whole", "noisy"):
+        assert own[case]["refused"] is None and own[case]["samples"] == 2 * 40
     # AutoFit's caps split the batches too (a device that holds 2 samples a micro-step: micro-batches of 1 or 2, by
     # the speeds it reads)
     autofit, plain = found["autofit"]["limited"], found["plain"]["limited"]
