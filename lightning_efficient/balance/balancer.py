@@ -195,15 +195,15 @@ def _feed(digest: Any, value: Any) -> None:
 
 def _dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
     """What tells one rank's training dataset from another's without iterating it: its class and length, the indices of
-    each ``Subset`` in it, a Hugging Face dataset's fingerprint, and (``read_samples``) its first and last sample where
-    reading them twice gives the same bytes (a random augmentation is not the data)."""
+    each ``Subset`` in it and (``read_samples``) its first and last sample where reading them twice gives the same bytes
+    (a random augmentation is not the data). Not a Hugging Face dataset's fingerprint: a transform it cannot hash gets
+    a random one, another on each rank."""
     identity: dict[str, Any] = {"class": type(dataset).__qualname__, "length": len(dataset)}
     chain, inner = [], dataset
     while hasattr(getattr(inner, "indices", None), "__len__") and hasattr(inner, "dataset"):
         chain.append(_digest(torch.as_tensor(inner.indices, dtype=torch.int64)))
         inner = inner.dataset
     identity["subset indices"] = chain
-    identity["fingerprint"] = getattr(inner, "_fingerprint", None)
     if read_samples and len(dataset):
         reads = [_digest(dataset[i]) for i in (0, 0, len(dataset) - 1, len(dataset) - 1)]
         identity["samples"] = reads[0::2] if reads[0::2] == reads[1::2] and None not in reads else None
@@ -229,8 +229,8 @@ def _check_same_dataset(name: str, dataset: Any, read_samples: bool) -> None:
             "use_distributed_sampler at its default), or use strategy='ddp' to train each rank's own part")
 
 
-_IDENTITY_WORDS = {"class": "classes", "length": "lengths", "subset indices": "Subset indices",
-                   "fingerprint": "Hugging Face dataset fingerprints", "samples": "first and last samples"}
+_IDENTITY_WORDS = {"class": "classes", "length": "lengths", "samples": "first and last samples",
+                   "subset indices": "Subset indices (random_split draws another split on each rank unless given a seeded generator)"}
 
 
 class Balancer:
