@@ -26,6 +26,7 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _s
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -39,7 +40,7 @@ from torch.utils.data import (
 )
 
 from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
-from lightning_efficient._distributed import WaitMarks, gather_objects, gather_or_raise_together
+from lightning_efficient._distributed import WaitMarks, gather_objects, gather_or_raise_together, waiting_for_other_ranks
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
@@ -323,6 +324,8 @@ class Balancer:
         self._timed: _TimedMicroStep | None = None  # the micro-step whose backward is running
         self._unread: deque[_TimedMicroStep] = deque()  # finished micro-steps, read once the device passed them
         self._timing_forward = False
+        # this rank's samples in the micro-batch while its training_step runs (a mean logged with sync_dist weighs them)
+        self.logging_samples: int | None = None
         self._waits: list[tuple[object, object]] = []
         self._wait_start: object | None = None
         self._hooks: list = []
@@ -525,11 +528,13 @@ class Balancer:
         clock = self._clock()
         self._waits = []
         self._timing_forward = True
+        self.logging_samples = samples
         start = clock.mark()
         try:
             output = step(*args, **kwargs)
         finally:
             self._timing_forward = False
+            self.logging_samples = None
         forward_end = clock.mark()
         self.micro_done += 1
         scaled = self._scaled(output, samples)  # may all-reduce: not part of the timing
@@ -870,6 +875,22 @@ class BalancedStrategy:
         (:meth:`Balancer.load_pending_data_state`)."""
         super().on_train_start()
         self.balancer.load_pending_data_state()
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """The strategy's reduction (``self.log(..., sync_dist=True)`` calls it), as a wait for the other ranks: one in
+        ``training_step`` waits there for the slowest rank, which is not this rank's compute (every rank would read the
+        slowest one's speed). A mean reduced within ``training_step`` weighs each rank's value by its samples in the
+        micro-batch, as plain DDP's equal micro-batches weigh them (a new user's trial: a logged step loss 71.9 for plain
+        DDP's 88.0 at shares 5:3)."""
+        with waiting_for_other_ranks():
+            samples = self.balancer.logging_samples
+            mean = (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")) or reduce_op == ReduceOp.AVG
+            if samples is None or not mean or not isinstance(tensor, Tensor) or self.world_size == 1:
+                return super().reduce(tensor, group=group, reduce_op=reduce_op)
+            value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
+            weighted = super().reduce(value * samples, group=group, reduce_op="sum")
+            total = super().reduce(torch.tensor(float(samples), dtype=value.dtype, device=value.device), group=group, reduce_op="sum")
+            return weighted / total
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The strategy's, then the scheduler frequencies Lightning tests after this micro-batch

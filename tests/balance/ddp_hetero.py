@@ -1,9 +1,10 @@
 """Run by test_strategy.py: 2-process CPU runs of hetero_ddp. Usage: python ddp_hetero.py MODE OUT.
 
 Modes: samples / tokens / selective (two steps with shares 2:1 and learning rate 0, rank 0 saves its
-gradients and global batches; with the suffix _acc, a global batch of 10 with micro-batches capped at 3, so the
-shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank 0 saves the shares over time;
-rebalance_selective: the same with SelectiveTokenLoss gathering every rank's token scores in the step), probe (max_micro_batch="auto"
+gradients and global batches, and in samples the loss logged with sync_dist=True; with the suffix _acc, a global
+batch of 10 with micro-batches capped at 3, so the shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank 0 saves the shares over time;
+rebalance_selective: the same with SelectiveTokenLoss gathering every rank's token scores in the step; rebalance_logged:
+the same with the step's loss logged with sync_dist=True at the step's end), probe (max_micro_batch="auto"
 under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1 by 48 MiB,
 from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is written to OUT).
 """
@@ -68,6 +69,8 @@ class Module(lightning.LightningModule):
             out = out + F.dropout(torch.tanh(self.wide(batch["x"])), 0.1).square().mean()  # draws random numbers
         if self.slow_rank is not None:  # compute that grows with the batch: 1 ms a sample, 3 ms on the slow rank
             time.sleep(0.001 * len(batch["x"]) * (3 if self.global_rank == self.slow_rank else 1))
+        if self.mode in ("rebalance_logged", "samples", "samples_acc"):  # Lightning all-reduces it here: a rank waits
+            self.log("logged_loss", out, sync_dist=True, on_step=True, batch_size=len(batch["x"]))
         return out
 
     def configure_optimizers(self):
@@ -142,6 +145,12 @@ class Record(lightning.Callback):
             micro = [sampler.rank_slice(step, permutation, rank) for rank in range(trainer.world_size)]
             grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
             self.steps.append({"grads": grads, "indices": indices, "micro": micro, "shares": strategy.current_shares})
+            torch.save({"init": self.init, "steps": self.steps}, self.out)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # (the batch that ended the step: its optimizer step saved it; a later micro-batch belongs to the next step)
+        if self.mode in ("samples", "samples_acc") and trainer.global_rank == 0 and self.steps and "logged" not in self.steps[-1]:
+            self.steps[-1]["logged"] = float(trainer.callback_metrics["logged_loss"])  # the step's last micro-batch's
             torch.save({"init": self.init, "steps": self.steps}, self.out)
 
 
