@@ -1,12 +1,13 @@
 """Run by test_strategy.py: 2-process CPU runs of hetero_ddp. Usage: python ddp_hetero.py MODE OUT.
 
-Modes: samples / tokens / selective (two steps with shares 2:1 and learning rate 0, rank 0 saves its
-gradients and global batches, and in samples the loss logged with sync_dist=True; with the suffix _acc, a global
-batch of 10 with micro-batches capped at 3, so the shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank 0 saves the shares over time;
-rebalance_selective: the same with SelectiveTokenLoss gathering every rank's token scores in the step; rebalance_logged:
-the same with the step's loss logged with sync_dist=True at the step's end), probe (max_micro_batch="auto"
-under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1 by 48 MiB,
-from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is written to OUT).
+Modes: samples / tokens / selective (two steps with shares 2:1 and learning rate 0, rank 0 saves its gradients and
+global batches, and in samples the loss logged with sync_dist=True; with the suffix _acc, a global batch of 10 with
+micro-batches capped at 3, so the shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank
+0 saves the shares over time; rebalance_selective: the same with SelectiveTokenLoss gathering every rank's token
+scores in the step; rebalance_logged: the same with the step's loss logged with sync_dist=True at the step's end),
+probe (max_micro_batch="auto" under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1
+by 48 MiB, from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is
+written to OUT).
 """
 
 import hashlib
