@@ -892,6 +892,21 @@ class BalancedStrategy:
             total = super().reduce(torch.tensor(float(samples), dtype=value.dtype, device=value.device), group=group, reduce_op="sum")
             return weighted / total
 
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """The strategy's gather (``self.all_gather``), as a wait for the other ranks (see :meth:`reduce`)."""
+        with waiting_for_other_ranks():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """The strategy's barrier, as a wait for the other ranks (see :meth:`reduce`)."""
+        with waiting_for_other_ranks():
+            super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """The strategy's broadcast, as a wait for the other ranks (see :meth:`reduce`)."""
+        with waiting_for_other_ranks():
+            return super().broadcast(obj, src)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The strategy's, then the scheduler frequencies Lightning tests after this micro-batch
         (:class:`~lightning_efficient._batch_counts.SchedulerFrequencies`)."""

@@ -4,7 +4,8 @@ Modes: samples / tokens / selective (two steps with shares 2:1 and learning rate
 global batches, and in samples the loss logged with sync_dist=True; with the suffix _acc, a global batch of 10 with
 micro-batches capped at 3, so the shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank
 0 saves the shares over time; rebalance_selective: the same with SelectiveTokenLoss gathering every rank's token
-scores in the step; rebalance_logged: the same with the step's loss logged with sync_dist=True at the step's end),
+scores in the step; rebalance_logged: the same with the step's loss logged with sync_dist=True at the step's end;
+rebalance_gathered: the same with the loss gathered by self.all_gather there),
 probe (max_micro_batch="auto" under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1
 by 48 MiB, from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is
 written to OUT).
@@ -72,6 +73,8 @@ class Module(lightning.LightningModule):
             time.sleep(0.001 * len(batch["x"]) * (3 if self.global_rank == self.slow_rank else 1))
         if self.mode in ("rebalance_logged", "samples", "samples_acc"):  # Lightning all-reduces it here: a rank waits
             self.log("logged_loss", out, sync_dist=True, on_step=True, batch_size=len(batch["x"]))
+        if self.mode == "rebalance_gathered":
+            self.gathered = self.all_gather(out.detach())
         return out
 
     def configure_optimizers(self):

@@ -71,12 +71,12 @@ def _assert_global_batch_gradient(mode, init, saved):
             assert (saved["grads"][name] - param.grad).abs().max() <= 1e-12, name
 
 
-@pytest.mark.parametrize("mode", ["rebalance", "rebalance_selective", "rebalance_logged"])
+@pytest.mark.parametrize("mode", ["rebalance", "rebalance_selective", "rebalance_logged", "rebalance_gathered"])
 def test_shares_converge_toward_the_speed_ratio_when_a_rank_is_slowed(tmp_path, mode):
     # rebalance_selective: SelectiveTokenLoss(scope="global") gathers the ranks' token scores within the step, where
     # the faster rank waits for the slower; counted as its compute, both ranks read the slower's speed and the shares
     # never moved (a new user's trial). The gather is a wait now, left out as FSDP2's all-gathers are; so is the
-    # all-reduce of a value logged with sync_dist=True in training_step (rebalance_logged)
+    # all-reduce of a value logged with sync_dist=True in training_step (rebalance_logged) and self.all_gather's
     out = tmp_path / "shares.json"
     _launch(mode, out)
     shares = json.loads(out.read_text())["shares"]
