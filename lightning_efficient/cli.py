@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr
 from typing_extensions import override
 
 import lightning_efficient  # noqa: F401  (registers the package's strategies)
+from lightning_efficient._distributed import destroy_process_group_at_exit
 from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -371,6 +372,7 @@ def main() -> None:
     # Lightning 2.6's pytree helper trips torch's own deprecation of LeafSpec on every fit: nothing a
     # user of this command can act on (it is between Lightning and torch), so the command hides it
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    destroy_process_group_at_exit()  # a gloo group alive at exit can abort a run that did all it had to
     if sys.argv[1:2] == ["plan"]:
         try:
             run_plan(sys.argv[2:])

@@ -40,7 +40,13 @@ from torch.utils.data import (
 )
 
 from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
-from lightning_efficient._distributed import WaitMarks, gather_objects, gather_or_raise_together, waiting_for_other_ranks
+from lightning_efficient._distributed import (
+    WaitMarks,
+    destroy_process_group_at_exit,
+    gather_objects,
+    gather_or_raise_together,
+    waiting_for_other_ranks,
+)
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
 from lightning_efficient.balance.planner import SharePlan, plan_shares
@@ -856,8 +862,10 @@ class BalancedStrategy:
         launches the others only; the ranks it starts keep torch's default (every core), so on CPU
         they oversubscribe the cores and run several times slower than rank 0 — measured speeds
         would then follow the thread counts, not the hardware. Without ``OMP_NUM_THREADS`` set, every
-        rank here gets the launching process's count (a no-op where it already has it)."""
+        rank here gets the launching process's count (a no-op where it already has it). The process group is destroyed
+        at exit (:func:`~lightning_efficient._distributed.destroy_process_group_at_exit`)."""
         super().setup_environment()
+        destroy_process_group_at_exit()
         _set_num_threads_if_needed(num_processes=self.num_processes)
 
     def setup(self, trainer: Any) -> None:

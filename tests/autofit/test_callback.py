@@ -1101,7 +1101,7 @@ def test_batch_counts_lightning_takes_as_integers_count_the_same_samples_at_the_
 def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_up_and_said(recwarn):
     trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=3, val_check_interval=2, logger=False)
     autofit = AutoFit(budget="1GiB")
-    autofit._rescale_batch_counts(trainer, 4, 16)  # batches of 4 counted in micro-batches of 16
+    autofit._rescale_batch_counts(trainer, 4, 16, 1)  # batches of 4 counted in micro-batches of 16
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (1, 1)
     said = [str(w.message) for w in recwarn.list if "AutoFit" in str(w.message)]
     assert said == ["AutoFit: limit_train_batches=3 batches of 4 samples is 0.75 micro-batches of 16; counting 1 "
@@ -1113,7 +1113,7 @@ def test_a_batch_count_that_is_no_whole_number_of_micro_batches_is_rounded_up_an
     # review: no training (0) stays none, and a time-based interval (no val_check_interval attribute) is left alone
     recwarn.clear()
     trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0, val_check_interval="00:00:01:00", logger=False)
-    autofit._rescale_batch_counts(trainer, 4, 2)
+    autofit._rescale_batch_counts(trainer, 4, 2, 2)
     assert trainer.limit_train_batches == 0 and not hasattr(trainer, "val_check_interval") and autofit._undo_settings == []
     assert not [w for w in recwarn.list if "AutoFit" in str(w.message)]
 
@@ -1129,7 +1129,7 @@ def test_a_validation_interval_is_cut_to_the_epochs_micro_batches_only_where_lig
     trainer = lightning.Trainer(accelerator="cpu", val_check_interval=interval, check_val_every_n_epoch=every_n_epoch, logger=False)
     autofit = AutoFit(budget="1GiB")
     autofit._rank_epoch = lambda trainer: (10, False)
-    autofit._rescale_batch_counts(trainer, 4, 2)
+    autofit._rescale_batch_counts(trainer, 4, 2, 2)
     assert trainer.val_check_interval == counted
     # a second review: counted across epochs, one number cannot follow an epoch of 5 micro-batches for 3 batches (not
     # 6): each later validation moves, which is said
@@ -1160,19 +1160,19 @@ def test_fractions_of_an_epoch_count_the_users_batches_as_lightning_would_then_m
     trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0.5, val_check_interval=0.5, logger=False)
     autofit = AutoFit(budget="1GiB")
     autofit._rank_epoch = lambda trainer: (12, False)  # 3 batches of 4, 6 micro-batches of 2
-    autofit._rescale_batch_counts(trainer, 4, 2)
+    autofit._rescale_batch_counts(trainer, 4, 2, 2)
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (2, 2)  # 1 batch trained, validated after it
     autofit._undo(None)
     assert (trainer.limit_train_batches, trainer.val_check_interval) == (0.5, 0.5)
     # an interval beyond the batches trained is refused in the user's numbers (it named 8 of 6 micro-batches)
     trainer = lightning.Trainer(accelerator="cpu", val_check_interval=4, logger=False)
     with pytest.raises(ValueError, match=r"`val_check_interval` \(4\) must be less than or equal to the number of the training batches \(3\)"):
-        autofit._rescale_batch_counts(trainer, 4, 2)
+        autofit._rescale_batch_counts(trainer, 4, 2, 2)
     # a DataLoader that drops its last incomplete batch: whole batches (10 samples: 2 of 4, 5 of 2), as Lightning counts
     # them (review: 0.7 of 3 batches counted 2 where Lightning's 0.7 of 2 is 1)
     trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=0.7, logger=False)
     autofit._rank_epoch = lambda trainer: (10, True)
-    autofit._rescale_batch_counts(trainer, 4, 2)
+    autofit._rescale_batch_counts(trainer, 4, 2, 2)
     assert trainer.limit_train_batches == 2
     # a fraction of no whole batch of the user's (0.3 of 3) is refused as Lightning refuses it; taken of the 6
     # micro-batches, it counted 1 and trained half a batch
@@ -1180,24 +1180,24 @@ def test_fractions_of_an_epoch_count_the_users_batches_as_lightning_would_then_m
     autofit = AutoFit(budget="1GiB")
     autofit._rank_epoch = lambda trainer: (12, False)
     with pytest.raises(MisconfigurationException, match=r"You requested to check 0.3 of the `train_dataloader` but 0.3 \* 3 < 1"):
-        autofit._rescale_batch_counts(trainer, 4, 2)
+        autofit._rescale_batch_counts(trainer, 4, 2, 2)
     assert trainer.limit_train_batches == 0.3 and autofit._undo_settings == []
     # with no count set, the epoch is the micro-batches of the user's whole batches (a second review: 10 samples in
     # batches of 4 with drop_last, at micro-batches of 2, trained 10 samples in 3 steps where plain Lightning trains 8 in 2)
     trainer = lightning.Trainer(accelerator="cpu", logger=False)
     autofit = AutoFit(budget="1GiB")
     autofit._rank_epoch = lambda trainer: (10, True)
-    autofit._rescale_batch_counts(trainer, 4, 2)
+    autofit._rescale_batch_counts(trainer, 4, 2, 2)
     assert trainer.limit_train_batches == 4
     autofit._undo(None)
     assert trainer.limit_train_batches == 1.0 and isinstance(trainer.limit_train_batches, float)
     # the integer 1 is one batch, not the epoch; where the micro-batch drops nothing more (12 samples), nothing is set
     trainer = lightning.Trainer(accelerator="cpu", limit_train_batches=1, logger=False)
-    autofit._rescale_batch_counts(trainer, 4, 2)
+    autofit._rescale_batch_counts(trainer, 4, 2, 2)
     assert trainer.limit_train_batches == 2
     trainer, autofit = lightning.Trainer(accelerator="cpu", logger=False), AutoFit(budget="1GiB")
     autofit._rank_epoch = lambda trainer: (12, True)
-    autofit._rescale_batch_counts(trainer, 4, 2)
+    autofit._rescale_batch_counts(trainer, 4, 2, 2)
     assert trainer.limit_train_batches == 1.0 and autofit._undo_settings == []
 
 
