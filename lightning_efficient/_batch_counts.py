@@ -57,6 +57,12 @@ def counted_batches(settings: dict[str, Any], epoch_batches: int | None) -> dict
     return counts
 
 
+def batches_trained(counts: dict[str, int], epoch_batches: int | None) -> int | None:
+    """The user's batches an epoch of ``epoch_batches`` of them (None: unknown) trains under the ``counts`` of
+    :func:`counted_batches`."""
+    return None if epoch_batches is None else min(epoch_batches, counts.get("limit_train_batches", epoch_batches))
+
+
 def counts_in_micro_batches(trainer: Any, counts: dict[str, int], micro_per_batch: Fraction, *, epoch: tuple[int, int] | None,
                             who: str, batch_words: str, micro_words: str) -> dict[str, int]:
     """``counts`` of the user's batches as counts of micro-batches, ``micro_per_batch`` of them a batch: rounded up
@@ -66,7 +72,7 @@ def counts_in_micro_batches(trainer: Any, counts: dict[str, int], micro_per_batc
     or more (a validation interval counted per epoch) is the epoch's micro-batches, which need not be the user's
     batches times ``micro_per_batch`` (a short last batch splits into fewer, an epoch's last step has its own)."""
     counted_counts = {}
-    trained = None if epoch is None else min(epoch[0], counts.get("limit_train_batches", epoch[0]))  # the user's batches
+    trained = batches_trained(counts, None if epoch is None else epoch[0])
     for name, value in counts.items():
         scaled = value * micro_per_batch
         counted = math.ceil(scaled)
@@ -102,7 +108,8 @@ class SchedulerFrequencies:
     ``StepLR`` of frequency 2 halved the rate every step, not every second one, where AutoFit or the caps split each batch
     in two). Before each batch, each such frequency (above 1; 1 steps after every step) is set to what makes Lightning's
     test give the same fit's answer without the plugin: whether the frequency divides the user's batches trained in the
-    epoch by the end of this step. Put back when the fit ends."""
+    epoch by the end of this step. Put back when the fit ends (while the fit runs, ``config.frequency`` reads
+    ``batch_idx + 1`` or ``+ 2``)."""
 
     def __init__(self) -> None:
         self._counting: tuple[int, int, int | None] | None = None
@@ -114,8 +121,7 @@ class SchedulerFrequencies:
         those the ``counts`` of :func:`counted_batches` limit it to."""
         self.put_back()
         if micro_per_step != user_per_step:
-            trained = None if epoch_batches is None else min(epoch_batches, counts.get("limit_train_batches", epoch_batches))
-            self._counting = (micro_per_step, user_per_step, trained)
+            self._counting = (micro_per_step, user_per_step, batches_trained(counts, epoch_batches))
 
     def before_batch(self, trainer: Any, batch_idx: int) -> None:
         """Set the frequencies Lightning tests after the batch ``batch_idx`` of the epoch (an index of micro-batches)."""

@@ -40,6 +40,9 @@ class WaitMarks:
             _wait_marks.remove(self.marks)
 
 
+_destroy_registered = False  # destroy_process_group_at_exit's handler registered
+
+
 def destroy_process_group_at_exit() -> None:
     """Destroy the default process group when the interpreter exits, while it is whole (registered once). A process
     whose gloo group is still alive at finalisation can abort there ("terminate called without an active exception"),
@@ -49,9 +52,6 @@ def destroy_process_group_at_exit() -> None:
     if not _destroy_registered:
         atexit.register(_destroy_process_group)
         _destroy_registered = True
-
-
-_destroy_registered = False
 
 
 def _destroy_process_group() -> None:

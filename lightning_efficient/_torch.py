@@ -1,9 +1,14 @@
-"""Small torch helpers shared across the plugins: storage identity, device sync and timing, seeded orders."""
+"""Small torch helpers shared across the plugins: storage identity, device sync and timing, seeded orders, random
+streams put back."""
 
 from __future__ import annotations
 
+import contextlib
+import random
 import time
+from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -61,3 +66,15 @@ class DeviceClock:
             end.synchronize()
             return start.elapsed_time(end) / 1000.0
         return end - start
+
+
+@contextlib.contextmanager
+def random_streams_restored(device: torch.device) -> Iterator[None]:
+    """torch's (CPU and this CUDA device), Python's and NumPy's global random states put back afterwards."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)

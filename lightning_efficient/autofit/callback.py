@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
@@ -922,13 +923,18 @@ class AutoFit(Callback):
     @staticmethod
     def _rank_epoch(trainer: Trainer) -> tuple[int, bool] | None:
         """This rank's samples in an epoch and whether the training DataLoader drops its last incomplete batch (None
-        where the dataset has no length)."""
+        where the dataset has no length): what the DataLoader's sampler draws, split over the ranks where Lightning puts
+        a ``DistributedSampler`` in its place (a review: with ``use_distributed_sampler=False`` every rank draws the whole
+        dataset, and an epoch counted as half of it stepped a scheduler after every step of its second half)."""
         try:
             loader = trainer.fit_loop._data_source.dataloader()
-            samples = len(loader.dataset)
+            samples = len(loader.sampler)
         except Exception:  # noqa: BLE001 - no loader or an iterable dataset: nothing to count by
             return None
-        return math.ceil(samples / trainer.world_size), bool(getattr(loader, "drop_last", False))
+        distributed = trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler
+        if distributed and not isinstance(loader.sampler, DistributedSampler):
+            samples = math.ceil(samples / trainer.world_size)
+        return samples, bool(getattr(loader, "drop_last", False))
 
     def _undo(self, pl_module: LightningModule) -> None:
         self._scheduler_frequencies.put_back()

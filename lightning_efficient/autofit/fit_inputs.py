@@ -8,29 +8,16 @@ import contextlib
 import copy
 import inspect
 import os
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_efficient._distributed import gather_objects
-
-
-@contextlib.contextmanager
-def random_streams_restored(device: torch.device) -> Iterator[None]:
-    """torch's (CPU and this CUDA device), Python's and NumPy's global random states put back afterwards."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+from lightning_efficient._torch import random_streams_restored
 
 
 @contextlib.contextmanager

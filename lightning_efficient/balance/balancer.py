@@ -11,9 +11,7 @@ gradient sync is switched off, how compute time is told apart from waiting for o
 
 from __future__ import annotations
 
-import hashlib
 import math
-import pickle
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,12 +41,12 @@ from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settin
 from lightning_efficient._distributed import (
     WaitMarks,
     destroy_process_group_at_exit,
-    gather_objects,
     gather_or_raise_together,
     waiting_for_other_ranks,
 )
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
+from lightning_efficient.balance.datasets import check_same_dataset
 from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
@@ -169,75 +167,6 @@ def _check_users_sampler(name: str, dataloader: DataLoader, world: int) -> None:
     rank_zero_warn(f"{name}: the training DataLoader's {given} is replaced by the strategy's own permutation of the "
                    f"{samples} samples over the ranks each epoch (seed + epoch; shuffle=False keeps the dataset's order): "
                    "its order is not kept")
-
-
-def _digest(value: Any) -> str | None:
-    """A digest of ``value``'s content, the same in every process (None where it has no such bytes)."""
-    digest = hashlib.sha1()
-    try:
-        _feed(digest, value)
-    except Exception:  # noqa: BLE001 - a sample of objects that do not pickle: not compared
-        return None
-    return digest.hexdigest()
-
-
-def _feed(digest: Any, value: Any) -> None:
-    """Feed ``value``'s content to ``digest``: tensors by dtype, shape and values (a pickled tensor holds its storage's
-    key, another in each process), containers item by item, anything else pickled."""
-    if isinstance(value, Tensor):
-        value = value.detach().cpu().contiguous()
-        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(value, Mapping):
-        for key in value:
-            _feed(digest, key)
-            _feed(digest, value[key])
-    elif isinstance(value, list | tuple):
-        digest.update(f"{type(value).__name__}{len(value)}".encode())
-        for item in value:
-            _feed(digest, item)
-    else:
-        digest.update(pickle.dumps(value, protocol=4))
-
-
-def _dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
-    """What tells one rank's training dataset from another's without iterating it: its class and length, the indices of
-    each ``Subset`` in it and (``read_samples``) its first and last sample where reading them twice gives the same bytes
-    (a random augmentation is not the data). Not a Hugging Face dataset's fingerprint: a transform it cannot hash gets
-    a random one, another on each rank."""
-    identity: dict[str, Any] = {"class": type(dataset).__qualname__, "length": len(dataset)}
-    chain, inner = [], dataset
-    while hasattr(getattr(inner, "indices", None), "__len__") and hasattr(inner, "dataset"):
-        chain.append(_digest(torch.as_tensor(inner.indices, dtype=torch.int64)))
-        inner = inner.dataset
-    identity["subset indices"] = chain
-    if read_samples and len(dataset):
-        reads = [_digest(dataset[i]) for i in (0, 0, len(dataset) - 1, len(dataset) - 1)]
-        identity["samples"] = reads[0::2] if reads[0::2] == reads[1::2] and None not in reads else None
-    return identity
-
-
-def _check_same_dataset(name: str, dataset: Any, read_samples: bool) -> None:
-    """Refuse training datasets that differ between the ranks: every rank's share of a global batch is drawn from one
-    dataset by index, so a rank's own part of the data (``use_distributed_sampler=False`` over a ``Subset`` per rank, a
-    new user's trial) trained the part of it the strategy meant for that rank, and the rest of every rank's part never."""
-    identities = gather_objects(_dataset_identity(dataset, read_samples))
-    for key in identities[0]:
-        values = [identity.get(key) for identity in identities]
-        if (key == "samples" and None in values) or all(value == values[0] for value in values):
-            continue
-        differing = ", ".join(str(r) for r, value in enumerate(values) if value != values[0])
-        said = (", ".join(f"rank {r}: {value}" for r, value in enumerate(values)) if key in ("class", "length")
-                else f"those of rank(s) {differing} are not rank 0's")
-        raise ValueError(
-            f"{name}: the ranks' training datasets differ ({_IDENTITY_WORDS[key]}: {said}). {name} draws every rank's share "
-            "of each global batch by index from one dataset that every rank holds whole, so a rank's own part of the data "
-            f"would train only partly. Give every rank the same, whole dataset ({name} splits it by shares; leave "
-            "use_distributed_sampler at its default), or use strategy='ddp' to train each rank's own part")
-
-
-_IDENTITY_WORDS = {"class": "classes", "length": "lengths", "samples": "first and last samples",
-                   "subset indices": "Subset indices (random_split draws another split on each rank unless given a seeded generator)"}
 
 
 class Balancer:
@@ -409,7 +338,7 @@ class Balancer:
             )
         world = self.world
         _check_users_sampler(name, dataloader, world)
-        _check_same_dataset(name, dataloader.dataset, read_samples=not trainer._accelerator_connector.use_distributed_sampler)
+        check_same_dataset(name, dataloader, world, distributed_sampler=trainer._accelerator_connector.use_distributed_sampler)
         if self.global_batch_size is None and dataloader.batch_size is None:
             raise ValueError(
                 f"{name}: the training DataLoader has a batch_sampler and no batch_size, so the global batch is "
@@ -896,9 +825,9 @@ class BalancedStrategy:
             if samples is None or not mean or not isinstance(tensor, Tensor) or self.world_size == 1:
                 return super().reduce(tensor, group=group, reduce_op=reduce_op)
             value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
-            weighted = super().reduce(value * samples, group=group, reduce_op="sum")
-            total = super().reduce(torch.tensor(float(samples), dtype=value.dtype, device=value.device), group=group, reduce_op="sum")
-            return weighted / total
+            # one all-reduce of the weighted values and the weight
+            summed = super().reduce(torch.cat([value.reshape(-1) * samples, value.new_full((1,), samples)]), group=group, reduce_op="sum")
+            return (summed[:-1] / summed[-1]).reshape(value.shape)
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         """The strategy's gather (``self.all_gather``), as a wait for the other ranks (see :meth:`reduce`)."""

@@ -336,3 +336,16 @@ def test_caps_under_hetero_ddp_with_an_accumulation_set_get_the_micro_batches_th
         assert run["micro"] and all(size <= caps[rank] for _, size, _ in run["micro"])
         assert run["accumulation_after"] == ACCUMULATE
     assert set(_samples_per_step(results["estimated_steps"], "hetero_ddp_accumulating").values()) == {GLOBAL_BATCH}
+
+
+def test_a_scheduler_stepped_every_few_batches_steps_as_without_autofit_on_two_processes(tmp_path):
+    # a StepLR of frequency 2 (batches) at AutoFit's micro-batches of 2 for batches of 4: with Lightning's
+    # DistributedSampler, and with use_distributed_sampler=False, where every rank draws the whole dataset (a review: the
+    # epoch was counted as half of it, and every step of its second half halved the rate)
+    run_script(HERE / "ddp_scheduler.py", tmp_path / "out.json", timeout=300)
+    found = json.loads((tmp_path / "out.json").read_text())
+    for sampler, steps in (("distributed", 4), ("whole", 8)):
+        plain, autofit = found[f"plain_{sampler}"], found[f"autofit_{sampler}"]
+        assert autofit["micro_batches"] == [2, 2]
+        assert autofit["steps"] == plain["steps"] == steps and autofit["lrs"] == plain["lrs"], sampler
+        assert plain["lrs"] == [0.1 * 0.5 ** (step // 2) for step in range(steps)]

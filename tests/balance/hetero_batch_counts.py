@@ -154,7 +154,8 @@ if __name__ == "__main__":
                        use_distributed_sampler=False),
         "tensors": fit(devices, True, dataset=lambda data, rank, world: TensorDataset(data[rank::world]), use_distributed_sampler=False),
         "whole": fit(devices, True, use_distributed_sampler=False),
-        "noisy": fit(devices, True, dataset=lambda data, rank, world: Noisy(data), use_distributed_sampler=False)}
+        "noisy": fit(devices, True, dataset=lambda data, rank, world: Noisy(data), use_distributed_sampler=False),
+        "noisy_parts": fit(devices, True, dataset=lambda data, rank, world: Noisy(data[rank::world]), use_distributed_sampler=False)}
     # AutoFit's caps (the device holds 2 samples a micro-step) in place of max_micro_batch
     found["autofit"] = {"limited": fit(devices, True, autofit=True, limit_train_batches=3, val_check_interval=2)}
     if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:

@@ -234,7 +234,7 @@ def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_ca
     # it the strategy meant for that rank (half the samples); it is refused where the ranks' datasets differ, by their
     # Subset indices or their samples; the whole dataset on every rank, also drawn with random noise, trains each sample
     own = found["own_parts"]
-    for case in ("subsets", "tensors"):
+    for case in ("subsets", "tensors", "noisy_parts"):  # (the noise drawn under the same seeds on every rank: a review)
         assert (own[case]["refused"] is not None and "the ranks' training datasets differ" in own[case]["refused"]) == (devices == 2)
     if devices == 2:
         assert "Subset indices" in own["subsets"]["refused"] and "first and last samples" in own["tensors"]["refused"]

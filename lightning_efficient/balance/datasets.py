@@ -1,0 +1,137 @@
+"""Whether every rank holds the same training dataset: the heterogeneous strategies draw each rank's share of a global
+batch by index from one dataset that every rank holds whole."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.utils.data import DataLoader, Subset
+
+from lightning_efficient._distributed import gather_or_raise_together
+from lightning_efficient._torch import random_streams_restored
+
+IDENTITY_WORDS = {"class": "classes", "length": "lengths", "samples": "first and last samples",
+                  "subset indices": "Subset indices (random_split draws another split on each rank unless given a seeded generator)"}
+
+
+def check_same_dataset(name: str, dataloader: DataLoader, world: int, distributed_sampler: bool) -> None:
+    """Refuse training datasets that differ between the ``world`` ranks: a rank's own part of the data
+    (``use_distributed_sampler=False`` over a ``Subset`` per rank, a new user's trial) trained the part of it the
+    strategy meant for that rank, and the rest of every rank's part never.
+
+    Told apart by class, length and the indices of each ``Subset``; with ``distributed_sampler=False`` (where a rank's
+    own part is what plain Lightning would train) also by the first and last samples, where this process reads the
+    samples anyway (no DataLoader workers: a file a dataset opens on its first read would otherwise be open before the
+    workers fork), read under the same seeds on every rank. Every rank raises together, also where a read raised on one.
+    """
+    if world == 1:
+        return
+    read_samples = not distributed_sampler and dataloader.num_workers == 0
+    identity, error = None, None
+    try:
+        identity = dataset_identity(dataloader.dataset, read_samples)
+    except Exception as failure:  # noqa: BLE001 - every rank learns of it and raises it together
+        error = failure
+    identities = gather_or_raise_together(identity, error, f"{name} could not compare the ranks' training datasets")
+    for key in identities[0]:
+        values = [identity[key] for identity in identities]
+        if key == "samples" and None in values:
+            continue
+        if any(value != values[0] for value in values):
+            _refuse(name, key, values)
+    unread = not read_samples or any(identity["samples"] is None for identity in identities)
+    if not distributed_sampler and unread:
+        why = ("two reads of a sample under the same seeds differ: the dataset draws from a generator of its own"
+               if read_samples else "DataLoader workers read the samples, not this process")
+        rank_zero_warn(f"{name}: with use_distributed_sampler=False every rank's training DataLoader must still hold the "
+                       f"same, whole dataset, which {name} splits by shares; the ranks' datasets were compared by class, "
+                       f"length and Subset indices only ({why}): a rank's own part of the data would train only partly")
+
+
+def _refuse(name: str, key: str, values: list[Any]) -> None:
+    differing = ", ".join(str(rank) for rank, value in enumerate(values) if value != values[0])
+    said = (", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values)) if key in ("class", "length")
+            else f"those of rank(s) {differing} are not rank 0's")
+    raise ValueError(
+        f"{name}: the ranks' training datasets differ ({IDENTITY_WORDS[key]}: {said}). {name} draws every rank's share of "
+        "each global batch by index from one dataset that every rank holds whole, so a rank's own part of the data "
+        f"would train only partly. Give every rank the same, whole dataset ({name} splits it by shares; leave "
+        "use_distributed_sampler at its default), or use strategy='ddp' to train each rank's own part")
+
+
+def dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
+    """What tells one rank's training dataset from another's without iterating it: its class and length, the indices of
+    each ``Subset`` in it and (``read_samples``) the digests of its first and last samples, read twice under the same
+    seeds of torch's, Python's and NumPy's streams (put back afterwards), so that a random augmentation drawn from them
+    reads alike on every rank; None where the two reads differ (one drawn from a generator of the dataset's own). Not a
+    Hugging Face dataset's fingerprint: a transform it cannot hash gets a random one, another on each rank."""
+    identity: dict[str, Any] = {"class": type(dataset).__qualname__, "length": len(dataset)}
+    chain, inner = [], dataset
+    while isinstance(inner, Subset):
+        chain.append(_indices_digest(inner.indices))
+        inner = inner.dataset
+    identity["subset indices"] = chain
+    if read_samples:
+        reads = [_seeded_reads(dataset, (0, len(dataset) - 1) if len(dataset) else ()) for _ in range(2)]
+        identity["samples"] = reads[0] if reads[0] == reads[1] and None not in reads[0] else None
+    return identity
+
+
+def _indices_digest(indices: Any) -> str | None:
+    """A digest of a ``Subset``'s indices as int64 values, whatever holds them (a list, a range, an array, a tensor)."""
+    try:
+        return digest(torch.as_tensor(indices, dtype=torch.int64))
+    except (TypeError, ValueError, RuntimeError):  # not integers: compared as they are
+        return digest(indices)
+
+
+def _seeded_reads(dataset: Any, indices: tuple[int, ...]) -> list[str | None]:
+    with random_streams_restored(torch.device("cpu")):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        return [digest(dataset[index]) for index in indices]
+
+
+def digest(value: Any) -> str | None:
+    """A digest of ``value``'s content, the same in every process (None where it has none: an object that does not
+    pickle)."""
+    hashed = hashlib.sha1()
+    try:
+        _feed(hashed, value)
+    except Exception:  # noqa: BLE001 - a sample of objects that do not pickle: not compared
+        return None
+    return hashed.hexdigest()
+
+
+def _feed(hashed: Any, value: Any) -> None:
+    """Feed ``value``'s content to ``hashed``: tensors and arrays by dtype, shape and values (a pickled tensor holds its
+    storage's key, another in each process), containers item by item (a set's items in the order of their digests: its
+    own order follows string hashing, another in each process), anything else pickled."""
+    if isinstance(value, Tensor | np.ndarray):
+        array = value.detach().cpu().contiguous() if isinstance(value, Tensor) else np.ascontiguousarray(value)
+        hashed.update(f"{type(value).__name__}{array.dtype}{tuple(array.shape)}".encode())
+        hashed.update(array.reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(array, Tensor) else array.tobytes())
+    elif isinstance(value, Mapping):
+        hashed.update(f"{type(value).__name__}{len(value)}".encode())
+        for key in value:
+            _feed(hashed, key)
+            _feed(hashed, value[key])
+    elif isinstance(value, list | tuple | range):
+        hashed.update(f"{type(value).__name__}{len(value)}".encode())
+        for item in value:
+            _feed(hashed, item)
+    elif isinstance(value, set | frozenset):
+        hashed.update(f"{type(value).__name__}{len(value)}".encode())
+        for item_digest in sorted(digest(item) or "" for item in value):
+            hashed.update(item_digest.encode())
+    else:
+        hashed.update(pickle.dumps(value, protocol=4))
