@@ -3,6 +3,7 @@ batch by index from one dataset that every rank holds whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pickle
 import random
@@ -19,7 +20,9 @@ from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._torch import random_streams_restored
 
 IDENTITY_WORDS = {"class": "classes", "length": "lengths", "samples": "first and last samples",
-                  "subset indices": "Subset indices (random_split draws another split on each rank unless given a seeded generator)"}
+                  "subset indices": "Subset indices (from a random_split? give it a seeded generator)"}
+READS = 4  # reads of each compared sample that must agree (a 50% flip from a generator of its own: all 4 alike 1 in 8)
+UNCOMPARABLE = "they hold objects other than tensors, arrays, numbers, strings, dataclasses and containers of them"
 
 
 def check_same_dataset(name: str, dataloader: DataLoader, world: int, distributed_sampler: bool) -> None:
@@ -43,17 +46,18 @@ def check_same_dataset(name: str, dataloader: DataLoader, world: int, distribute
     identities = gather_or_raise_together(identity, error, f"{name} could not compare the ranks' training datasets")
     for key in identities[0]:
         values = [identity[key] for identity in identities]
-        if key == "samples" and None in values:
+        if key == "samples" and any(isinstance(value, str) for value in values):  # not comparable on some rank
             continue
         if any(value != values[0] for value in values):
             _refuse(name, key, values)
-    unread = not read_samples or any(identity["samples"] is None for identity in identities)
-    if not distributed_sampler and unread:
-        why = ("two reads of a sample under the same seeds differ: the dataset draws from a generator of its own"
-               if read_samples else "DataLoader workers read the samples, not this process")
-        rank_zero_warn(f"{name}: with use_distributed_sampler=False every rank's training DataLoader must still hold the "
-                       f"same, whole dataset, which {name} splits by shares; the ranks' datasets were compared by class, "
-                       f"length and Subset indices only ({why}): a rank's own part of the data would train only partly")
+    if not distributed_sampler:
+        unread = "DataLoader workers read them, not this process" if not read_samples else next(
+            (identity["samples"] for identity in identities if isinstance(identity["samples"], str)), None)
+        if unread is not None:
+            rank_zero_warn(f"{name}: with use_distributed_sampler=False every rank's training DataLoader must still hold "
+                           f"the same, whole dataset, which {name} splits by shares; the ranks' datasets were compared by "
+                           f"class, length and Subset indices only (not their samples: {unread}): a rank's own part of the "
+                           "data would train only partly")
 
 
 def _refuse(name: str, key: str, values: list[Any]) -> None:
@@ -69,10 +73,9 @@ def _refuse(name: str, key: str, values: list[Any]) -> None:
 
 def dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
     """What tells one rank's training dataset from another's without iterating it: its class and length, the indices of
-    each ``Subset`` in it and (``read_samples``) the digests of its first and last samples, read twice under the same
-    seeds of torch's, Python's and NumPy's streams (put back afterwards), so that a random augmentation drawn from them
-    reads alike on every rank; None where the two reads differ (one drawn from a generator of the dataset's own). Not a
-    Hugging Face dataset's fingerprint: a transform it cannot hash gets a random one, another on each rank."""
+    each ``Subset`` in it and (``read_samples``) the digests of its first and last samples (:func:`_sample_digests`; why
+    not, where they cannot be compared). Not a Hugging Face dataset's fingerprint: a transform it cannot hash gets a
+    random one, another on each rank."""
     identity: dict[str, Any] = {"class": type(dataset).__qualname__, "length": len(dataset)}
     chain, inner = [], dataset
     while isinstance(inner, Subset):
@@ -80,8 +83,7 @@ def dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
         inner = inner.dataset
     identity["subset indices"] = chain
     if read_samples:
-        reads = [_seeded_reads(dataset, (0, len(dataset) - 1) if len(dataset) else ()) for _ in range(2)]
-        identity["samples"] = reads[0] if reads[0] == reads[1] and None not in reads[0] else None
+        identity["samples"] = _sample_digests(dataset)
     return identity
 
 
@@ -93,21 +95,33 @@ def _indices_digest(indices: Any) -> str | None:
         return digest(indices)
 
 
-def _seeded_reads(dataset: Any, indices: tuple[int, ...]) -> list[str | None]:
-    with random_streams_restored(torch.device("cpu")):
-        torch.manual_seed(0)
-        np.random.seed(0)
-        random.seed(0)
-        return [digest(dataset[index]) for index in indices]
+def _sample_digests(dataset: Any) -> list[str] | str:
+    """The digests of ``dataset``'s first and last samples, each read :data:`READS` times under the same seeds of
+    torch's, Python's and NumPy's streams (put back afterwards), so that a random augmentation drawn from them reads
+    alike on every rank; or why they cannot be compared: reads that differ (a generator of the dataset's own: a few
+    outcomes could agree twice by chance, and refuse a dataset that is the same on every rank), or a sample without a
+    content :func:`digest` reads."""
+    indices = (0, len(dataset) - 1) if len(dataset) else ()
+    reads = []
+    for _ in range(READS):
+        with random_streams_restored(torch.device("cpu")):
+            torch.manual_seed(0)
+            np.random.seed(0)
+            random.seed(0)
+            reads.append([digest(dataset[index]) for index in indices])
+    if None in reads[0]:
+        return UNCOMPARABLE
+    if any(read != reads[0] for read in reads):
+        return "two reads under the same seeds differ, a generator of the dataset's own"
+    return reads[0]
 
 
 def digest(value: Any) -> str | None:
-    """A digest of ``value``'s content, the same in every process (None where it has none: an object that does not
-    pickle)."""
+    """A digest of ``value``'s content, the same in every process (None for an object :func:`_feed` does not read)."""
     hashed = hashlib.sha1()
     try:
         _feed(hashed, value)
-    except Exception:  # noqa: BLE001 - a sample of objects that do not pickle: not compared
+    except (TypeError, ValueError, RuntimeError, pickle.PicklingError):  # not compared
         return None
     return hashed.hexdigest()
 
@@ -115,8 +129,11 @@ def digest(value: Any) -> str | None:
 def _feed(hashed: Any, value: Any) -> None:
     """Feed ``value``'s content to ``hashed``: tensors and arrays by dtype, shape and values (a pickled tensor holds its
     storage's key, another in each process), containers item by item (a set's items in the order of their digests: its
-    own order follows string hashing, another in each process), anything else pickled."""
-    if isinstance(value, Tensor | np.ndarray):
+    own order follows string hashing, another in each process), a dataclass field by field, numbers, strings and bytes
+    pickled; anything else raises TypeError (its pickle may hold what differs between processes, as a tensor's does)."""
+    if isinstance(value, np.ndarray) and value.dtype == object:  # (its bytes are pointers)
+        _feed(hashed, value.tolist())
+    elif isinstance(value, Tensor | np.ndarray):
         array = value.detach().cpu().contiguous() if isinstance(value, Tensor) else np.ascontiguousarray(value)
         hashed.update(f"{type(value).__name__}{array.dtype}{tuple(array.shape)}".encode())
         hashed.update(array.reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(array, Tensor) else array.tobytes())
@@ -133,5 +150,12 @@ def _feed(hashed: Any, value: Any) -> None:
         hashed.update(f"{type(value).__name__}{len(value)}".encode())
         for item_digest in sorted(digest(item) or "" for item in value):
             hashed.update(item_digest.encode())
-    else:
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        hashed.update(type(value).__qualname__.encode())
+        for field in dataclasses.fields(value):
+            _feed(hashed, field.name)
+            _feed(hashed, getattr(value, field.name))
+    elif value is None or isinstance(value, bool | int | float | complex | str | bytes | np.generic):
         hashed.update(pickle.dumps(value, protocol=4))
+    else:
+        raise TypeError(f"no content digest for {type(value).__qualname__}")
