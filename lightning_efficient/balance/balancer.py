@@ -824,10 +824,11 @@ class BalancedStrategy:
             mean = (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")) or reduce_op == ReduceOp.AVG
             if samples is None or not mean or not isinstance(tensor, Tensor) or self.world_size == 1:
                 return super().reduce(tensor, group=group, reduce_op=reduce_op)
-            value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
-            # one all-reduce of the weighted values and the weight
+            # one all-reduce of the weighted values and the weight, in float64 (a half-precision product overflows)
+            value = tensor.to(torch.float64)
             summed = super().reduce(torch.cat([value.reshape(-1) * samples, value.new_full((1,), samples)]), group=group, reduce_op="sum")
-            return (summed[:-1] / summed[-1]).reshape(value.shape)
+            mean = (summed[:-1] / summed[-1]).reshape(tensor.shape)
+            return mean.to(tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype())
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         """The strategy's gather (``self.all_gather``), as a wait for the other ranks (see :meth:`reduce`)."""

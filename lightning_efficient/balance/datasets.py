@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import pickle
 import random
 from collections.abc import Mapping
@@ -48,8 +49,9 @@ def check_same_dataset(name: str, dataloader: DataLoader, world: int, distribute
         values = [identity[key] for identity in identities]
         if key == "samples" and any(isinstance(value, str) for value in values):  # not comparable on some rank
             continue
-        if any(value != values[0] for value in values):
-            _refuse(name, key, values)
+        differing = [rank for rank, value in enumerate(values) if not alike(value, values[0])]
+        if differing:
+            _refuse(name, key, values, differing)
     if not distributed_sampler:
         unread = "DataLoader workers read them, not this process" if not read_samples else next(
             (identity["samples"] for identity in identities if isinstance(identity["samples"], str)), None)
@@ -60,10 +62,9 @@ def check_same_dataset(name: str, dataloader: DataLoader, world: int, distribute
                            "data would train only partly")
 
 
-def _refuse(name: str, key: str, values: list[Any]) -> None:
-    differing = ", ".join(str(rank) for rank, value in enumerate(values) if value != values[0])
+def _refuse(name: str, key: str, values: list[Any], differing: list[int]) -> None:
     said = (", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values)) if key in ("class", "length")
-            else f"those of rank(s) {differing} are not rank 0's")
+            else f"those of rank(s) {', '.join(map(str, differing))} are not rank 0's")
     raise ValueError(
         f"{name}: the ranks' training datasets differ ({IDENTITY_WORDS[key]}: {said}). {name} draws every rank's share of "
         "each global batch by index from one dataset that every rank holds whole, so a rank's own part of the data "
@@ -73,8 +74,8 @@ def _refuse(name: str, key: str, values: list[Any]) -> None:
 
 def dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
     """What tells one rank's training dataset from another's without iterating it: its class and length, the indices of
-    each ``Subset`` in it and (``read_samples``) the digests of its first and last samples (:func:`_sample_digests`; why
-    not, where they cannot be compared). Not a Hugging Face dataset's fingerprint: a transform it cannot hash gets a
+    each ``Subset`` in it and (``read_samples``) the summaries of its first and last samples (:func:`_sample_summaries`;
+    why not, where they cannot be compared). Not a Hugging Face dataset's fingerprint: a transform it cannot hash gets a
     random one, another on each rank."""
     identity: dict[str, Any] = {"class": type(dataset).__qualname__, "length": len(dataset)}
     chain, inner = [], dataset
@@ -83,7 +84,7 @@ def dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
         inner = inner.dataset
     identity["subset indices"] = chain
     if read_samples:
-        identity["samples"] = _sample_digests(dataset)
+        identity["samples"] = _sample_summaries(dataset)
     return identity
 
 
@@ -91,71 +92,84 @@ def _indices_digest(indices: Any) -> str | None:
     """A digest of a ``Subset``'s indices as int64 values, whatever holds them (a list, a range, an array, a tensor)."""
     try:
         return digest(torch.as_tensor(indices, dtype=torch.int64))
-    except (TypeError, ValueError, RuntimeError):  # not integers: compared as they are
-        return digest(indices)
+    except (TypeError, ValueError, RuntimeError):  # not integers: not compared
+        return None
 
 
-def _sample_digests(dataset: Any) -> list[str] | str:
-    """The digests of ``dataset``'s first and last samples, each read :data:`READS` times under the same seeds of
-    torch's, Python's and NumPy's streams (put back afterwards), so that a random augmentation drawn from them reads
-    alike on every rank; or why they cannot be compared: reads that differ (a generator of the dataset's own: a few
-    outcomes could agree twice by chance, and refuse a dataset that is the same on every rank), or a sample without a
-    content :func:`digest` reads."""
+def _sample_summaries(dataset: Any) -> list[Any] | str:
+    """:func:`summary` of ``dataset``'s first and last samples, each read :data:`READS` times under the same seeds of
+    torch's CPU, Python's and NumPy's streams (put back afterwards; no accelerator's generator is touched), so that a
+    random augmentation drawn from them reads alike on every rank; or why they cannot be compared: reads that differ (a
+    generator of the dataset's own, or memory left uninitialised: a few outcomes could agree twice by chance and refuse
+    a dataset that is the same on every rank), or a sample of objects :func:`summary` does not read."""
     indices = (0, len(dataset) - 1) if len(dataset) else ()
     reads = []
     for _ in range(READS):
         with random_streams_restored(torch.device("cpu")):
-            torch.manual_seed(0)
+            torch.default_generator.manual_seed(0)
             np.random.seed(0)
             random.seed(0)
-            reads.append([digest(dataset[index]) for index in indices])
-    if None in reads[0]:
-        return UNCOMPARABLE
-    if any(read != reads[0] for read in reads):
-        return "two reads under the same seeds differ, a generator of the dataset's own"
+            try:
+                reads.append([summary(dataset[index]) for index in indices])
+            except TypeError:
+                return UNCOMPARABLE
+    if any(not alike(read, reads[0]) for read in reads):
+        return "reads under the same seeds differ"
     return reads[0]
 
 
-def digest(value: Any) -> str | None:
-    """A digest of ``value``'s content, the same in every process (None for an object :func:`_feed` does not read)."""
+def summary(value: Any) -> Any:
+    """What :func:`alike` compares of a sample: integers, strings, bytes and booleans exactly (as a digest), floating
+    point content by shape, sum, absolute sum and its first values (computed floats differ in their last bits between
+    hosts of other thread counts or instruction sets), containers item by item (a mapping and a set in no order: a dict
+    built from a set of keys is ordered by string hashing, another in each process), a dataclass field by field.
+
+    Raises:
+        TypeError: for another object (its pickle may hold what differs between processes, as a tensor's does).
+    """
+    if isinstance(value, Tensor | np.ndarray) and not (isinstance(value, np.ndarray) and value.dtype.hasobject):
+        array = value.detach().cpu() if isinstance(value, Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+        if array.is_floating_point() or array.is_complex():
+            flat = torch.view_as_real(array).reshape(-1) if array.is_complex() else array.reshape(-1)
+            flat = flat.to(torch.float64)
+            return ("float", str(value.dtype), tuple(array.shape), float(flat.sum()), float(flat.abs().sum()), flat[:16].tolist())
+        return ("exact", digest(value))
+    if isinstance(value, np.ndarray):  # (objects: item by item)
+        return ("objects", tuple(value.shape), summary(value.tolist()))
+    if isinstance(value, float | np.floating):
+        return ("float", "scalar", (), float(value), abs(float(value)), [float(value)])
+    if value is None or isinstance(value, bool | int | complex | str | bytes | np.generic):
+        return ("exact", digest(value))
+    if isinstance(value, Mapping):
+        return ("map", sorted(((summary(key), summary(item)) for key, item in value.items()), key=repr))
+    if isinstance(value, set | frozenset):
+        return ("set", sorted((summary(item) for item in value), key=repr))
+    if isinstance(value, list | tuple | range):
+        return ("sequence", type(value).__name__, [summary(item) for item in value])
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return ("dataclass", type(value).__qualname__, [(field.name, summary(getattr(value, field.name)))
+                                                          for field in dataclasses.fields(value)])
+    raise TypeError(f"no content summary for {type(value).__qualname__}")
+
+
+def alike(first: Any, second: Any, rtol: float = 1e-4) -> bool:
+    """Whether two :func:`summary` values agree: floating point figures within ``rtol`` of the larger (and 1e-6
+    absolute), everything else exactly. A rank's own part of the data differs by far more."""
+    if isinstance(first, float) and isinstance(second, float):
+        return math.isclose(first, second, rel_tol=rtol, abs_tol=1e-6)
+    if isinstance(first, list | tuple) and isinstance(second, list | tuple):
+        return type(first) is type(second) and len(first) == len(second) and all(alike(a, b, rtol) for a, b in zip(first, second))
+    return first == second
+
+
+def digest(value: Any) -> str:
+    """A digest of an exact value, the same in every process: a tensor or array by dtype, shape and bytes (a pickled
+    tensor holds its storage's key, another in each process), anything else by its pickle (numbers, strings, bytes)."""
     hashed = hashlib.sha1()
-    try:
-        _feed(hashed, value)
-    except (TypeError, ValueError, RuntimeError, pickle.PicklingError):  # not compared
-        return None
-    return hashed.hexdigest()
-
-
-def _feed(hashed: Any, value: Any) -> None:
-    """Feed ``value``'s content to ``hashed``: tensors and arrays by dtype, shape and values (a pickled tensor holds its
-    storage's key, another in each process), containers item by item (a set's items in the order of their digests: its
-    own order follows string hashing, another in each process), a dataclass field by field, numbers, strings and bytes
-    pickled; anything else raises TypeError (its pickle may hold what differs between processes, as a tensor's does)."""
-    if isinstance(value, np.ndarray) and value.dtype == object:  # (its bytes are pointers)
-        _feed(hashed, value.tolist())
-    elif isinstance(value, Tensor | np.ndarray):
+    if isinstance(value, Tensor | np.ndarray):
         array = value.detach().cpu().contiguous() if isinstance(value, Tensor) else np.ascontiguousarray(value)
         hashed.update(f"{type(value).__name__}{array.dtype}{tuple(array.shape)}".encode())
         hashed.update(array.reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(array, Tensor) else array.tobytes())
-    elif isinstance(value, Mapping):
-        hashed.update(f"{type(value).__name__}{len(value)}".encode())
-        for key in value:
-            _feed(hashed, key)
-            _feed(hashed, value[key])
-    elif isinstance(value, list | tuple | range):
-        hashed.update(f"{type(value).__name__}{len(value)}".encode())
-        for item in value:
-            _feed(hashed, item)
-    elif isinstance(value, set | frozenset):
-        hashed.update(f"{type(value).__name__}{len(value)}".encode())
-        for item_digest in sorted(digest(item) or "" for item in value):
-            hashed.update(item_digest.encode())
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        hashed.update(type(value).__qualname__.encode())
-        for field in dataclasses.fields(value):
-            _feed(hashed, field.name)
-            _feed(hashed, getattr(value, field.name))
-    elif value is None or isinstance(value, bool | int | float | complex | str | bytes | np.generic):
-        hashed.update(pickle.dumps(value, protocol=4))
     else:
-        raise TypeError(f"no content digest for {type(value).__qualname__}")
+        hashed.update(pickle.dumps(value, protocol=4))
+    return hashed.hexdigest()

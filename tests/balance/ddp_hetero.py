@@ -73,6 +73,8 @@ class Module(lightning.LightningModule):
             time.sleep(0.001 * len(batch["x"]) * (3 if self.global_rank == self.slow_rank else 1))
         if self.mode in ("rebalance_logged", "samples", "samples_acc"):  # Lightning all-reduces it here: a rank waits
             self.log("logged_loss", out, sync_dist=True, on_step=True, batch_size=len(batch["x"]))
+        if self.mode in ("samples", "samples_acc"):  # a half-precision mean of the strategy's own (a review: inf)
+            self.reduced_half = self.trainer.strategy.reduce(torch.tensor(22000.0, dtype=torch.float16))
         if self.mode == "rebalance_gathered":
             self.gathered = self.all_gather(out.detach())
         return out
@@ -155,6 +157,7 @@ class Record(lightning.Callback):
         # (the batch that ended the step: its optimizer step saved it; a later micro-batch belongs to the next step)
         if self.mode in ("samples", "samples_acc") and trainer.global_rank == 0 and self.steps and "logged" not in self.steps[-1]:
             self.steps[-1]["logged"] = float(trainer.callback_metrics["logged_loss"])  # the step's last micro-batch's
+            self.steps[-1]["reduced_half"] = pl_module.reduced_half
             torch.save({"init": self.init, "steps": self.steps}, self.out)
 
 

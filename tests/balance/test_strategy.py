@@ -64,6 +64,7 @@ def _assert_global_batch_gradient(mode, init, saved):
         # 88.0 at shares 5:3); it is the mean over the samples of the step's last micro-batch on both ranks
         last = rows_at(saved["micro"][0][-1] + saved["micro"][1][-1])
         assert saved["logged"] == pytest.approx(float(model.per_sample_loss(last)), rel=1e-12, abs=0)
+        assert saved["reduced_half"].dtype == torch.float16 and float(saved["reduced_half"]) == 22000.0
     loss.backward()
     assert "head.weight" in saved["grads"]
     for name, param in model.named_parameters():
