@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
+from lightning_efficient import _batch_counts
 from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
@@ -961,6 +962,7 @@ class AutoFit(Callback):
                 )
         if self._meter is not None:
             self._meter.reset()
+        _batch_counts.resumed_step_saved(trainer)  # (the plan's micro-batches split each step)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

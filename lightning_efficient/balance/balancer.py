@@ -37,7 +37,14 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
+from lightning_efficient._batch_counts import (
+    SchedulerFrequencies,
+    batch_settings,
+    checkpoint_timing_kept,
+    counted_batches,
+    counts_in_micro_batches,
+    resumed_step_saved,
+)
 from lightning_efficient._distributed import (
     WaitMarks,
     destroy_process_group_at_exit,
@@ -162,7 +169,7 @@ def _check_users_sampler(name: str, dataloader: DataLoader, world: int) -> None:
                 f"samples), so the DataLoader's {type(sampler).__name__} (drawing "
                 f"{drawn if drawn is not None else 'an unknown number of'} samples) would be ignored and other samples "
                 "trained. Give the DataLoader the samples to train as its dataset (a torch.utils.data.Subset for a subset) "
-                "with a plain or shuffled order, or use strategy='ddp' to keep your sampler")
+                "with a plain or shuffled order, or keep your sampler under strategy='ddp' (ModelParallelStrategy for a sharded model)")
     given = type(sampler).__name__ if sampler is not None else type(batch_sampler).__name__
     rank_zero_warn(f"{name}: the training DataLoader's {given} is replaced by the strategy's own permutation of the "
                    f"{samples} samples over the ranks each epoch (seed + epoch; shuffle=False keeps the dataset's order): "
@@ -744,7 +751,7 @@ class Balancer:
         self.counter_epoch = self.sampler.epoch
         self.token_normaliser.scale = state.get("step_token_scale")
         # (the shares said when the DataLoader was built were the plan's before the checkpoint loaded)
-        rank_zero_info(f"{self.name}: resumed at epoch {self.sampler.epoch}, global batch {self.sampler.next_batch}, "
+        rank_zero_info(f"{self.name}: resumed at epoch {self.sampler.epoch}, global batch index {self.sampler.next_batch}, "
                        f"shares {self.current_shares}")
 
     @property
@@ -809,9 +816,11 @@ class BalancedStrategy:
 
     def on_train_start(self) -> None:
         """The strategy's, then the checkpoint's data position where Lightning left it unread
-        (:meth:`Balancer.load_pending_data_state`)."""
+        (:meth:`Balancer.load_pending_data_state`); a resumed step counts as saved
+        (:func:`~lightning_efficient._batch_counts.resumed_step_saved`)."""
         super().on_train_start()
         self.balancer.load_pending_data_state()
+        resumed_step_saved(self.lightning_module.trainer)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """The strategy's reduction (``self.log(..., sync_dist=True)`` calls it), as a wait for the other ranks: one in

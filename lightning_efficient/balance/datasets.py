@@ -69,7 +69,8 @@ def _refuse(name: str, key: str, values: list[Any], differing: list[int]) -> Non
         f"{name}: the ranks' training datasets differ ({IDENTITY_WORDS[key]}: {said}). {name} draws every rank's share of "
         "each global batch by index from one dataset that every rank holds whole, so a rank's own part of the data "
         f"would train only partly. Give every rank the same, whole dataset ({name} splits it by shares; leave "
-        "use_distributed_sampler at its default), or use strategy='ddp' to train each rank's own part")
+        "use_distributed_sampler at its default), or train each rank's own part under strategy='ddp' (ModelParallelStrategy "
+        "for a sharded model)")
 
 
 def dataset_identity(dataset: Any, read_samples: bool) -> dict[str, Any]:
