@@ -168,6 +168,8 @@ def resumed_step_saved(trainer: Any) -> None:
     hetero_fsdp: weights 6.1e-3 apart)."""
     if trainer.ckpt_path is None or trainer.global_step == 0:
         return
+    if trainer.fit_loop.epoch_loop.val_loop.restarted_mid_evaluation:  # (a review: it validates at this step first, and
+        return  # a ModelCheckpoint then saves what it would have saved when the checkpoint was taken)
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback._last_global_step_saved < trainer.global_step:
             callback._last_global_step_saved = trainer.global_step

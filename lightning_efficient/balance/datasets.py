@@ -110,12 +110,13 @@ def _sample_summaries(dataset: Any) -> list[Any] | str:
             torch.default_generator.manual_seed(0)
             np.random.seed(0)
             random.seed(0)
+            sample_reads = [dataset[index] for index in indices]  # (a read that raises: every rank raises, see the caller)
             try:
-                reads.append([summary(dataset[index]) for index in indices])
-            except TypeError:
+                reads.append([summary(sample) for sample in sample_reads])
+            except (TypeError, ValueError, RuntimeError, NotImplementedError):  # (RecursionError is a RuntimeError)
                 return UNCOMPARABLE
     if any(not alike(read, reads[0]) for read in reads):
-        return "reads under the same seeds differ"
+        return "reads under the same seeds differ: a generator of the dataset's own, or memory left uninitialised"
     return reads[0]
 
 
@@ -128,15 +129,21 @@ def summary(value: Any) -> Any:
     Raises:
         TypeError: for another object (its pickle may hold what differs between processes, as a tensor's does).
     """
-    if isinstance(value, Tensor | np.ndarray) and not (isinstance(value, np.ndarray) and value.dtype.hasobject):
-        array = value.detach().cpu() if isinstance(value, Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:  # (objects: item by item)
+            return ("objects", tuple(value.shape), summary(value.tolist()))
+        if value.dtype.kind not in "biufc":  # strings, bytes, dates, records: their bytes, in native byte order
+            return ("exact", digest(value.astype(value.dtype.newbyteorder("="))))
+        value = torch.from_numpy(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("=")))
+    if isinstance(value, Tensor):
+        array = value.detach().cpu()
+        array = array.to_dense() if array.layout != torch.strided else array
         if array.is_floating_point() or array.is_complex():
-            flat = torch.view_as_real(array).reshape(-1) if array.is_complex() else array.reshape(-1)
-            flat = flat.to(torch.float64)
-            return ("float", str(value.dtype), tuple(array.shape), float(flat.sum()), float(flat.abs().sum()), flat[:16].tolist())
-        return ("exact", digest(value))
-    if isinstance(value, np.ndarray):  # (objects: item by item)
-        return ("objects", tuple(value.shape), summary(value.tolist()))
+            flat = torch.view_as_real(array.resolve_conj()).reshape(-1) if array.is_complex() else array.reshape(-1)
+            first = flat[:16].to(torch.float64).tolist()
+            return ("float", str(array.dtype), tuple(array.shape), float(flat.sum(dtype=torch.float64)),
+                    float(flat.abs().sum(dtype=torch.float64)), first)
+        return ("exact", digest(array))
     if isinstance(value, float | np.floating):
         return ("float", "scalar", (), float(value), abs(float(value)), [float(value)])
     if value is None or isinstance(value, bool | int | complex | str | bytes | np.generic):
@@ -154,13 +161,27 @@ def summary(value: Any) -> Any:
 
 
 def alike(first: Any, second: Any, rtol: float = 1e-4) -> bool:
-    """Whether two :func:`summary` values agree: floating point figures within ``rtol`` of the larger (and 1e-6
-    absolute), everything else exactly. A rank's own part of the data differs by far more."""
-    if isinstance(first, float) and isinstance(second, float):
-        return math.isclose(first, second, rel_tol=rtol, abs_tol=1e-6)
+    """Whether two :func:`summary` values agree: floating point content within ``rtol`` of its scale (the absolute
+    sum: a sum that cancels is compared against it, and the first values against the mean magnitude; NaN alike NaN),
+    everything else exactly. A rank's own part of the data differs by far more."""
+    if _is_float_summary(first) and _is_float_summary(second):
+        (*head, total, magnitude, values), (*other_head, other_total, other_magnitude, other_values) = first, second
+        scale = max(magnitude, other_magnitude) if math.isfinite(max(magnitude, other_magnitude)) else 0.0
+        return (head == other_head and _close(magnitude, other_magnitude, rtol, 0.0) and _close(total, other_total, rtol, rtol * scale)
+                and len(values) == len(other_values)
+                and all(_close(a, b, rtol, rtol * scale / max(1, math.prod(head[2]))) for a, b in zip(values, other_values)))
     if isinstance(first, list | tuple) and isinstance(second, list | tuple):
         return type(first) is type(second) and len(first) == len(second) and all(alike(a, b, rtol) for a, b in zip(first, second))
     return first == second
+
+
+def _is_float_summary(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 6 and value[0] == "float"
+
+
+def _close(first: float, second: float, rtol: float, atol: float) -> bool:
+    """``math.isclose``, with NaN alike NaN (a sample holding one is the same sample)."""
+    return (math.isnan(first) and math.isnan(second)) or math.isclose(first, second, rel_tol=rtol, abs_tol=atol)
 
 
 def digest(value: Any) -> str:

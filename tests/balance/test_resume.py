@@ -123,3 +123,55 @@ def test_a_resumed_fit_keeps_the_checkpoint_it_resumed_from(tmp_path, devices):
     # saved at the end of step 2's last micro-batch (the 4th; Lightning counts it completed after the save)
     assert found["before"]["global_step"] == 2 and found["before"]["batches"] == 3
     assert found["after"] == found["before"]
+
+
+class _CrashInValidation(Exception):
+    pass
+
+
+def test_a_fit_resumed_mid_validation_still_saves_that_validations_checkpoint(tmp_path):
+    # a review: a resume from a checkpoint taken inside a validation (OnExceptionCheckpoint) finishes that validation at
+    # the resumed step, and counting the step as saved skipped its monitored checkpoint (plain Lightning saves it)
+    import lightning
+    import torch
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_efficient._batch_counts import resumed_step_saved
+
+    crash = {"on": True}
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).square().mean()
+
+        def validation_step(self, batch, batch_idx):
+            if crash["on"] and self.global_step == 4 and batch_idx == 1:
+                raise _CrashInValidation()
+            self.log("val_loss", self.layer(batch[0]).square().mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class CountsResumedStepSaved(Callback):  # what the hetero strategies and AutoFit do
+        def on_train_start(self, trainer, pl_module):
+            resumed_step_saved(trainer)
+
+    data = DataLoader(TensorDataset(torch.randn(32, 2, generator=torch.Generator().manual_seed(0))), batch_size=4)
+
+    def fit(ckpt_path=None):
+        callbacks = [ModelCheckpoint(dirpath=tmp_path / "saved", monitor="val_loss", save_top_k=-1),
+                     OnExceptionCheckpoint(tmp_path / "exception"), CountsResumedStepSaved()]
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, val_check_interval=4,
+                                    enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
+        trainer.fit(Module(), data, data, ckpt_path=ckpt_path)
+
+    with pytest.raises(_CrashInValidation):
+        fit()
+    crash["on"] = False
+    fit(tmp_path / "exception" / "on_exception.ckpt")
+    assert sorted(path.name for path in (tmp_path / "saved").iterdir()) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
