@@ -160,16 +160,28 @@ def checkpoint_timing_kept(trainer: Any, settings: dict[str, Any], counted: dict
     return undo
 
 
-def resumed_step_saved(trainer: Any) -> None:
-    """Tell each ``ModelCheckpoint`` that the step a fit resumed at is saved. Lightning does not restore the step it last
-    saved at, so where micro-batches split a step (a plugin's, or ``accumulate_grad_batches``) one saving every few
-    steps saved again after the next step's first micro-batch, still at the resumed step, over the checkpoint the fit
-    resumed from: a mid-step state, which a later resume from it trained otherwise (a new user's trial under
-    hetero_fsdp: weights 6.1e-3 apart)."""
-    if trainer.ckpt_path is None or trainer.global_step == 0:
-        return
-    if trainer.fit_loop.epoch_loop.val_loop.restarted_mid_evaluation:  # (a review: it validates at this step first, and
-        return  # a ModelCheckpoint then saves what it would have saved when the checkpoint was taken)
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback._last_global_step_saved < trainer.global_step:
-            callback._last_global_step_saved = trainer.global_step
+class ResumedStepSaved:
+    """Tell each ``ModelCheckpoint`` that the step a fit resumed at is saved, before the fit's first training batch.
+    Lightning does not restore the step it last saved at, so where micro-batches split a step (a plugin's, or
+    ``accumulate_grad_batches``) one saving every few steps saved again after the next step's first micro-batch, still
+    at the resumed step, over the checkpoint the fit resumed from: a mid-step state, which a later resume from it
+    trained otherwise (a new user's trial under hetero_fsdp: weights 6.1e-3 apart). Not sooner: a fit resumed inside a
+    validation finishes it at the resumed step first, and its checkpoints are saved as they would have been (a review)."""
+
+    def __init__(self) -> None:
+        self._pending = False
+
+    def fit_started(self) -> None:
+        """A fit's training starts: mark before its first batch."""
+        self._pending = True
+
+    def before_batch(self, trainer: Any) -> None:
+        """Mark the resumed step as saved, once, where the fit resumed from a checkpoint."""
+        if not self._pending:
+            return
+        self._pending = False
+        if trainer.ckpt_path is None or trainer.global_step == 0:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback._last_global_step_saved < trainer.global_step:
+                callback._last_global_step_saved = trainer.global_step

@@ -276,6 +276,7 @@ class AutoFit(Callback):
         self._checkpoint_states: dict[str, Any] = {}  # the callbacks' states in the checkpoint this fit resumes from
         self._undo_settings: list[Any] = []
         self._scheduler_frequencies = SchedulerFrequencies()  # interval="step" schedulers step after the user's steps
+        self._resumed_step_saved = _batch_counts.ResumedStepSaved()  # no ModelCheckpoint saves the resumed step again
         self._meter: PeakMemory | None = None
         self._start_rss = 0
         self._unprofiled: _Unprofiled | None = None  # the blocks left unprofiled before the first step
@@ -962,11 +963,12 @@ class AutoFit(Callback):
                 )
         if self._meter is not None:
             self._meter.reset()
-        _batch_counts.resumed_step_saved(trainer)  # (the plan's micro-batches split each step)
+        self._resumed_step_saved.fit_started()  # (the plan's micro-batches split each step)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._scheduler_frequencies.before_batch(trainer, batch_idx)
+        self._resumed_step_saved.before_batch(trainer)
         if self._step_started is None:
             self._step_started = time.perf_counter()
 

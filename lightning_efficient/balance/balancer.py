@@ -38,12 +38,12 @@ from torch.utils.data import (
 )
 
 from lightning_efficient._batch_counts import (
+    ResumedStepSaved,
     SchedulerFrequencies,
     batch_settings,
     checkpoint_timing_kept,
     counted_batches,
     counts_in_micro_batches,
-    resumed_step_saved,
 )
 from lightning_efficient._distributed import (
     WaitMarks,
@@ -275,6 +275,7 @@ class Balancer:
         self._user_batch_settings: dict[str, Any] = {}  # its limit_train_batches / val_check_interval, the same
         self._checkpoint_timing: list[tuple[Any, str, Any]] = []  # ModelCheckpoint settings to put back after the fit
         self.scheduler_frequencies = SchedulerFrequencies()  # interval="step" schedulers step after the user's steps
+        self.resumed_step_saved = ResumedStepSaved()  # no ModelCheckpoint saves the resumed step again mid-step
         self.probe_refusal: str | None = None  # what max_micro_batch="auto" is refused with (None: allowed)
 
     def set_setting(self, name: str, value: Any) -> None:
@@ -816,11 +817,11 @@ class BalancedStrategy:
 
     def on_train_start(self) -> None:
         """The strategy's, then the checkpoint's data position where Lightning left it unread
-        (:meth:`Balancer.load_pending_data_state`); a resumed step counts as saved
-        (:func:`~lightning_efficient._batch_counts.resumed_step_saved`)."""
+        (:meth:`Balancer.load_pending_data_state`); the resumed step will count as saved
+        (:class:`~lightning_efficient._batch_counts.ResumedStepSaved`)."""
         super().on_train_start()
         self.balancer.load_pending_data_state()
-        resumed_step_saved(self.lightning_module.trainer)
+        self.balancer.resumed_step_saved.fit_started()
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """The strategy's reduction (``self.log(..., sync_dist=True)`` calls it), as a wait for the other ranks: one in
@@ -859,6 +860,7 @@ class BalancedStrategy:
         (:class:`~lightning_efficient._batch_counts.SchedulerFrequencies`)."""
         super().on_train_batch_start(batch, batch_idx)
         self.balancer.scheduler_frequencies.before_batch(self.lightning_module.trainer, batch_idx)
+        self.balancer.resumed_step_saved.before_batch(self.lightning_module.trainer)
 
     def teardown(self) -> None:
         """Remove the timing hooks, put back the trainer's ``accumulate_grad_batches``, then the strategy's teardown."""

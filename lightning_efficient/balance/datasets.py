@@ -23,7 +23,8 @@ from lightning_efficient._torch import random_streams_restored
 IDENTITY_WORDS = {"class": "classes", "length": "lengths", "samples": "first and last samples",
                   "subset indices": "Subset indices (from a random_split? give it a seeded generator)"}
 READS = 4  # reads of each compared sample that must agree (a 50% flip from a generator of its own: all 4 alike 1 in 8)
-UNCOMPARABLE = "they hold objects other than tensors, arrays, numbers, strings, dataclasses and containers of them"
+UNCOMPARABLE = ("they hold objects other than tensors, arrays, numbers, strings, dataclasses and containers of them, or "
+                "content that cannot be read here")
 
 
 def check_same_dataset(name: str, dataloader: DataLoader, world: int, distributed_sampler: bool) -> None:
@@ -127,25 +128,37 @@ def summary(value: Any) -> Any:
     built from a set of keys is ordered by string hashing, another in each process), a dataclass field by field.
 
     Raises:
-        TypeError: for another object (its pickle may hold what differs between processes, as a tensor's does).
+        TypeError: for another object (its pickle may hold what differs between processes, as a tensor's does); what
+            torch raises for content it cannot read (a meta or nested tensor): ValueError, RuntimeError,
+            NotImplementedError.
     """
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:  # (objects: item by item)
             return ("objects", tuple(value.shape), summary(value.tolist()))
-        if value.dtype.kind not in "biufc":  # strings, bytes, dates, records: their bytes, in native byte order
+        if value.dtype.names:  # records: field by field (an aligned one's padding bytes are not its content)
+            return ("record", value.dtype.names, [summary(value[name]) for name in value.dtype.names])
+        if value.dtype.kind not in "biufc":  # strings, bytes, dates: their bytes, in native byte order
             return ("exact", digest(value.astype(value.dtype.newbyteorder("="))))
+        if value.dtype.kind in "fc" and value.dtype.itemsize > (8 if value.dtype.kind == "f" else 16):  # (long double)
+            value = value.astype(np.float64 if value.dtype.kind == "f" else np.complex128)
         value = torch.from_numpy(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("=")))
     if isinstance(value, Tensor):
         array = value.detach().cpu()
-        array = array.to_dense() if array.layout != torch.strided else array
+        if array.layout != torch.strided:  # sparse: its indices and values (a dense copy may not fit)
+            array = (array if array.layout == torch.sparse_coo else array.to_sparse_coo()).coalesce()
+            return ("sparse", tuple(array.shape), summary(array.indices()), summary(array.values()))
         if array.is_floating_point() or array.is_complex():
             flat = torch.view_as_real(array.resolve_conj()).reshape(-1) if array.is_complex() else array.reshape(-1)
-            first = flat[:16].to(torch.float64).tolist()
-            return ("float", str(array.dtype), tuple(array.shape), float(flat.sum(dtype=torch.float64)),
-                    float(flat.abs().sum(dtype=torch.float64)), first)
+            # a NaN or an infinity (a mask, a missing value) counted exactly; the figures over the finite values
+            counts = (int(flat.isnan().sum()), int((flat == float("inf")).sum()), int((flat == float("-inf")).sum()))
+            finite = flat.nan_to_num(0.0, 0.0, 0.0)
+            return ("float", (str(array.dtype), tuple(array.shape), counts), float(finite.sum(dtype=torch.float64)),
+                    float(finite.abs().sum(dtype=torch.float64)), flat[:16].to(torch.float64).tolist(), math.prod(array.shape))
         return ("exact", digest(array))
     if isinstance(value, float | np.floating):
-        return ("float", "scalar", (), float(value), abs(float(value)), [float(value)])
+        finite = value if math.isfinite(value) else 0.0
+        return ("float", ("scalar", math.isnan(value), value if math.isinf(value) else 0.0), float(finite), abs(float(finite)),
+                [float(value)], 1)
     if value is None or isinstance(value, bool | int | complex | str | bytes | np.generic):
         return ("exact", digest(value))
     if isinstance(value, Mapping):
@@ -162,20 +175,22 @@ def summary(value: Any) -> Any:
 
 def alike(first: Any, second: Any, rtol: float = 1e-4) -> bool:
     """Whether two :func:`summary` values agree: floating point content within ``rtol`` of its scale (the absolute
-    sum: a sum that cancels is compared against it, and the first values against the mean magnitude; NaN alike NaN),
-    everything else exactly. A rank's own part of the data differs by far more."""
+    sum: a sum that cancels is compared against it, and the first values against the mean magnitude; NaN alike NaN)
+    and 1e-12, everything else exactly. A rank's own part of the data differs by far more."""
     if _is_float_summary(first) and _is_float_summary(second):
-        (*head, total, magnitude, values), (*other_head, other_total, other_magnitude, other_values) = first, second
-        scale = max(magnitude, other_magnitude) if math.isfinite(max(magnitude, other_magnitude)) else 0.0
-        return (head == other_head and _close(magnitude, other_magnitude, rtol, 0.0) and _close(total, other_total, rtol, rtol * scale)
-                and len(values) == len(other_values)
-                and all(_close(a, b, rtol, rtol * scale / max(1, math.prod(head[2]))) for a, b in zip(values, other_values)))
+        (_, kind, total, magnitude, values, size), (_, other_kind, other_total, other_magnitude, other_values, _) = first, second
+        scale = max(magnitude, other_magnitude)  # (of the finite values: a sum that cancels is compared against it)
+        floor = 1e-12  # (content that is all but zero: 0 on one host, 1e-17 on another)
+        return (kind == other_kind and _close(magnitude, other_magnitude, rtol, floor)
+                and _close(total, other_total, rtol, rtol * scale + floor) and len(values) == len(other_values)
+                and all(_close(a, b, rtol, rtol * scale / max(1, size) + floor) for a, b in zip(values, other_values)))
     if isinstance(first, list | tuple) and isinstance(second, list | tuple):
         return type(first) is type(second) and len(first) == len(second) and all(alike(a, b, rtol) for a, b in zip(first, second))
     return first == second
 
 
 def _is_float_summary(value: Any) -> bool:
+    """``("float", (dtype, shape, non-finite counts), sum, absolute sum, first values, size)``, of :func:`summary`."""
     return isinstance(value, tuple) and len(value) == 6 and value[0] == "float"
 
 

@@ -130,14 +130,15 @@ class _CrashInValidation(Exception):
 
 
 def test_a_fit_resumed_mid_validation_still_saves_that_validations_checkpoint(tmp_path):
-    # a review: a resume from a checkpoint taken inside a validation (OnExceptionCheckpoint) finishes that validation at
-    # the resumed step, and counting the step as saved skipped its monitored checkpoint (plain Lightning saves it)
+    # reviews: a resume from a checkpoint taken inside a validation (OnExceptionCheckpoint) finishes that validation at
+    # the resumed step, and counting the step as saved at the fit's start skipped its monitored checkpoint (plain
+    # Lightning saves it); not counting it let a checkpoint every 4 steps save a mid-step state over step 4's again
     import lightning
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_efficient._batch_counts import resumed_step_saved
+    from lightning_efficient._batch_counts import ResumedStepSaved
 
     crash = {"on": True}
 
@@ -158,20 +159,31 @@ def test_a_fit_resumed_mid_validation_still_saves_that_validations_checkpoint(tm
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class CountsResumedStepSaved(Callback):  # what the hetero strategies and AutoFit do
-        def on_train_start(self, trainer, pl_module):
-            resumed_step_saved(trainer)
+        def __init__(self):
+            self.resumed = ResumedStepSaved()
 
-    data = DataLoader(TensorDataset(torch.randn(32, 2, generator=torch.Generator().manual_seed(0))), batch_size=4)
+        def on_train_start(self, trainer, pl_module):
+            self.resumed.fit_started()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.resumed.before_batch(trainer)
+
+    data = DataLoader(TensorDataset(torch.randn(64, 2, generator=torch.Generator().manual_seed(0))), batch_size=4)
 
     def fit(ckpt_path=None):
         callbacks = [ModelCheckpoint(dirpath=tmp_path / "saved", monitor="val_loss", save_top_k=-1),
+                     ModelCheckpoint(dirpath=tmp_path / "every", every_n_train_steps=2, save_top_k=-1),
                      OnExceptionCheckpoint(tmp_path / "exception"), CountsResumedStepSaved()]
-        trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, val_check_interval=4,
-                                    enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, val_check_interval=8,
+                                    accumulate_grad_batches=2, enable_model_summary=False, callbacks=callbacks,
+                                    num_sanity_val_steps=0)
         trainer.fit(Module(), data, data, ckpt_path=ckpt_path)
 
     with pytest.raises(_CrashInValidation):
         fit()
+    every_4 = tmp_path / "every" / "epoch=0-step=4.ckpt"
+    before = every_4.read_bytes()
     crash["on"] = False
     fit(tmp_path / "exception" / "on_exception.ckpt")
     assert sorted(path.name for path in (tmp_path / "saved").iterdir()) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
+    assert every_4.read_bytes() == before
