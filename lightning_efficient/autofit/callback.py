@@ -911,8 +911,9 @@ class AutoFit(Callback):
                     counting["limit_train_batches"] = whole  # (the whole epoch: its micro-batches, below)
             else:
                 epoch = (math.ceil(samples / batch), math.ceil(samples / micro))
-        counts = counted_batches(counting, None if epoch is None else epoch[0])
-        self._scheduler_frequencies.count(accumulation, trainer.accumulate_grad_batches, counts, None if epoch is None else epoch[0])
+        epoch_batches = None if epoch is None else epoch[0]
+        counts = counted_batches(counting, epoch_batches)
+        self._scheduler_frequencies.count(accumulation, trainer.accumulate_grad_batches, counts, epoch_batches)
         if not counts:
             return
         counted = counts_in_micro_batches(trainer, counts, Fraction(batch, micro), epoch=epoch, who="AutoFit",

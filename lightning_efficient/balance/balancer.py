@@ -831,8 +831,8 @@ class BalancedStrategy:
         DDP's 88.0 at shares 5:3)."""
         with waiting_for_other_ranks():
             samples = self.balancer.logging_samples
-            mean = (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")) or reduce_op == ReduceOp.AVG
-            if samples is None or not mean or not isinstance(tensor, Tensor) or self.world_size == 1:
+            is_mean = (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")) or reduce_op == ReduceOp.AVG
+            if samples is None or not is_mean or not isinstance(tensor, Tensor) or self.world_size == 1:
                 return super().reduce(tensor, group=group, reduce_op=reduce_op)
             # one all-reduce of the weighted values and the weight, in float64 (a half-precision product overflows)
             value = tensor.to(torch.float64)

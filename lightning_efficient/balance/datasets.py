@@ -53,14 +53,17 @@ def check_same_dataset(name: str, dataloader: DataLoader, world: int, distribute
         differing = [rank for rank, value in enumerate(values) if not alike(value, values[0])]
         if differing:
             _refuse(name, key, values, differing)
-    if not distributed_sampler:
-        unread = "DataLoader workers read them, not this process" if not read_samples else next(
-            (identity["samples"] for identity in identities if isinstance(identity["samples"], str)), None)
-        if unread is not None:
-            rank_zero_warn(f"{name}: with use_distributed_sampler=False every rank's training DataLoader must still hold "
-                           f"the same, whole dataset, which {name} splits by shares; the ranks' datasets were compared by "
-                           f"class, length and Subset indices only (not their samples: {unread}): a rank's own part of the "
-                           "data would train only partly")
+    if distributed_sampler:
+        return
+    if read_samples:  # why the samples of a rank could not be compared, if any
+        unread = next((identity["samples"] for identity in identities if isinstance(identity["samples"], str)), None)
+    else:
+        unread = "DataLoader workers read them, not this process"
+    if unread is not None:
+        rank_zero_warn(f"{name}: with use_distributed_sampler=False every rank's training DataLoader must still hold "
+                       f"the same, whole dataset, which {name} splits by shares; the ranks' datasets were compared by "
+                       f"class, length and Subset indices only (not their samples: {unread}): a rank's own part of the "
+                       "data would train only partly")
 
 
 def _refuse(name: str, key: str, values: list[Any], differing: list[int]) -> None:
