@@ -43,7 +43,7 @@ RAISE_AT = 2  # the first fit of a "raise" case raises in on_train_batch_end at 
 PLUGINS = ("tokens", "tokens_select", "activations", "eightbit", "report", "hetero", "all")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 RESUMES = ("none", "epoch", "mid")
-SCHEDULERS = ("lambda", "sequential", "chained", "onecycle", "plateau")
+SCHEDULERS = ("lambda", "sequential", "chained", "onecycle", "plateau", "every_2")
 LOOPS = ("plain", "accumulate", "clip", "validate")
 RAISES = (False, True)
 # Sharded strategies (FSDP2: ModelParallelStrategy, the module shards itself in configure_model).
@@ -215,6 +215,9 @@ class TinyLM(LightningModule):
         elif name == "onecycle":
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=total, pct_start=0.3,
                                                         base_momentum=0.8, max_momentum=0.95)
+        elif name == "every_2":  # stepped every 2 of the user's batches (Lightning counts the frequency in batches)
+            halving = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": halving, "interval": "step", "frequency": 2}}
         elif name == "plateau":
             plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss", "interval": "epoch"}}
