@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,44 @@ def waiting_for_other_ranks() -> Iterator[None]:
     finally:
         for _, end in list(_wait_marks):
             end()
+
+
+# torch.distributed's functions that wait for other ranks, called directly by a user's step (torchmetrics' sync of a
+# metric with dist_sync_on_step=True, SyncBatchNorm's gather of the batch statistics, a plain dist.all_reduce)
+_COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object",
+    "all_gather_single", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier",
+    "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+    "send", "recv", "send_object_list", "recv_object_list", "batch_isend_irecv",
+)
+
+
+def _marked_as_wait(collective: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(collective)
+    def run_as_wait(*args: Any, **kwargs: Any) -> Any:
+        with waiting_for_other_ranks():
+            return collective(*args, **kwargs)
+
+    run_as_wait.__wrapped_collective__ = collective  # type: ignore[attr-defined]
+    return run_as_wait
+
+
+@contextlib.contextmanager
+def collectives_marked_as_waits() -> Iterator[None]:
+    """Within the block, each of ``torch.distributed``'s collectives called through the module runs as
+    :func:`waiting_for_other_ranks`: a balanced strategy times the user's ``training_step`` in it, and a collective
+    there waits for the slowest rank (a metric synced on each step kept every rank at the slowest one's speed). A
+    collective with ``async_op=True`` is marked while it is issued; its ``wait()`` is not. Code that bound a function
+    before (``from torch.distributed import all_reduce``) calls the original."""
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    originals = {name: f for name, f in originals.items() if not hasattr(f, "__wrapped_collective__")}  # not twice
+    for name, collective in originals.items():
+        setattr(dist, name, _marked_as_wait(collective))
+    try:
+        yield
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
 
 
 class WaitMarks:

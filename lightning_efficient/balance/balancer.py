@@ -47,6 +47,7 @@ from lightning_efficient._batch_counts import (
 )
 from lightning_efficient._distributed import (
     WaitMarks,
+    collectives_marked_as_waits,
     destroy_process_group_at_exit,
     gather_or_raise_together,
     waiting_for_other_ranks,
@@ -270,6 +271,7 @@ class Balancer:
         self.logging_samples: int | None = None
         self._waits: list[tuple[object, object]] = []
         self._wait_start: object | None = None
+        self._wait_depth = 0  # waits open (nested: a collective within FSDP2's all-gather hooks)
         self._hooks: list = []
         self._user_accumulation: tuple[Any, int] | None = None  # (trainer, its accumulate_grad_batches before the plan)
         self._user_batch_settings: dict[str, Any] = {}  # its limit_train_batches / val_check_interval, the same
@@ -469,12 +471,13 @@ class Balancer:
         samples = first.shape[0] if first is not None and first.dim() else 1
         self._finish_timing()
         clock = self._clock()
-        self._waits = []
+        self._waits, self._wait_start, self._wait_depth = [], None, 0
         self._timing_forward = True
         self.logging_samples = samples
         start = clock.mark()
         try:
-            output = step(*args, **kwargs)
+            with collectives_marked_as_waits():  # a metric synced in the step waits for the slowest rank there
+                output = step(*args, **kwargs)
         finally:
             self._timing_forward = False
             self.logging_samples = None
@@ -507,15 +510,20 @@ class Balancer:
             timed.last_gradient.record(torch.cuda.current_stream(clock.device))
 
     def wait_started(self, *args: Any) -> None:
-        """Forward pre-hook run before a module's own collective wait (FSDP2's all-gather)."""
+        """Forward pre-hook run before a module's own collective wait (FSDP2's all-gather), or the start of a
+        collective within the step. Waits nest (a collective within FSDP2's hooks): the outermost is timed."""
         if self._timing_forward:
-            self._wait_start = self._clock().mark()
+            self._wait_depth += 1
+            if self._wait_depth == 1:
+                self._wait_start = self._clock().mark()
 
     def wait_ended(self, *args: Any) -> None:
         """Forward pre-hook run after that wait: the interval is left out of the compute time."""
-        if self._timing_forward and self._wait_start is not None:
-            self._waits.append((self._wait_start, self._clock().mark()))
-            self._wait_start = None
+        if self._timing_forward and self._wait_depth > 0:
+            self._wait_depth -= 1
+            if self._wait_depth == 0 and self._wait_start is not None:
+                self._waits.append((self._wait_start, self._clock().mark()))
+                self._wait_start = None
 
     def add_hooks(self, handles: list) -> None:
         """Hooks to remove at teardown (timing hooks a strategy registers)."""

@@ -5,7 +5,9 @@ global batches, and in samples the loss logged with sync_dist=True; with the suf
 micro-batches capped at 3, so the shares 7:3 run as micro-batches 3+2+2 and 1+1+1), rebalance (rank 1 slowed 3x; rank
 0 saves the shares over time; rebalance_selective: the same with SelectiveTokenLoss gathering every rank's token
 scores in the step; rebalance_logged: the same with the step's loss logged with sync_dist=True at the step's end;
-rebalance_gathered: the same with the loss gathered by self.all_gather there),
+rebalance_gathered: the same with the loss gathered by self.all_gather there; rebalance_metric: a torchmetrics MeanMetric
+of the loss synced on each step (dist_sync_on_step=True) there; rebalance_direct: a torch.distributed.all_reduce of
+it there),
 probe (max_micro_batch="auto" under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1
 by 48 MiB, from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is
 written to OUT).
@@ -20,6 +22,7 @@ import time
 import lightning
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_efficient import HeterogeneousDDPStrategy, SelectiveTokenLoss, TokenLosses
@@ -52,6 +55,8 @@ class Module(lightning.LightningModule):
         self.head = torch.nn.Linear(8, VOCAB)
         if mode.startswith("probe"):  # about 1.8 MiB of address space per sample at the peak of a micro-step
             self.wide = torch.nn.Linear(FEATURES, 1 << 15)
+        if mode == "rebalance_metric":
+            self.mean_loss = torchmetrics.MeanMetric(dist_sync_on_step=True)
 
     def per_sample_loss(self, batch):
         return F.mse_loss(self.net(batch["x"]), batch["y"])
@@ -77,6 +82,11 @@ class Module(lightning.LightningModule):
             self.reduced_half = self.trainer.strategy.reduce(torch.tensor(22000.0, dtype=torch.float16))
         if self.mode == "rebalance_gathered":
             self.gathered = self.all_gather(out.detach())
+        if self.mode == "rebalance_metric":  # its forward gathers the ranks' states: a rank waits there
+            self.synced_mean = self.mean_loss(out.detach())
+        if self.mode == "rebalance_direct":
+            summed = out.detach().clone()
+            torch.distributed.all_reduce(summed)
         return out
 
     def configure_optimizers(self):

@@ -72,12 +72,15 @@ def _assert_global_batch_gradient(mode, init, saved):
             assert (saved["grads"][name] - param.grad).abs().max() <= 1e-12, name
 
 
-@pytest.mark.parametrize("mode", ["rebalance", "rebalance_selective", "rebalance_logged", "rebalance_gathered"])
+@pytest.mark.parametrize(
+    "mode", ["rebalance", "rebalance_selective", "rebalance_logged", "rebalance_gathered", "rebalance_metric", "rebalance_direct"])
 def test_shares_converge_toward_the_speed_ratio_when_a_rank_is_slowed(tmp_path, mode):
     # rebalance_selective: SelectiveTokenLoss(scope="global") gathers the ranks' token scores within the step, where
     # the faster rank waits for the slower; counted as its compute, both ranks read the slower's speed and the shares
     # never moved (a new user's trial). The gather is a wait now, left out as FSDP2's all-gathers are; so is the
-    # all-reduce of a value logged with sync_dist=True in training_step (rebalance_logged) and self.all_gather's
+    # all-reduce of a value logged with sync_dist=True in training_step (rebalance_logged) and self.all_gather's,
+    # and torch.distributed's collectives the step calls itself: a torchmetrics metric synced on each step
+    # (rebalance_metric) and a plain dist.all_reduce (rebalance_direct), which kept the shares at 12:12
     out = tmp_path / "shares.json"
     _launch(mode, out)
     shares = json.loads(out.read_text())["shares"]
@@ -362,3 +365,25 @@ def test_the_strategy_destroys_its_process_group_when_the_process_exits():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "group alive after fit: True" in done.stdout  # (Lightning keeps it for a next fit)
     assert "group alive at exit: False" in done.stdout, done.stdout
+
+
+def test_collectives_are_marked_as_waits_only_within_the_block_and_put_back_after_a_failure():
+    from lightning_efficient._distributed import WaitMarks, collectives_marked_as_waits
+
+    original = torch.distributed.all_reduce
+    marks = []
+    handle = WaitMarks(lambda: marks.append("start"), lambda: marks.append("end"))
+    try:
+        with pytest.raises(RuntimeError, match="the step failed"), collectives_marked_as_waits():
+            wrapped = torch.distributed.all_reduce
+            assert wrapped is not original and wrapped.__wrapped__ is original
+            with collectives_marked_as_waits():  # not wrapped twice
+                assert torch.distributed.all_reduce is wrapped
+            with pytest.raises((RuntimeError, ValueError)):  # no process group here: the original's own error
+                torch.distributed.all_reduce(torch.ones(1))
+            assert marks == ["start", "end"]  # the call ran as a wait, ended by its failure too
+            raise RuntimeError("the step failed")
+    finally:
+        handle.remove()
+    assert torch.distributed.all_reduce is original and torch.distributed.barrier.__name__ == "barrier"
+    assert not hasattr(torch.distributed.barrier, "__wrapped_collective__")
