@@ -23,6 +23,7 @@ from lightning_efficient._torch import random_streams_restored
 IDENTITY_WORDS = {"class": "classes", "length": "lengths", "samples": "first and last samples",
                   "subset indices": "Subset indices (from a random_split? give it a seeded generator)"}
 READS = 4  # reads of each compared sample that must agree (a 50% flip from a generator of its own: all 4 alike 1 in 8)
+CONFIRMING_READS = 32  # reads of each where the ranks' samples differ, before refusing (all alike by chance: 1 in 2**31)
 UNCOMPARABLE = ("they hold objects other than tensors, arrays, numbers, strings, dataclasses and containers of them, or "
                 "content that cannot be read here")
 
@@ -46,6 +47,10 @@ def check_same_dataset(name: str, dataloader: DataLoader, world: int, distribute
     except Exception as failure:  # noqa: BLE001 - every rank learns of it and raises it together
         error = failure
     identities = gather_or_raise_together(identity, error, f"{name} could not compare the ranks' training datasets")
+    if read_samples:
+        confirmed = _confirmed_samples(name, dataloader.dataset, [identity["samples"] for identity in identities])
+        for identity, samples in zip(identities, confirmed):
+            identity["samples"] = samples
     for key in identities[0]:
         values = [identity[key] for identity in identities]
         if key == "samples" and any(isinstance(value, str) for value in values):  # not comparable on some rank
@@ -64,6 +69,21 @@ def check_same_dataset(name: str, dataloader: DataLoader, world: int, distribute
                        f"the same, whole dataset, which {name} splits by shares; the ranks' datasets were compared by "
                        f"class, length and Subset indices only (not their samples: {unread}): a rank's own part of the "
                        "data would train only partly")
+
+
+def _confirmed_samples(name: str, dataset: Any, values: list[Any]) -> list[Any]:
+    """The ranks' sample summaries, read again :data:`CONFIRMING_READS` times where they differ (every rank sees the
+    same ``values``, so all read again or none): a generator of the dataset's own with few outcomes reads alike
+    :data:`READS` times by chance on every rank now and then (a 50% flip of one sample: 1 fit in 128 on 2 ranks), and its
+    differing reads tell it from a rank's own part of the data, which reads alike however often it is read."""
+    if any(isinstance(value, str) for value in values) or all(alike(value, values[0]) for value in values):
+        return values
+    summaries, error = None, None
+    try:
+        summaries = _sample_summaries(dataset, CONFIRMING_READS)
+    except Exception as failure:  # noqa: BLE001 - every rank learns of it and raises it together
+        error = failure
+    return gather_or_raise_together(summaries, error, f"{name} could not compare the ranks' training datasets")
 
 
 def _refuse(name: str, key: str, values: list[Any], differing: list[int]) -> None:
@@ -101,15 +121,15 @@ def _indices_digest(indices: Any) -> str | None:
         return None
 
 
-def _sample_summaries(dataset: Any) -> list[Any] | str:
-    """:func:`summary` of ``dataset``'s first and last samples, each read :data:`READS` times under the same seeds of
+def _sample_summaries(dataset: Any, times: int = READS) -> list[Any] | str:
+    """:func:`summary` of ``dataset``'s first and last samples, each read ``times`` times under the same seeds of
     torch's CPU, Python's and NumPy's streams (put back afterwards; no accelerator's generator is touched), so that a
     random augmentation drawn from them reads alike on every rank; or why they cannot be compared: reads that differ (a
     generator of the dataset's own, or memory left uninitialised: a few outcomes could agree twice by chance and refuse
     a dataset that is the same on every rank), or a sample of objects :func:`summary` does not read."""
     indices = (0, len(dataset) - 1) if len(dataset) else ()
     reads = []
-    for _ in range(READS):
+    for _ in range(times):
         with random_streams_restored(torch.device("cpu")):
             torch.default_generator.manual_seed(0)
             np.random.seed(0)

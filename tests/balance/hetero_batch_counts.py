@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_efficient import AutoFit, HeterogeneousDDPStrategy
+from lightning_efficient.balance.datasets import READS
 
 LR = 0.1
 
@@ -85,6 +86,21 @@ class Noisy(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor]:
         return (self.data[index] + 1e-3 * torch.randn(2, dtype=torch.float64),)
+
+
+class AgreesByChance(Dataset):
+    """A generator of the dataset's own with few outcomes, whose first reads of each sample happened to agree within each
+    rank and differ between the ranks (1 fit in 128 for a 50% flip of one sample on 2 ranks): later reads differ."""
+
+    def __init__(self, data: torch.Tensor, rank: int) -> None:
+        self.data, self.rank, self.reads = data, rank, [0] * len(data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        self.reads[index] += 1
+        return (self.data[index] + (self.rank if self.reads[index] <= READS else self.reads[index] % 2),)
 
 
 def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, saves_in: str | None = None,
@@ -155,7 +171,9 @@ if __name__ == "__main__":
         "tensors": fit(devices, True, dataset=lambda data, rank, world: TensorDataset(data[rank::world]), use_distributed_sampler=False),
         "whole": fit(devices, True, use_distributed_sampler=False),
         "noisy": fit(devices, True, dataset=lambda data, rank, world: Noisy(data), use_distributed_sampler=False),
-        "noisy_parts": fit(devices, True, dataset=lambda data, rank, world: Noisy(data[rank::world]), use_distributed_sampler=False)}
+        "noisy_parts": fit(devices, True, dataset=lambda data, rank, world: Noisy(data[rank::world]), use_distributed_sampler=False),
+        "agrees_by_chance": fit(devices, True, dataset=lambda data, rank, world: AgreesByChance(data, rank),
+                                use_distributed_sampler=False)}
     # AutoFit's caps (the device holds 2 samples a micro-step) in place of max_micro_batch
     found["autofit"] = {"limited": fit(devices, True, autofit=True, limit_train_batches=3, val_check_interval=2)}
     if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:
