@@ -5,9 +5,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 _wait_marks: list[tuple[Callable[[], None], Callable[[], None]]] = []  # (start, end) a step timer marks a wait with
@@ -32,31 +34,47 @@ def waiting_for_other_ranks() -> Iterator[None]:
 # metric with dist_sync_on_step=True, SyncBatchNorm's gather of the batch statistics, a plain dist.all_reduce)
 _COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object",
-    "all_gather_single", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier",
-    "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
-    "send", "recv", "send_object_list", "recv_object_list", "batch_isend_irecv",
+    "all_gather_single", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+    "broadcast_object_list", "barrier", "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "send_object_list", "recv_object_list",
+    "batch_isend_irecv",
 )
+_marking_thread: int | None = None  # the thread whose collectives run as waits (None: no one's)
+_wrappers: dict[Callable[..., Any], Callable[..., Any]] = {}  # each collective's wrapper, made once
 
 
 def _marked_as_wait(collective: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(collective)
-    def run_as_wait(*args: Any, **kwargs: Any) -> Any:
-        with waiting_for_other_ranks():
-            return collective(*args, **kwargs)
+    """``collective``, run as :func:`waiting_for_other_ranks` when called from the marking thread. Traced by
+    ``torch.compile`` it is the collective itself: a clock read there would break the graph (and fail ``fullgraph``)."""
+    if collective not in _wrappers:
 
-    run_as_wait.__wrapped_collective__ = collective  # type: ignore[attr-defined]
-    return run_as_wait
+        @functools.wraps(collective)
+        def run_as_wait(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling() or threading.get_ident() != _marking_thread:
+                return collective(*args, **kwargs)
+            with waiting_for_other_ranks():
+                return collective(*args, **kwargs)
+
+        run_as_wait.__wrapped_collective__ = collective  # type: ignore[attr-defined]
+        _wrappers[collective] = run_as_wait
+    return _wrappers[collective]
 
 
 @contextlib.contextmanager
 def collectives_marked_as_waits() -> Iterator[None]:
-    """Within the block, each of ``torch.distributed``'s collectives called through the module runs as
-    :func:`waiting_for_other_ranks`: a balanced strategy times the user's ``training_step`` in it, and a collective
-    there waits for the slowest rank (a metric synced on each step kept every rank at the slowest one's speed). A
-    collective with ``async_op=True`` is marked while it is issued; its ``wait()`` is not. Code that bound a function
-    before (``from torch.distributed import all_reduce``) calls the original."""
+    """Within the block, each of ``torch.distributed``'s collectives that this thread calls through the module runs as
+    :func:`waiting_for_other_ranks`: a balanced strategy times the user's ``training_step`` and backward in it, and a
+    collective there waits for the slowest rank (a metric synced on each step kept every rank at the slowest one's
+    speed). Not marked: the ``wait()`` of one issued with ``async_op=True`` (its call is), functional collectives
+    (DTensor's), code that bound a function before (``from torch.distributed import all_reduce``), other threads, and a
+    block another thread holds."""
+    global _marking_thread
+    if _marking_thread is not None:  # nested in this thread's block (already marking), or another thread's
+        yield
+        return
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-    originals = {name: f for name, f in originals.items() if not hasattr(f, "__wrapped_collective__")}  # not twice
+    originals = {name: f for name, f in originals.items() if not hasattr(f, "__wrapped_collective__")}
+    _marking_thread = threading.get_ident()
     for name, collective in originals.items():
         setattr(dist, name, _marked_as_wait(collective))
     try:
@@ -64,6 +82,7 @@ def collectives_marked_as_waits() -> Iterator[None]:
     finally:
         for name, collective in originals.items():
             setattr(dist, name, collective)
+        _marking_thread = None
 
 
 class WaitMarks:

@@ -12,6 +12,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_efficient._torch import held_generators_restored
+
 
 @contextlib.contextmanager
 def quiet_logging(module: LightningModule) -> Iterator[None]:
@@ -24,6 +26,16 @@ def quiet_logging(module: LightningModule) -> Iterator[None]:
         del module.log, module.log_dict
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def first_samples_batch(strategy: Any, dataloader: Any, size: int) -> Any:
+    """A batch of ``size`` samples from the start of ``dataloader``'s dataset (repeated where it holds fewer), collated
+    and on the device, as a measuring step reads it: the random generators the dataset and the collate function hold
+    are put back afterwards (:func:`~lightning_efficient._torch.held_generators_restored`)."""
+    dataset = dataloader.dataset
+    with held_generators_restored(dataset, dataloader.collate_fn):
+        batch = dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)])
+    return strategy.batch_to_device(batch)
 
 
 def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool = True) -> Tensor:

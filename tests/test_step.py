@@ -1,11 +1,14 @@
-"""lightning_efficient._step.restored_run_state: what measuring changes is put back exactly."""
+"""lightning_efficient._step: what measuring changes is put back exactly (the run's state, the generators a dataset holds)."""
 
+import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from lightning_efficient._step import restored_run_state
+from lightning_efficient._step import first_samples_batch, restored_run_state
+from lightning_efficient._torch import held_generators, held_generators_restored
 
 
 class _Module(torch.nn.Module):
@@ -44,3 +47,48 @@ def test_restored_run_state_puts_parameters_buffers_and_optimizer_state_back_on_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_restored_run_state_puts_back_exactly_through_pinned_asynchronous_copies_on_cuda():
     _changed_and_put_back(torch.device("cuda"))
+
+
+class _Transform:
+    """An augmentation object holding generators of each kind, one inside a dict and one in a list."""
+
+    def __init__(self) -> None:
+        self.numpy = np.random.default_rng(5)
+        self.legacy = {"state": np.random.RandomState(6)}
+        self.python = [random.Random(7)]
+        self.system = random.SystemRandom()  # no state to put back: left alone
+
+
+class _Augmented(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(4)
+        self.transform = _Transform()
+        self.rows = [{"text": str(i)} for i in range(100_000)]  # not walked whole
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        t = self.transform
+        noise = [t.numpy.random(), t.legacy["state"].rand(), t.python[0].random(), t.system.random()]
+        return torch.randn(2, generator=self.generator) + torch.tensor(noise[:3]).sum()
+
+
+def _next_draws(dataset: _Augmented) -> list[float]:
+    t = dataset.transform
+    return [float(torch.rand((), generator=dataset.generator)), t.numpy.random(), t.legacy["state"].rand(), t.python[0].random()]
+
+
+def test_reading_samples_to_measure_puts_back_the_generators_the_dataset_holds():
+    # a new user's trial: a seeded augmentation of the dataset's own was drawn from before the fit (the datasets'
+    # comparison, AutoFit's and the probe's measuring steps), and the fit trained other samples than plain Lightning's
+    dataset, untouched = _Augmented(), _Augmented()
+    strategy = SimpleNamespace(batch_to_device=lambda batch: batch)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2)
+    first = first_samples_batch(strategy, loader, 5)
+    assert first.shape == (5, 2) and torch.equal(first, first_samples_batch(strategy, loader, 5))  # the same draws again
+    assert _next_draws(dataset) == _next_draws(untouched)
+    assert len(held_generators(dataset)) == 4  # torch's, NumPy's two kinds and Python's; not SystemRandom
+    with held_generators_restored(dataset):
+        dataset[0]
+    assert _next_draws(dataset) == _next_draws(untouched)

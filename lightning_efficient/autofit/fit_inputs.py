@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_efficient._distributed import gather_objects
-from lightning_efficient._torch import random_streams_restored
+from lightning_efficient._torch import held_generators_restored, random_streams_restored
 
 
 @contextlib.contextmanager
@@ -29,7 +29,7 @@ def samplers_left_as_they_were(loader: Any) -> Iterator[None]:
     owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
     generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
     states = [(g, g.get_state()) for g in generators.values()]
-    with random_streams_restored(torch.device("cpu")):
+    with random_streams_restored(torch.device("cpu")), held_generators_restored(getattr(loader, "dataset", None)):
         try:
             yield
         finally:

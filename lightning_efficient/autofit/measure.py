@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_efficient._step import restored_run_state, run_state_tensors, step_loss
+from lightning_efficient._step import first_samples_batch, restored_run_state, run_state_tensors, step_loss
 from lightning_efficient._torch import synchronize
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.profile import profile_blocks
@@ -67,9 +67,9 @@ def can_resize(dataloader: DataLoader) -> bool:
 
 
 def sample_batch(strategy: Any, dataloader: DataLoader, size: int) -> Any:
-    """A batch of ``size`` samples from the start of ``dataloader``'s dataset, collated and on the device."""
-    dataset = dataloader.dataset
-    return strategy.batch_to_device(dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)]))
+    """A batch of ``size`` samples from the start of ``dataloader``'s dataset, collated and on the device (the dataset's
+    own generators put back: :func:`~lightning_efficient._step.first_samples_batch`)."""
+    return first_samples_batch(strategy, dataloader, size)
 
 
 def tokens_per_sample(batch: Any) -> float:

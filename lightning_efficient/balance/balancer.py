@@ -11,9 +11,10 @@ gradient sync is switched off, how compute time is told apart from waiting for o
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Literal
@@ -91,6 +92,7 @@ class _TimedMicroStep:
     samples: int
     waits: list[tuple[object, object]] = field(default_factory=list)
     last_gradient: object | None = None
+    backward_waits: list[tuple[object, object]] = field(default_factory=list)  # collectives within the backward
 
     def ready(self) -> bool:
         """Whether the device has reached the last mark (always, off CUDA): reading it will not wait."""
@@ -266,10 +268,9 @@ class Balancer:
         self.time_backward = True  # forward + backward to the last gradient hook (DDP); False: forward only (FSDP2)
         self._timed: _TimedMicroStep | None = None  # the micro-step whose backward is running
         self._unread: deque[_TimedMicroStep] = deque()  # finished micro-steps, read once the device passed them
-        self._timing_forward = False
+        self._open_waits: list[tuple[object, object]] | None = None  # where a wait goes while a forward/backward is timed
         # this rank's samples in the micro-batch while its training_step runs (a mean logged with sync_dist weighs them)
         self.logging_samples: int | None = None
-        self._waits: list[tuple[object, object]] = []
         self._wait_start: object | None = None
         self._wait_depth = 0  # waits open (nested: a collective within FSDP2's all-gather hooks)
         self._hooks: list = []
@@ -471,22 +472,37 @@ class Balancer:
         samples = first.shape[0] if first is not None and first.dim() else 1
         self._finish_timing()
         clock = self._clock()
-        self._waits, self._wait_start, self._wait_depth = [], None, 0
-        self._timing_forward = True
+        waits: list[tuple[object, object]] = []
+        self._open_waits, self._wait_start, self._wait_depth = waits, None, 0
         self.logging_samples = samples
         start = clock.mark()
         try:
             with collectives_marked_as_waits():  # a metric synced in the step waits for the slowest rank there
                 output = step(*args, **kwargs)
         finally:
-            self._timing_forward = False
+            self._open_waits = None
             self.logging_samples = None
         forward_end = clock.mark()
         self.micro_done += 1
         scaled = self._scaled(output, samples)  # may all-reduce: not part of the timing
         backward_start = clock.mark() if self.time_backward else None
-        self._timed = _TimedMicroStep(start, forward_end, backward_start, samples, self._waits)
+        self._timed = _TimedMicroStep(start, forward_end, backward_start, samples, waits)
         return scaled
+
+    @contextlib.contextmanager
+    def backward_waits_marked(self) -> Iterator[None]:
+        """Around the timed micro-step's backward: the collectives it calls through ``torch.distributed``
+        (SyncBatchNorm's all-reduce of the statistics' gradients) are waits, left out of its compute time."""
+        timed = self._timed
+        if not self.time_backward or timed is None or timed.backward_start is None:
+            yield
+            return
+        self._open_waits, self._wait_start, self._wait_depth = timed.backward_waits, None, 0
+        try:
+            with collectives_marked_as_waits():
+                yield
+        finally:
+            self._open_waits = None
 
     def _clock(self) -> DeviceClock:
         device = self.strategy.root_device
@@ -511,18 +527,19 @@ class Balancer:
 
     def wait_started(self, *args: Any) -> None:
         """Forward pre-hook run before a module's own collective wait (FSDP2's all-gather), or the start of a
-        collective within the step. Waits nest (a collective within FSDP2's hooks): the outermost is timed."""
-        if self._timing_forward:
+        collective within the step or its backward. Waits nest (a collective within FSDP2's hooks): the outermost is
+        timed."""
+        if self._open_waits is not None:
             self._wait_depth += 1
             if self._wait_depth == 1:
                 self._wait_start = self._clock().mark()
 
     def wait_ended(self, *args: Any) -> None:
         """Forward pre-hook run after that wait: the interval is left out of the compute time."""
-        if self._timing_forward and self._wait_depth > 0:
+        if self._open_waits is not None and self._wait_depth > 0:
             self._wait_depth -= 1
             if self._wait_depth == 0 and self._wait_start is not None:
-                self._waits.append((self._wait_start, self._clock().mark()))
+                self._open_waits.append((self._wait_start, self._clock().mark()))
                 self._wait_start = None
 
     def add_hooks(self, handles: list) -> None:
@@ -593,7 +610,9 @@ class Balancer:
         forward = clock.seconds(timed.start, timed.forward_end) - sum(clock.seconds(a, b) for a, b in timed.waits)
         backward = 0.0
         if timed.backward_start is not None and timed.last_gradient is not None:
-            backward = clock.seconds(timed.backward_start, timed.last_gradient)
+            last = timed.last_gradient  # (a wait past the last gradient is outside the timed backward)
+            backward = clock.seconds(timed.backward_start, last) - sum(
+                max(0.0, min(clock.seconds(a, b), clock.seconds(a, last))) for a, b in timed.backward_waits)
         self._observe(timed.samples / max(max(forward, 0.0) + max(backward, 0.0), 1e-9))
         self.micro_step_times.observe(timed.samples, max(forward, 0.0) + max(backward, 0.0))
 
@@ -862,6 +881,12 @@ class BalancedStrategy:
         """The strategy's broadcast, as a wait for the other ranks (see :meth:`reduce`)."""
         with waiting_for_other_ranks():
             return super().broadcast(obj, src)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The strategy's backward, the collectives it calls through ``torch.distributed`` timed as waits for the other
+        ranks (see :meth:`reduce`; SyncBatchNorm all-reduces in its backward)."""
+        with self.balancer.backward_waits_marked():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The strategy's, then the scheduler frequencies Lightning tests after this micro-batch

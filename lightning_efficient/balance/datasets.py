@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
 from lightning_efficient._distributed import gather_or_raise_together
-from lightning_efficient._torch import random_streams_restored
+from lightning_efficient._torch import held_generators_restored, random_streams_restored
 
 IDENTITY_WORDS = {"class": "classes", "length": "lengths", "samples": "first and last samples",
                   "subset indices": "Subset indices (from a random_split? give it a seeded generator)"}
@@ -44,10 +44,12 @@ def check_same_dataset(name: str, dataloader: DataLoader, world: int, distribute
     identity, error = None, None
     try:
         identity = dataset_identity(dataloader.dataset, read_samples)
+        if not distributed_sampler and not read_samples:  # (each rank its own num_workers: every rank has the key)
+            identity["samples"] = "DataLoader workers read them, not this process"
     except Exception as failure:  # noqa: BLE001 - every rank learns of it and raises it together
         error = failure
     identities = gather_or_raise_together(identity, error, f"{name} could not compare the ranks' training datasets")
-    if read_samples:
+    if not distributed_sampler:
         confirmed = _confirmed_samples(name, dataloader.dataset, [identity["samples"] for identity in identities])
         for identity, samples in zip(identities, confirmed):
             identity["samples"] = samples
@@ -60,11 +62,8 @@ def check_same_dataset(name: str, dataloader: DataLoader, world: int, distribute
             _refuse(name, key, values, differing)
     if distributed_sampler:
         return
-    if read_samples:  # why the samples of a rank could not be compared, if any
-        unread = next((identity["samples"] for identity in identities if isinstance(identity["samples"], str)), None)
-    else:
-        unread = "DataLoader workers read them, not this process"
-    if unread is not None:
+    unread = next((identity["samples"] for identity in identities if isinstance(identity["samples"], str)), None)
+    if unread is not None:  # why the samples of a rank could not be compared
         rank_zero_warn(f"{name}: with use_distributed_sampler=False every rank's training DataLoader must still hold "
                        f"the same, whole dataset, which {name} splits by shares; the ranks' datasets were compared by "
                        f"class, length and Subset indices only (not their samples: {unread}): a rank's own part of the "
@@ -128,6 +127,11 @@ def _sample_summaries(dataset: Any, times: int = READS) -> list[Any] | str:
     generator of the dataset's own, or memory left uninitialised: a few outcomes could agree twice by chance and refuse
     a dataset that is the same on every rank), or a sample of objects :func:`summary` does not read."""
     indices = (0, len(dataset) - 1) if len(dataset) else ()
+    with held_generators_restored(dataset):  # (a generator of the dataset's own: the fit draws from it as without the check)
+        return _summaries_read(dataset, indices, times)
+
+
+def _summaries_read(dataset: Any, indices: tuple[int, ...], times: int) -> list[Any] | str:
     reads = []
     for _ in range(times):
         with random_streams_restored(torch.device("cpu")):

@@ -33,7 +33,7 @@ import torch
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch.utils.data import DataLoader
 
-from lightning_efficient._step import restored_run_state, step_loss
+from lightning_efficient._step import first_samples_batch, restored_run_state, step_loss
 from lightning_efficient.balance.planner import largest_fitting_batch
 
 PROBE_MARGIN = 0.10
@@ -92,8 +92,8 @@ def _unpaged(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
 def _micro_step(strategy: Any, dataloader: DataLoader, size: int, to_step: list[torch.optim.Optimizer]) -> None:
     """One training micro-step of ``size`` samples with the gradient sync off, stepping the
     optimizers ``to_step`` (raises when out of memory)."""
-    module, dataset = strategy.lightning_module, dataloader.dataset
-    batch = strategy.batch_to_device(dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)]))
+    module = strategy.lightning_module
+    batch = first_samples_batch(strategy, dataloader, size)
     with strategy.gradient_sync_off():
         loss = step_loss(strategy, batch)
         loss.backward()

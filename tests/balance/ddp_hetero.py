@@ -7,7 +7,7 @@ micro-batches capped at 3, so the shares 7:3 run as micro-batches 3+2+2 and 1+1+
 scores in the step; rebalance_logged: the same with the step's loss logged with sync_dist=True at the step's end;
 rebalance_gathered: the same with the loss gathered by self.all_gather there; rebalance_metric: a torchmetrics MeanMetric
 of the loss synced on each step (dist_sync_on_step=True) there; rebalance_direct: a torch.distributed.all_reduce of
-it there),
+it there; rebalance_backward: an all-reduce in the backward, as SyncBatchNorm's),
 probe (max_micro_batch="auto" under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1
 by 48 MiB, from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is
 written to OUT).
@@ -46,6 +46,20 @@ class Rows(Dataset):
         return {"x": self.x[i], "y": self.y[i], "ids": self.ids[i], "labels": self.labels[i], "index": i}
 
 
+class AllReducedInBackward(torch.autograd.Function):
+    """The identity, whose backward all-reduces the sum of its gradient (SyncBatchNorm all-reduces in its backward)."""
+
+    @staticmethod
+    def forward(ctx, hidden):
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.sum().detach().clone()
+        torch.distributed.all_reduce(total)
+        return grad
+
+
 class Module(lightning.LightningModule):
     def __init__(self, mode, slow_rank=None):
         super().__init__()
@@ -59,6 +73,9 @@ class Module(lightning.LightningModule):
             self.mean_loss = torchmetrics.MeanMetric(dist_sync_on_step=True)
 
     def per_sample_loss(self, batch):
+        if self.mode == "rebalance_backward":  # the all-reduce runs before the first layer's gradients
+            hidden = AllReducedInBackward.apply(self.net[1](self.net[0](batch["x"])))
+            return F.mse_loss(self.net[2](hidden), batch["y"])
         return F.mse_loss(self.net(batch["x"]), batch["y"])
 
     def per_token(self, batch):

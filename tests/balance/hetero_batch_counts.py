@@ -45,10 +45,14 @@ class Linear(L.LightningModule):
         self.input_sum = torch.zeros(2, dtype=torch.float64)
         self.validated_at: list[int] = []
         self.fail = fail
+        self.generator_untouched: bool | None = None
 
     def on_train_start(self) -> None:
         self.samples, self.input_sum = 0, torch.zeros(2, dtype=torch.float64)  # the fit's, not AutoFit's measuring steps
         self.lrs = []
+        dataset = self.trainer.train_dataloader.dataset
+        if isinstance(dataset, OwnGenerator):  # nothing drawn from it before the first step, as in plain Lightning
+            self.generator_untouched = torch.equal(dataset.generator.get_state(), dataset.initial_state)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         self.lrs.append(optimizer.param_groups[0]["lr"])
@@ -88,6 +92,21 @@ class Noisy(Dataset):
         return (self.data[index] + 1e-3 * torch.randn(2, dtype=torch.float64),)
 
 
+class OwnGenerator(Dataset):
+    """An augmentation drawn from a seeded generator of the dataset's own (a new user's trial: the datasets' comparison
+    read the samples before the fit and moved it, and the fit trained other samples than plain Lightning's)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data, self.generator = data, torch.Generator().manual_seed(123)
+        self.initial_state = self.generator.get_state()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        return (self.data[index] + 1e-3 * torch.randn(2, dtype=torch.float64, generator=self.generator),)
+
+
 class AgreesByChance(Dataset):
     """A generator of the dataset's own with few outcomes, whose first reads of each sample happened to agree within each
     rank and differ between the ranks (1 fit in 128 for a 50% flip of one sample on 2 ranks): later reads differ."""
@@ -105,7 +124,8 @@ class AgreesByChance(Dataset):
 
 def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, saves_in: str | None = None,
         samples: int = 40, shuffle: bool = False, drop_last: bool = False, strategy_drops_last: bool = False,
-        frequency: int | None = None, dataset: Callable | None = None, **settings) -> dict:
+        frequency: int | None = None, dataset: Callable | None = None, workers_of_rank: Callable | None = None,
+        **settings) -> dict:
     data = torch.randn(samples, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     strategy = HeterogeneousDDPStrategy(max_micro_batch=None if autofit else 2, shuffle=shuffle,
                                         drop_last=strategy_drops_last) if hetero else "ddp"
@@ -118,7 +138,8 @@ def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, s
                         enable_model_summary=False, callbacks=callbacks, **settings)
     model = Linear(fail, holds=2 if autofit else None, frequency=frequency)
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # (set in the processes Lightning starts)
-    loader = DataLoader(TensorDataset(data) if dataset is None else dataset(data, rank, devices), batch_size=4, drop_last=drop_last)
+    loader = DataLoader(TensorDataset(data) if dataset is None else dataset(data, rank, devices), batch_size=4, drop_last=drop_last,
+                        num_workers=0 if workers_of_rank is None else workers_of_rank(rank))
     refused = None
     try:
         trainer.fit(model, loader, DataLoader(TensorDataset(data[:4]), batch_size=4))
@@ -131,7 +152,7 @@ def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, s
     saved = sorted(path.name for path in Path(saves_in).iterdir()) if saves_in is not None else None
     frequencies = [config.frequency for config in trainer.lr_scheduler_configs]
     return {"refused": refused, "saved": saved, "steps": trainer.global_step, "lrs": model.lrs, "frequencies": frequencies,
-            "samples": int(samples), "validated_at": model.validated_at,
+            "samples": int(samples), "validated_at": model.validated_at, "generator_untouched": model.generator_untouched,
             "weight": model.weight.tolist(), "expected_weight": (1 - LR * input_sum / (4 * devices)).tolist(),
             "after": [trainer.limit_train_batches, trainer.val_check_interval, trainer.accumulate_grad_batches,
                       [callback._save_on_train_epoch_end for callback in trainer.checkpoint_callbacks]]}
@@ -173,7 +194,13 @@ if __name__ == "__main__":
         "noisy": fit(devices, True, dataset=lambda data, rank, world: Noisy(data), use_distributed_sampler=False),
         "noisy_parts": fit(devices, True, dataset=lambda data, rank, world: Noisy(data[rank::world]), use_distributed_sampler=False),
         "agrees_by_chance": fit(devices, True, dataset=lambda data, rank, world: AgreesByChance(data, rank),
-                                use_distributed_sampler=False)}
+                                use_distributed_sampler=False),
+        # a DataLoader worker on rank 1 only: rank 0 reads its samples, rank 1 cannot
+        "workers_differ": fit(devices, True, workers_of_rank=lambda rank: rank, use_distributed_sampler=False)}
+    # a generator of the dataset's own: neither the datasets' comparison nor AutoFit's measuring steps draw from it
+    found["own_generator"] = {
+        "hetero": fit(devices, True, dataset=lambda data, rank, world: OwnGenerator(data), use_distributed_sampler=False),
+        "autofit": fit(devices, True, autofit=True, dataset=lambda data, rank, world: OwnGenerator(data))}
     # AutoFit's caps (the device holds 2 samples a micro-step) in place of max_micro_batch
     found["autofit"] = {"limited": fit(devices, True, autofit=True, limit_train_batches=3, val_check_interval=2)}
     if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:
