@@ -39,7 +39,8 @@ _COLLECTIVES = (
     "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "send_object_list", "recv_object_list",
     "batch_isend_irecv",
 )
-_marking_thread: int | None = None  # the thread whose collectives run as waits (None: no one's)
+_marking_thread: int | None = None  # the thread whose collectives run as waits (None: no one's; ANY_THREAD: every one's)
+ANY_THREAD = -1
 _wrappers: dict[Callable[..., Any], Callable[..., Any]] = {}  # each collective's wrapper, made once
 
 
@@ -50,7 +51,7 @@ def _marked_as_wait(collective: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(collective)
         def run_as_wait(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling() or threading.get_ident() != _marking_thread:
+            if torch.compiler.is_compiling() or _marking_thread not in (ANY_THREAD, threading.get_ident()):
                 return collective(*args, **kwargs)
             with waiting_for_other_ranks():
                 return collective(*args, **kwargs)
@@ -61,20 +62,21 @@ def _marked_as_wait(collective: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def collectives_marked_as_waits() -> Iterator[None]:
+def collectives_marked_as_waits(any_thread: bool = False) -> Iterator[None]:
     """Within the block, each of ``torch.distributed``'s collectives that this thread calls through the module runs as
     :func:`waiting_for_other_ranks`: a balanced strategy times the user's ``training_step`` and backward in it, and a
     collective there waits for the slowest rank (a metric synced on each step kept every rank at the slowest one's
     speed). Not marked: the ``wait()`` of one issued with ``async_op=True`` (its call is), functional collectives
     (DTensor's), code that bound a function before (``from torch.distributed import all_reduce``), other threads, and a
-    block another thread holds."""
+    block another thread holds. With ``any_thread``, every thread's (a backward: on CUDA, autograd runs an
+    ``autograd.Function``'s backward, SyncBatchNorm's all-reduce, on a worker thread of its own while this one waits)."""
     global _marking_thread
     if _marking_thread is not None:  # nested in this thread's block (already marking), or another thread's
         yield
         return
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
     originals = {name: f for name, f in originals.items() if not hasattr(f, "__wrapped_collective__")}
-    _marking_thread = threading.get_ident()
+    _marking_thread = ANY_THREAD if any_thread else threading.get_ident()
     for name, collective in originals.items():
         setattr(dist, name, _marked_as_wait(collective))
     try:

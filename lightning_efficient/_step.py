@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_efficient._torch import held_generators_restored
+from lightning_efficient._generators import held_generators_restored
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_efficient._generators import held_generators, held_generators_restored
 from lightning_efficient._step import first_samples_batch, restored_run_state
-from lightning_efficient._torch import held_generators, held_generators_restored
 
 
 class _Module(torch.nn.Module):

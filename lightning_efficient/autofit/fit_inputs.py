@@ -17,24 +17,19 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_efficient._distributed import gather_objects
-from lightning_efficient._torch import held_generators_restored, random_streams_restored
+from lightning_efficient._generators import held_generators_restored
+from lightning_efficient._torch import random_streams_restored
 
 
 @contextlib.contextmanager
 def samplers_left_as_they_were(loader: Any) -> Iterator[None]:
-    """The random states a draw from ``loader`` moves put back afterwards: the global streams, and the
-    ``torch.Generator`` of the loader, its sampler, its batch sampler and the batch sampler's sampler (a shuffling
-    sampler with a generator of its own draws from it, and a DataLoader's iterator draws its base seed)."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
-    generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
-    states = [(g, g.get_state()) for g in generators.values()]
-    with random_streams_restored(torch.device("cpu")), held_generators_restored(getattr(loader, "dataset", None)):
-        try:
-            yield
-        finally:
-            for generator, state in states:
-                generator.set_state(state)
+    """The random states a draw from ``loader`` moves put back afterwards: the global streams, and the generators the
+    loader, its samplers, its dataset and its collate function hold (a shuffling sampler with a generator of its own
+    draws from it, a DataLoader's iterator draws its base seed, a dataset's augmentation and a collate function draw
+    from theirs: :func:`~lightning_efficient._generators.held_generators`)."""
+    roots = (loader, getattr(loader, "dataset", None), getattr(loader, "collate_fn", None))
+    with random_streams_restored(torch.device("cpu")), held_generators_restored(*roots):
+        yield
 
 
 def loader_batch_size(loader: Any) -> int:

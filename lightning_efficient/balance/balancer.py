@@ -95,10 +95,11 @@ class _TimedMicroStep:
     backward_waits: list[tuple[object, object]] = field(default_factory=list)  # collectives within the backward
 
     def ready(self) -> bool:
-        """Whether the device has reached the last mark (always, off CUDA): reading it will not wait."""
+        """Whether the device has reached the last marks (always, off CUDA): reading them will not wait (a wait in
+        the backward may end after the last gradient)."""
         last = self.last_gradient if self.last_gradient is not None else self.forward_end
-        query = getattr(last, "query", None)
-        return query is None or bool(query())
+        marks = [last, *(end for _, end in self.backward_waits)]
+        return all(getattr(mark, "query", None) is None or bool(mark.query()) for mark in marks)
 
 
 class _BalancedLoader(DataLoader):
@@ -499,7 +500,7 @@ class Balancer:
             return
         self._open_waits, self._wait_start, self._wait_depth = timed.backward_waits, None, 0
         try:
-            with collectives_marked_as_waits():
+            with collectives_marked_as_waits(any_thread=True):  # (on CUDA the backward runs on autograd's threads)
                 yield
         finally:
             self._open_waits = None

@@ -18,7 +18,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
 from lightning_efficient._distributed import gather_or_raise_together
-from lightning_efficient._torch import held_generators_restored, random_streams_restored
+from lightning_efficient._generators import held_generators_restored
+from lightning_efficient._torch import random_streams_restored
 
 IDENTITY_WORDS = {"class": "classes", "length": "lengths", "samples": "first and last samples",
                   "subset indices": "Subset indices (from a random_split? give it a seeded generator)"}

@@ -422,6 +422,10 @@ with collectives_marked_as_waits():
     other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)))  # another thread's: not this step's wait
     other.start(), other.join()
     assert marks == ["start", "end"], marks
+with collectives_marked_as_waits(any_thread=True):  # a backward: on CUDA autograd's worker thread runs the collective
+    other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)))
+    other.start(), other.join()
+    assert marks == ["start", "end"] * 2, marks
 handle.remove()
 dist.destroy_process_group()
 print("ok")
@@ -430,7 +434,8 @@ print("ok")
 
 def test_marked_collectives_are_traced_by_torch_compile_as_themselves_and_other_threads_are_not_marked():
     # a review: a compiled forward calling a collective raised under fullgraph=True (the wrapper's clock read), and broke
-    # the graph without it
+    # the graph without it; in a backward every thread's collective is marked (on CUDA, SyncBatchNorm's backward
+    # all-reduce runs on autograd's worker thread: a review)
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", _MARKED_IN_A_PROCESS_GROUP], capture_output=True, text=True, cwd=root,
                             timeout=240)
