@@ -72,7 +72,14 @@ def collectives_marked_as_waits(any_thread: bool = False) -> Iterator[None]:
     ``autograd.Function``'s backward, SyncBatchNorm's all-reduce, on a worker thread of its own while this one waits)."""
     global _marking_thread
     if _marking_thread is not None:  # nested in this thread's block (already marking), or another thread's
-        yield
+        widened = any_thread and _marking_thread == threading.get_ident()  # (a manual backward within the step)
+        if widened:
+            _marking_thread = ANY_THREAD
+        try:
+            yield
+        finally:
+            if widened:
+                _marking_thread = threading.get_ident()
         return
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
     originals = {name: f for name, f in originals.items() if not hasattr(f, "__wrapped_collective__")}

@@ -12,7 +12,7 @@ import itertools
 import random
 import types
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -20,8 +20,7 @@ import torch
 from torch import Tensor
 
 GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, np.random.BitGenerator, random.Random)
-_LEAVES = (Tensor, np.ndarray, str, bytes, bytearray, memoryview, int, float, complex, type(None), type, types.ModuleType,
-           types.BuiltinFunctionType)
+_LEAVES = (Tensor, np.ndarray, str, bytes, bytearray, memoryview, int, float, complex, type(None), type, types.ModuleType)
 SEARCHED_OBJECTS = 4096  # objects looked into: a dataset that holds its samples is not walked whole
 SEARCHED_ITEMS = 256  # items (or attributes) looked at in one container (or object)
 
@@ -35,9 +34,11 @@ def held_generators(root: Any) -> list[Any]:
     - objects' attributes (read from their ``__dict__``, no properties or ``__getattr__`` run), looked into before the
       items of containers, so that a transform's generator is found beside wide per-sample records;
     - plain containers (``dict``, ``list``, ``tuple``, sets, ``deque``; not other mappings, which may read a file);
-    - bound methods' objects, ``functools.partial``'s function and arguments, functions' closures and defaults;
-    - the module-level generators of the code that reads a sample (the globals of a class's ``__getitem__``, of a
-      function), not walked further.
+    - ``__slots__``, bound methods' objects (also a C method's: ``random.Random(0).random``), ``functools.partial``'s
+      function and arguments, functions' closures and defaults;
+    - the generators a class holds as attributes, and the module-level generators of the code an object or a function
+      runs (the globals of each function of its class and bases: a transform's ``__call__`` drawing from its module's
+      generator), not walked further.
 
     Up to :data:`SEARCHED_OBJECTS` objects and the first :data:`SEARCHED_ITEMS` items of each; whatever raises while
     being looked into (a dead weak proxy) is passed over.
@@ -51,44 +52,84 @@ def held_generators(root: Any) -> list[Any]:
             if isinstance(value, _LEAVES) or id(value) in seen:
                 continue
             seen[id(value)] = value
-            if isinstance(value, GENERATORS):
-                if not isinstance(value, random.SystemRandom):
-                    found[id(value)] = value
+            if _is_generator(value):
+                found[id(value)] = value
                 continue
-            held_attributes, held_items, module_globals = _contents(value)
+            held_attributes, held_items, namespaces = _contents(value)
             attributes.extend(itertools.islice(held_attributes, SEARCHED_ITEMS))
             items.extend(itertools.islice(held_items, SEARCHED_ITEMS))
-            for namespace in module_globals:
-                if id(namespace) not in seen:
-                    seen[id(namespace)] = namespace
-                    found.update((id(v), v) for v in list(namespace.values())
-                                 if isinstance(v, GENERATORS) and not isinstance(v, random.SystemRandom))
+            for owner, namespace in namespaces:  # module globals and class attributes: their generators, not walked further
+                if id(owner) not in seen:
+                    seen[id(owner)] = owner
+                    found.update((id(v), v) for v in list(namespace.values()) if _is_generator(v))
         except Exception:  # noqa: BLE001 - an object that cannot be looked into holds nothing found here
             continue
     return list(found.values())
 
 
-def _contents(value: Any) -> tuple[list[Any], list[Any], list[dict]]:
-    """What ``value`` holds: (attribute-like values, container items, module globals of the code it runs)."""
+def _is_generator(value: Any) -> bool:
+    try:
+        return isinstance(value, GENERATORS) and not isinstance(value, random.SystemRandom)
+    except Exception:  # noqa: BLE001 - (a dead weak proxy among a module's globals)
+        return False
+
+
+def _contents(value: Any) -> tuple[list[Any], list[Any], list[tuple[Any, Mapping]]]:
+    """What ``value`` holds: (attribute-like values, container items, (owner, namespace) pairs whose generators count:
+    module globals of the code it runs, its class's attributes)."""
     if isinstance(value, dict):
         return [], list(itertools.islice(value.values(), SEARCHED_ITEMS)), []
     if isinstance(value, list | tuple | set | frozenset | deque):
         return [], list(itertools.islice(value, SEARCHED_ITEMS)), []
     if isinstance(value, functools.partial):
         return [value.func, *value.args, *value.keywords.values()], [], []
-    if isinstance(value, types.MethodType):
-        return [value.__self__, value.__func__], [], []
+    if isinstance(value, types.MethodType | types.BuiltinMethodType):  # (a generator's own C method: its __self__)
+        return [value.__self__, getattr(value, "__func__", None)], [], []
     if isinstance(value, types.FunctionType):
         cells = [cell.cell_contents for cell in value.__closure__ or () if _cell_filled(cell)]
         defaults = [*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
-        return [*cells, *defaults], [], [value.__globals__]
+        return [*cells, *defaults], [], [(value.__globals__, value.__globals__)]
+    held: list[Any] = []
     try:
         namespace = object.__getattribute__(value, "__dict__")
     except AttributeError:  # (slots only)
         namespace = None
-    held = list(itertools.islice(namespace.values(), SEARCHED_ITEMS)) if isinstance(namespace, dict) else []
-    reader = getattr(type(value), "__getitem__", None)  # (a dataset's: a module-level generator it draws from)
-    return held, [], [reader.__globals__] if isinstance(reader, types.FunctionType) else []
+    if isinstance(namespace, dict):
+        held += itertools.islice(namespace.values(), SEARCHED_ITEMS)
+    return held + _slot_values(value), [], _class_namespaces(type(value))
+
+
+def _slot_values(value: Any) -> list[Any]:
+    """The values of ``value``'s ``__slots__`` (read raw, as its ``__dict__`` is)."""
+    names = [name for cls in type(value).__mro__ for name in _slot_names(cls)]
+    values = []
+    for name in names[:SEARCHED_ITEMS]:
+        try:
+            values.append(object.__getattribute__(value, name))
+        except AttributeError:  # (not set)
+            continue
+    return values
+
+
+def _slot_names(cls: type) -> list[str]:
+    slots = cls.__dict__.get("__slots__", ())
+    return [slots] if isinstance(slots, str) else [name for name in slots if name not in ("__dict__", "__weakref__")]
+
+
+def _class_namespaces(cls: type) -> list[tuple[Any, Mapping]]:
+    """The class attributes of ``cls`` and its bases (a generator held by the class), and the module globals of their
+    functions (a transform's ``__call__`` drawing from its module's generator), but builtins' (``object``'s)."""
+    namespaces: list[tuple[Any, Mapping]] = []
+    for base in cls.__mro__:
+        if base.__module__ == "builtins":
+            continue
+        attributes = vars(base)
+        namespaces.append((base, attributes))
+        for attribute in list(attributes.values()):
+            function = getattr(attribute, "__func__", attribute)  # (classmethod, staticmethod)
+            if isinstance(function, types.FunctionType):
+                namespaces.append((function.__globals__, function.__globals__))
+    return namespaces
 
 
 def _cell_filled(cell: Any) -> bool:
@@ -107,7 +148,7 @@ def _generator_state(generator: Any) -> Any:
     if isinstance(generator, np.random.BitGenerator):
         return copy.deepcopy(generator.state)
     if isinstance(generator, np.random.RandomState):
-        return generator.get_state()
+        return generator.get_state(legacy=False)  # (the legacy form warns for bit generators other than MT19937)
     return generator.getstate()
 
 

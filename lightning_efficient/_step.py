@@ -31,7 +31,7 @@ def quiet_logging(module: LightningModule) -> Iterator[None]:
 def first_samples_batch(strategy: Any, dataloader: Any, size: int) -> Any:
     """A batch of ``size`` samples from the start of ``dataloader``'s dataset (repeated where it holds fewer), collated
     and on the device, as a measuring step reads it: the random generators the dataset and the collate function hold
-    are put back afterwards (:func:`~lightning_efficient._torch.held_generators_restored`)."""
+    are put back afterwards (:func:`~lightning_efficient._generators.held_generators_restored`)."""
     dataset = dataloader.dataset
     with held_generators_restored(dataset, dataloader.collate_fn):
         batch = dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)])

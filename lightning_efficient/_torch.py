@@ -78,4 +78,3 @@ def random_streams_restored(device: torch.device) -> Iterator[None]:
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
-

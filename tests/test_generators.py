@@ -43,6 +43,25 @@ class _Raising:
         raise RuntimeError(f"no {name}")
 
 
+JITTER = torch.Generator().manual_seed(12)  # a module-level generator a transform's __call__ draws from
+
+
+class _Jitter:
+    def __call__(self, x):
+        return x + torch.rand((), generator=JITTER)
+
+
+class _ClassHeld:
+    shared = np.random.default_rng(13)  # a generator held by the class
+
+
+class _Slotted:
+    __slots__ = ("generator",)
+
+    def __init__(self) -> None:
+        self.generator = random.Random(14)
+
+
 class _Collator:
     def __init__(self) -> None:
         self.generator = np.random.default_rng(3)
@@ -73,6 +92,11 @@ def test_generators_are_found_through_attributes_containers_code_and_module_glob
     expected = [dataset.transform[0].generator, MODULE_LEVEL, bit_generator, collator.generator, partial_generator, closed_over]
     assert all(id(g) in found for g in expected), [type(g).__name__ for g in expected if id(g) not in found]
     assert not any(isinstance(g, random.SystemRandom) for root in roots for g in held_generators(root))
+    # (a review) a transform's __call__ drawing from its module's generator, a class attribute, slots, a C method's object
+    c_method = random.Random(15).random
+    for root, generator in ((_Jitter(), JITTER), (_ClassHeld(), _ClassHeld.shared), (_Slotted(), None), ([c_method], c_method.__self__)):
+        generator = generator if generator is not None else root.generator
+        assert any(g is generator for g in held_generators(root)), type(root).__name__
 
     states = (dataset.transform[0].generator.get_state(), MODULE_LEVEL.bit_generator.state, bit_generator.state,
               collator.generator.bit_generator.state, partial_generator.get_state(), closed_over.getstate())

@@ -495,6 +495,10 @@ class Balancer:
         """Around the timed micro-step's backward: the collectives it calls through ``torch.distributed``
         (SyncBatchNorm's all-reduce of the statistics' gradients) are waits, left out of its compute time."""
         timed = self._timed
+        if self._open_waits is not None:  # manual optimization: a backward within the timed step, its waits the step's
+            with collectives_marked_as_waits(any_thread=True):
+                yield
+            return
         if not self.time_backward or timed is None or timed.backward_start is None:
             yield
             return

@@ -426,6 +426,14 @@ with collectives_marked_as_waits(any_thread=True):  # a backward: on CUDA autogr
     other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)))
     other.start(), other.join()
     assert marks == ["start", "end"] * 2, marks
+with collectives_marked_as_waits():  # a manual backward within the step widens the step's marking, then narrows it
+    with collectives_marked_as_waits(any_thread=True):
+        other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)))
+        other.start(), other.join()
+    assert marks == ["start", "end"] * 3, marks
+    other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)))
+    other.start(), other.join()
+    assert marks == ["start", "end"] * 3, marks
 handle.remove()
 dist.destroy_process_group()
 print("ok")
