@@ -35,7 +35,18 @@ def first_samples_batch(strategy: Any, dataloader: Any, size: int) -> Any:
     dataset = dataloader.dataset
     with held_generators_restored(dataset, dataloader.collate_fn):
         batch = dataloader.collate_fn([dataset[i % len(dataset)] for i in range(size)])
-    return strategy.batch_to_device(batch)
+    return prepared_as_in_the_loop(strategy, batch)
+
+
+def prepared_as_in_the_loop(strategy: Any, batch: Any) -> Any:
+    """``batch`` as Lightning's training loop hands it to ``training_step``: converted by the precision plugin (float
+    inputs to float64 under ``"64-true"``, to bfloat16 under ``"bf16-true"``), through the module's
+    ``on_before_batch_transfer``, then moved by the strategy (``transfer_batch_to_device``,
+    ``on_after_batch_transfer``). A new user's float32 data under ``"64-true"`` failed measuring without the conversion,
+    where plain Lightning trains it."""
+    batch = strategy.precision_plugin.convert_input(batch)
+    batch = strategy.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return strategy.batch_to_device(batch, dataloader_idx=0)
 
 
 def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool = True) -> Tensor:

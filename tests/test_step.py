@@ -3,9 +3,11 @@
 import random
 from types import SimpleNamespace
 
+import lightning
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import Precision
 
 from lightning_efficient._generators import held_generators, held_generators_restored
 from lightning_efficient._step import first_samples_batch, restored_run_state
@@ -83,7 +85,8 @@ def test_reading_samples_to_measure_puts_back_the_generators_the_dataset_holds()
     # a new user's trial: a seeded augmentation of the dataset's own was drawn from before the fit (the datasets'
     # comparison, AutoFit's and the probe's measuring steps), and the fit trained other samples than plain Lightning's
     dataset, untouched = _Augmented(), _Augmented()
-    strategy = SimpleNamespace(batch_to_device=lambda batch: batch)
+    strategy = SimpleNamespace(precision_plugin=Precision(), lightning_module=lightning.LightningModule(),
+                               batch_to_device=lambda batch, dataloader_idx=0: batch)
     loader = torch.utils.data.DataLoader(dataset, batch_size=2)
     first = first_samples_batch(strategy, loader, 5)
     assert first.shape == (5, 2) and torch.equal(first, first_samples_batch(strategy, loader, 5))  # the same draws again

@@ -107,3 +107,15 @@ def test_speed_marks_are_read_a_micro_step_later_never_in_the_step_that_made_the
     for step, (forward, backward) in per_step.items():
         marks = sorted(m for m, s in made_in.items() if s == step)
         assert forward["read"] == marks[:2] and backward["read"] == [marks[2], marks[-1]], step
+
+
+def test_measuring_steps_get_each_batch_converted_as_the_loop_converts_it(tmp_path):
+    # a new user's trial: float32 data under precision "64-true" (or "bf16-true") failed AutoFit's planning and the
+    # probe ("mat1 and mat2 must have the same dtype"), which ran training_step on the batch unconverted, where plain
+    # Lightning trains it; the weights after the fit are plain Lightning's (the probe's on one process: plain ddp's)
+    run_script(Path(__file__).parent / "precision_measuring.py", tmp_path / "out.json", timeout=240)
+    found = json.loads((tmp_path / "out.json").read_text())
+    for precision, runs in found.items():
+        tolerance = 1e-12 if precision == "64-true" else 2e-2  # (bfloat16: AutoFit's micro-batches round otherwise)
+        assert runs["autofit"] == pytest.approx(runs["plain"], abs=tolerance), precision
+        assert runs["probe"] == pytest.approx(runs["ddp"], abs=tolerance), precision
