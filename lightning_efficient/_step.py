@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 
 from lightning_efficient._generators import held_generators_restored
@@ -49,6 +50,21 @@ def prepared_as_in_the_loop(strategy: Any, batch: Any) -> Any:
     return strategy.batch_to_device(batch, dataloader_idx=0)
 
 
+def draws_its_own_batches(module: LightningModule) -> bool:
+    """Whether ``module``'s own ``training_step`` takes ``dataloader_iter`` (Lightning's advanced form: it calls
+    ``next`` on the loader itself, and Lightning neither converts nor moves the batches)."""
+    return is_param_in_hook_signature(type(module).training_step.__get__(module), "dataloader_iter", explicit=True)
+
+
+def refuse_a_step_that_draws_its_own_batches(name: str, module: LightningModule, why: str) -> None:
+    """Refuse a ``training_step(self, dataloader_iter)`` before the first step, saying ``why`` ``name`` needs each
+    batch (a new user's trial: AutoFit and ActivationMemory's planning failed on it with "takes 2 positional arguments
+    but 3 were given", and hetero_ddp trained it with a wrong loss weight, silently)."""
+    if draws_its_own_batches(module):
+        raise ValueError(f"{name}: {type(module).__name__}.training_step(self, dataloader_iter) draws its own batches, "
+                         f"{why}. Take them as training_step(self, batch, batch_idx) to use it")
+
+
 def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool = True) -> Tensor:
     """The loss of one ``training_step`` on ``batch``, run as the loop runs it (precision context) but
     outside the loop: nothing is logged.
@@ -61,6 +77,9 @@ def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool
             plugin collective runs on one rank alone.
     """
     module = strategy.lightning_module
+    refuse_a_step_that_draws_its_own_batches("measuring a step outside the loop", module,
+                                             "and a step measured outside the loop (by AutoFit, ActivationMemory(policy="
+                                             "'auto') or max_micro_batch='auto') is handed one batch")
     step = type(module).training_step.__get__(module) if class_step else module.training_step
     with quiet_logging(module), strategy.precision_plugin.train_step_context():
         output = step(batch, batch_idx)

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_efficient._generators import held_generators, held_generators_restored
-from lightning_efficient._step import first_samples_batch, restored_run_state
+from lightning_efficient._step import first_samples_batch, restored_run_state, step_loss
 
 
 class _Module(torch.nn.Module):
@@ -97,3 +97,29 @@ def test_reading_samples_to_measure_puts_back_the_generators_the_dataset_holds()
     with held_generators_restored(dataset):
         dataset[0]
     assert _next_draws(dataset) == _next_draws(untouched)
+
+
+class _Iterating(lightning.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)
+        return self.layer(batch).sum()
+
+
+class _Batched(_Iterating):
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+
+def test_a_step_that_draws_its_own_batches_is_refused_by_measuring_with_what_to_do():
+    # a new user's trial: AutoFit's and ActivationMemory's planning failed on training_step(self, dataloader_iter) with
+    # "takes 2 positional arguments but 3 were given"
+    strategy = SimpleNamespace(lightning_module=_Iterating(), precision_plugin=Precision())
+    with pytest.raises(ValueError, match=r"_Iterating.training_step\(self, dataloader_iter\) draws its own batches.*"
+                                         r"training_step\(self, batch, batch_idx\)"):
+        step_loss(strategy, torch.ones(3, 2))
+    strategy.lightning_module = _Batched()
+    assert float(step_loss(strategy, torch.ones(3, 2))) == pytest.approx(float(strategy.lightning_module.layer(torch.ones(3, 2)).sum()))

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _set_num_threads_if_needed
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -53,6 +53,7 @@ from lightning_efficient._distributed import (
     gather_or_raise_together,
     waiting_for_other_ranks,
 )
+from lightning_efficient._step import refuse_a_step_that_draws_its_own_batches
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
 from lightning_efficient.balance.datasets import check_same_dataset
@@ -842,6 +843,10 @@ class BalancedStrategy:
         is forgotten first: ``configure_optimizers`` reading ``trainer.estimated_stepping_batches`` iterates the
         training DataLoader within the strategy's setup (a second review: after a fit that raised, the next trained
         10 of 22 samples)."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_a_step_that_draws_its_own_batches(self.balancer.name, trainer.lightning_module,
+                                                     "so the strategy can neither hand each rank its share of the global "
+                                                     "batch nor weigh its loss by it")
         self.balancer.forget_position(trainer.current_epoch)
         super().setup(trainer)
         self.balancer.bind(self)

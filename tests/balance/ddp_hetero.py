@@ -9,8 +9,8 @@ rebalance_gathered: the same with the loss gathered by self.all_gather there; re
 of the loss synced on each step (dist_sync_on_step=True) there; rebalance_direct: a torch.distributed.all_reduce of
 it there; rebalance_backward: an all-reduce in the backward, as SyncBatchNorm's),
 probe (max_micro_batch="auto" under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1
-by 48 MiB, from the start of fit to its end), bad_global, bad_shares, bad_accumulation (the ValueError fit raises is
-written to OUT).
+by 48 MiB, from the start of fit to its end), bad_global, bad_shares, bad_accumulation, bad_iterating_step (a
+training_step(self, dataloader_iter)) (the ValueError fit raises is written to OUT).
 """
 
 import hashlib
@@ -110,6 +110,14 @@ class Module(lightning.LightningModule):
         if self.mode.startswith("probe"):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
         return torch.optim.SGD(self.parameters(), lr=0.0 if not self.mode.startswith("rebalance") else 1e-3)
+
+
+class IteratingModule(Module):
+    """training_step(self, dataloader_iter): it draws its own batches (Lightning's advanced form)."""
+
+    def training_step(self, dataloader_iter):
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
 
 
 def address_space_kib():
@@ -217,7 +225,8 @@ if __name__ == "__main__":
         accumulate_grad_batches=3 if mode == "bad_accumulation" else 1,
     )
     try:
-        trainer.fit(Module(mode, slow_rank=1 if mode.startswith("rebalance") else None), DataLoader(Rows(), batch_size=3))
+        module_class = IteratingModule if mode == "bad_iterating_step" else Module
+        trainer.fit(module_class(mode, slow_rank=1 if mode.startswith("rebalance") else None), DataLoader(Rows(), batch_size=3))
     except ValueError as error:
         if not mode.startswith("bad_"):
             raise

@@ -123,6 +123,8 @@ def test_auto_micro_batch_is_probed_under_each_ranks_real_memory_limit(tmp_path)
     ("bad_shares", r"shares=\[1.0, 2.0, 3.0\] has 3 weights for 2 ranks"),
     ("bad_accumulation", r"accumulate_grad_batches=3 micro-batches a step, but the global batch of 4 gives each of 2 "
                          r"rank\(s\) at most 2 .* set accumulate_grad_batches <= 2 or a larger global_batch_size"),
+    # a new user's step that draws its own batches trained with a wrong loss weight, silently
+    ("bad_iterating_step", r"IteratingModule.training_step\(self, dataloader_iter\) draws its own batches, so the strategy"),
 ])
 def test_impossible_settings_fail_before_the_first_step(tmp_path, mode, pattern):
     out = tmp_path / "error.txt"
