@@ -115,7 +115,9 @@ def test_measuring_steps_get_each_batch_converted_as_the_loop_converts_it(tmp_pa
     # Lightning trains it; the weights after the fit are plain Lightning's (the probe's on one process: plain ddp's)
     run_script(Path(__file__).parent / "precision_measuring.py", tmp_path / "out.json", timeout=240)
     found = json.loads((tmp_path / "out.json").read_text())
-    for precision, runs in found.items():
-        tolerance = 1e-12 if precision == "64-true" else 2e-2  # (bfloat16: AutoFit's micro-batches round otherwise)
-        assert runs["autofit"] == pytest.approx(runs["plain"], abs=tolerance), precision
-        assert runs["probe"] == pytest.approx(runs["ddp"], abs=tolerance), precision
+    # a review: a seeded augmentation in on_before_batch_transfer (a generator the module holds, NumPy's and Python's
+    # global streams; the probe had put back torch's only) was moved by the measured batches: weights 0.03-0.06 apart
+    for case, runs in found.items():
+        tolerance = 2e-2 if case == "bf16-true" else 1e-12  # (bfloat16: AutoFit's micro-batches round otherwise)
+        assert runs["autofit"] == pytest.approx(runs["plain"], abs=tolerance), case
+        assert runs["probe"] == pytest.approx(runs["ddp"], abs=tolerance), case
