@@ -15,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_efficient._samples import batch_samples
 from lightning_efficient._torch import synchronize
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.memory import (
@@ -315,8 +316,9 @@ class MemoryReport(Callback):
             self._tokens.append(int(mask.sum()))
         elif first is not None and first.dim() >= 2:
             self._tokens.append(first.numel())
-        if first is not None and first.dim() >= 1:
-            self._samples.append(first.shape[0])
+        samples = batch_samples(batch)
+        if samples is not None:
+            self._samples.append(samples)
 
     def _local_totals(self) -> tuple[int, float, int, int]:
         """This rank's timed steps (all after the first), their seconds, samples and tokens."""

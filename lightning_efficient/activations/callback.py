@@ -12,6 +12,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_efficient._distributed import gather_or_raise_together
+from lightning_efficient._samples import batch_samples
 from lightning_efficient._step import restored_run_state, step_loss
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
@@ -19,7 +20,7 @@ from lightning_efficient.activations.offload import DiskOffload, HostOffload
 from lightning_efficient.activations.planner import BlockProfile, Plan, parse_budget, plan_blocks
 from lightning_efficient.activations.policies import POLICIES, unwrap_block, wrap_block
 from lightning_efficient.activations.profile import profile_blocks
-from lightning_efficient.memory import ParameterStorages, SavedTensorCounter, first_tensor
+from lightning_efficient.memory import ParameterStorages, SavedTensorCounter
 
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
 _RECOMPUTED = ("checkpoint", "selective")
@@ -310,8 +311,7 @@ class ActivationMemory(Callback):
         if len(policies) < len(self.auto_policies) and self._auto_policies_chosen:
             rank_zero_warn(f"ActivationMemory: auto_policies={list(self.auto_policies)!r} includes 'offload', which needs CUDA: "
                            f"planned on {pl_module.device.type} without it (with {sorted({'keep', *policies})!r}).")
-        first = first_tensor(batch)
-        micro_batch = int(first.shape[0]) if first is not None and first.dim() else 1
+        micro_batch = batch_samples(batch) or 1
         plan: Plan | None = None
         failure: BaseException | None = None
         try:

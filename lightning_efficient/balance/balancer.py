@@ -53,6 +53,7 @@ from lightning_efficient._distributed import (
     gather_or_raise_together,
     waiting_for_other_ranks,
 )
+from lightning_efficient._samples import batch_samples
 from lightning_efficient._step import refuse_a_step_that_draws_its_own_batches
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import require, require_bool, require_int
@@ -61,7 +62,6 @@ from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
-from lightning_efficient.memory import first_tensor
 from lightning_efficient.resumable import EpochShuffleSampler
 from lightning_efficient.tokens.normalize import StepTokenNormaliser, kept_loss_sum
 from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses
@@ -470,8 +470,11 @@ class Balancer:
         if self.micro_done % accumulation == 0:
             self._maybe_rebalance()
         batch = args[0] if args else kwargs.get("batch")
-        first = first_tensor(batch)
-        samples = first.shape[0] if first is not None and first.dim() else 1
+        samples = batch_samples(batch)
+        if samples is None:
+            raise ValueError(f"{self.name} cannot tell how many samples a micro-batch of type {type(batch).__qualname__} "
+                             "holds (no tensor with a batch dimension in it), and weighs each rank's loss by it: return "
+                             "the batch's samples as tensors (in a dict, tuple, dataclass or object of them)")
         self._finish_timing()
         clock = self._clock()
         waits: list[tuple[object, object]] = []

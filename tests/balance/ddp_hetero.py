@@ -13,8 +13,10 @@ by 48 MiB, from the start of fit to its end), bad_global, bad_shares, bad_accumu
 training_step(self, dataloader_iter)) (the ValueError fit raises is written to OUT).
 """
 
+import dataclasses
 import hashlib
 import json
+import os
 import resource
 import sys
 import time
@@ -23,7 +25,8 @@ import lightning
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
+from transformers import BatchEncoding
 
 from lightning_efficient import HeterogeneousDDPStrategy, SelectiveTokenLoss, TokenLosses
 
@@ -44,6 +47,28 @@ class Rows(Dataset):
 
     def __getitem__(self, i):
         return {"x": self.x[i], "y": self.y[i], "ids": self.ids[i], "labels": self.labels[i], "index": i}
+
+
+@dataclasses.dataclass
+class RowsBatch:
+    """A dataclass batch whose first field is 0-d (a new user's trial: it was counted as one sample)."""
+
+    count: torch.Tensor
+    x: torch.Tensor
+    y: torch.Tensor
+    ids: torch.Tensor
+    labels: torch.Tensor
+    index: torch.Tensor
+
+    def __getitem__(self, key):
+        return getattr(self, key)
+
+
+# HETERO_BATCH_TYPE: the batches as dicts (Rows' own), a dataclass, or Hugging Face's BatchEncoding (a Mapping, not a
+# dict), the last two with a 0-d value first
+COLLATES = {"dict": default_collate,
+            "dataclass": lambda samples: RowsBatch(count=torch.tensor(len(samples)), **default_collate(samples)),
+            "encoding": lambda samples: BatchEncoding({"count": torch.tensor(len(samples)), **default_collate(samples)})}
 
 
 class AllReducedInBackward(torch.autograd.Function):
@@ -226,7 +251,8 @@ if __name__ == "__main__":
     )
     try:
         module_class = IteratingModule if mode == "bad_iterating_step" else Module
-        trainer.fit(module_class(mode, slow_rank=1 if mode.startswith("rebalance") else None), DataLoader(Rows(), batch_size=3))
+        loader = DataLoader(Rows(), batch_size=3, collate_fn=COLLATES[os.environ.get("HETERO_BATCH_TYPE", "dict")])
+        trainer.fit(module_class(mode, slow_rank=1 if mode.startswith("rebalance") else None), loader)
     except ValueError as error:
         if not mode.startswith("bad_"):
             raise

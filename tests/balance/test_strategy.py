@@ -15,9 +15,10 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_hetero.py"
 LR = 0.1  # (midstep_resume.py's)
 
 
-def _launch(mode, out, *extra):
+def _launch(mode, out, *extra, batch_type="dict"):
     # one malloc arena and a fixed mmap threshold: freed activations give their address space back
-    return run_script(SCRIPT, mode, out, *extra, env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    return run_script(SCRIPT, mode, out, *extra,
+                      env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "HETERO_BATCH_TYPE": batch_type})
 
 
 @pytest.mark.parametrize("mode", ["samples", "tokens", "selective", "samples_acc", "tokens_acc", "selective_acc"])
@@ -31,6 +32,18 @@ def test_shares_two_to_one_give_the_global_batch_gradient(tmp_path, mode):
     assert len(saved["steps"]) == 2
     for step in saved["steps"]:
         _assert_global_batch_gradient(mode, saved["init"], step)
+
+
+@pytest.mark.parametrize("batch_type", ["dataclass", "encoding"])
+def test_batches_of_other_types_with_a_0d_value_first_give_the_global_batch_gradient(tmp_path, batch_type):
+    # a new user's trial: a dataclass batch, a BatchEncoding (a Mapping, not a dict) and a dict whose first value was 0-d
+    # were counted as one sample a micro-batch, and every rank's loss weighed by it, silently (weights 0.6 apart)
+    out = tmp_path / "grads.pt"
+    _launch("samples_acc", out, batch_type=batch_type)
+    saved = torch.load(out)
+    assert len(saved["steps"]) == 2
+    for step in saved["steps"]:
+        _assert_global_batch_gradient("samples_acc", saved["init"], step)
 
 
 def _assert_global_batch_gradient(mode, init, saved):

@@ -1,0 +1,33 @@
+"""lightning_efficient._samples.batch_samples: the samples a batch holds, whatever holds its tensors."""
+
+import collections
+import dataclasses
+
+import torch
+from transformers import BatchEncoding
+
+from lightning_efficient._samples import batch_samples
+
+
+@dataclasses.dataclass
+class _Batch:
+    lengths: torch.Tensor
+    ids: torch.Tensor
+
+
+class _Custom:
+    def __init__(self) -> None:
+        self.vocabulary_mask = torch.ones(50)  # a per-batch table beside the samples
+        self.ids = torch.ones(6, 3)
+        self.labels = torch.ones(6)
+
+
+def test_the_samples_are_the_most_common_leading_dimension_of_the_batchs_tensors():
+    # a new user's trial: a dataclass, a BatchEncoding and a dict with a 0-d value first were each counted as 1 sample
+    pair = collections.namedtuple("Pair", "x y")
+    assert batch_samples(_Batch(torch.tensor(7), torch.ones(4, 7))) == 4
+    assert batch_samples(BatchEncoding({"input_ids": torch.ones(3, 5), "attention_mask": torch.ones(3, 5)})) == 3
+    assert batch_samples({"length": torch.tensor(5), "x": torch.ones(2, 5), "text": ["a", "b"]}) == 2
+    assert batch_samples(_Custom()) == 6 and batch_samples(pair(torch.ones(9, 2), torch.ones(9))) == 9
+    assert batch_samples(["a tokenized", "in the step"]) == 2
+    assert batch_samples({"note": "no tensors"}) is None and batch_samples(torch.tensor(1.0)) is None
