@@ -1,54 +1,57 @@
-"""How many samples a batch holds, read from the batch itself: the heterogeneous strategies weigh each rank's loss by it
-(each rank's micro-batch is its own size), and the reports count samples with it."""
+"""How many samples a batch holds, read from the batch itself, for the figures that count samples (MemoryReport,
+ActivationMemory's plan). The heterogeneous strategies weigh each rank's loss by the size their plan gives each
+micro-batch, and only check it against this."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import types
-from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
 
-_DEPTH = 4  # containers nested within a batch that are looked into
-_TENSORS = 256  # tensors whose leading dimension is counted
+_LOOKED_AT = 4096  # values looked at in a batch at most (a batch that holds a tokenizer or raw text is not walked whole)
+_ITEMS = 64  # items looked at in one container
 
 
-def _batch_tensors(value: Any, depth: int = 0) -> Iterator[Tensor]:
-    """The tensors in a batch: in mappings (a dict, Hugging Face's ``BatchEncoding``), lists, tuples (namedtuples),
-    dataclasses and the attributes of another object (a batch class of the user's), up to :data:`_DEPTH` levels."""
-    if isinstance(value, Tensor):
-        yield value
-        return
-    if depth >= _DEPTH or isinstance(value, str | bytes | type | types.ModuleType | nn.Module):
-        return
+def _children(value: Any) -> list[Any]:
+    """What a batch's container holds: a mapping's values (a dict, Hugging Face's ``BatchEncoding``), a list's or tuple's
+    items (a namedtuple), a dataclass's fields, another object's attributes (a batch class of the user's)."""
+    if isinstance(value, str | bytes | type | types.ModuleType | nn.Module):
+        return []
     if isinstance(value, Mapping):
-        children = list(value.values())
-    elif isinstance(value, list | tuple):
-        children = list(value)
-    elif dataclasses.is_dataclass(value):
-        children = [getattr(value, field.name) for field in dataclasses.fields(value)]
-    elif isinstance(getattr(value, "__dict__", None), dict):
-        children = list(vars(value).values())
-    else:
-        return
-    for child in children:
-        yield from _batch_tensors(child, depth + 1)
+        return list(itertools.islice(value.values(), _ITEMS))
+    if isinstance(value, list | tuple):
+        return list(value[:_ITEMS])
+    if dataclasses.is_dataclass(value):
+        return [getattr(value, field.name, None) for field in dataclasses.fields(value)][:_ITEMS]
+    namespace = getattr(value, "__dict__", None)
+    return list(itertools.islice(namespace.values(), _ITEMS)) if isinstance(namespace, dict) else []
 
 
 def batch_samples(batch: Any) -> int | None:
-    """The samples in ``batch``: the most common leading dimension of its tensors of one dimension or more (the first
-    such on a tie), so that a 0-d value (a sequence length) or a per-batch table beside the samples does not decide it;
-    for a list or tuple of strings or numbers (text tokenized in the step), its length; else None.
+    """The samples in ``batch``: the leading dimension of its first tensor of one dimension or more, the shallowest
+    first (so a 0-d value, a sequence length, listed before the samples does not decide it, nor do per-sample targets in
+    a list beside them); for a list or tuple of strings or numbers (text tokenized in the step), its length; else None.
 
     A new user's trial: a dataclass batch, a ``BatchEncoding`` and a dict whose first value was 0-d were each counted as
-    one sample, and hetero_ddp weighed every rank's loss by that, silently (weights 0.6 apart after a step).
+    one sample.
     """
-    leading = [t.shape[0] for t in itertools.islice((t for t in _batch_tensors(batch) if t.dim() >= 1), _TENSORS)]
-    if leading:
-        return Counter(leading).most_common(1)[0][0]
+    queue, looked = deque([batch]), 0
+    while queue and looked < _LOOKED_AT:
+        value = queue.popleft()
+        looked += 1
+        try:
+            if isinstance(value, Tensor):
+                if value.dim() >= 1:
+                    return int(value.shape[0])
+                continue
+            queue.extend(_children(value))
+        except Exception:  # noqa: BLE001 - a value that cannot be read (a nested tensor's shape) decides nothing
+            continue
     if isinstance(batch, list | tuple) and batch and all(isinstance(item, str | bytes | int | float) for item in batch):
         return len(batch)
     return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -265,6 +266,7 @@ class Balancer:
         self.probed_caps: list[int | None] | None = None
         self.token_normaliser = StepTokenNormaliser()  # token-weighted steps (TokenLosses without the callback)
         self._warned_manual = False
+        self._warned_sample_count = False
         # timing: device-timeline marks of the micro-step being timed, read at the next one (no sync a micro-step)
         self.clock: DeviceClock | None = None
         self.time_backward = True  # forward + backward to the last gradient hook (DDP); False: forward only (FSDP2)
@@ -469,12 +471,7 @@ class Balancer:
             self.counter_epoch, self.micro_done = epoch, 0
         if self.micro_done % accumulation == 0:
             self._maybe_rebalance()
-        batch = args[0] if args else kwargs.get("batch")
-        samples = batch_samples(batch)
-        if samples is None:
-            raise ValueError(f"{self.name} cannot tell how many samples a micro-batch of type {type(batch).__qualname__} "
-                             "holds (no tensor with a batch dimension in it), and weighs each rank's loss by it: return "
-                             "the batch's samples as tensors (in a dict, tuple, dataclass or object of them)")
+        samples = self._micro_batch_samples(args[0] if args else kwargs.get("batch"))
         self._finish_timing()
         clock = self._clock()
         waits: list[tuple[object, object]] = []
@@ -512,6 +509,23 @@ class Balancer:
                 yield
         finally:
             self._open_waits = None
+
+    def _micro_batch_samples(self, batch: Any) -> int:
+        """This rank's samples in the micro-batch about to train: the size the plan gives it (the sampler slices each
+        micro-batch by the plan), checked against the batch's own count (:func:`~lightning_efficient._samples.batch_samples`;
+        a new user's trial: a dataclass batch, a ``BatchEncoding`` or a 0-d value first was counted as one sample, and
+        every rank's loss weighed by it, silently). Where they differ (a collate function that drops samples, a batch
+        whose first tensor is not per sample), the plan's is used and a warning says so, once."""
+        accumulation = self.plan.accumulation
+        planned = self.sampler.step_plan(self.micro_done // accumulation).micro_batches(self.sampler.rank)
+        samples = planned[min(self.micro_done % accumulation, len(planned) - 1)]
+        counted = batch_samples(batch)
+        if counted not in (None, samples) and not self._warned_sample_count:
+            warnings.warn(f"{self.name}: rank {self.sampler.rank}'s micro-batch holds {samples} samples by the plan, but "
+                          f"its first tensor's leading dimension is {counted}; each rank's loss is weighed by the plan's "
+                          "count (a collate function that drops or adds samples would weigh them otherwise)", stacklevel=2)
+            self._warned_sample_count = True
+        return samples
 
     def _clock(self) -> DeviceClock:
         device = self.strategy.root_device
