@@ -397,6 +397,10 @@ class Balancer:
         workers = dataloader.num_workers
         self.lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self.plan.accumulation)
         rank_zero_info(f"{name}: global batch {global_batch}, shares {list(self.plan.shares)}")
+        # the user's prefetching with workers (a review: the default's 2 where the user set 1 fetched global batches
+        # beyond the lookahead, sliced by shares a re-plan then changed), timeout and worker start method
+        with_workers = {"prefetch_factor": dataloader.prefetch_factor, "timeout": dataloader.timeout,
+                        "multiprocessing_context": dataloader.multiprocessing_context} if workers else {}
         return _BalancedLoader(
             dataloader.dataset,
             batch_sampler=self.sampler,
@@ -405,6 +409,7 @@ class Balancer:
             pin_memory=dataloader.pin_memory,
             worker_init_fn=dataloader.worker_init_fn,
             persistent_workers=dataloader.persistent_workers if workers else False,
+            **with_workers,
             balancer=self,
         )
 

@@ -1,5 +1,6 @@
 """Run by test_strategy.py: one process under hetero_ddp, 22 samples in batches of 4 read by 2 DataLoader workers,
-the DataLoader reloaded every epoch, 3 epochs; writes each epoch's trained sample indices and the steps (JSON, OUT).
+the DataLoader reloaded every epoch, 3 epochs; writes each epoch's trained sample indices, the steps and the installed
+loader's prefetch_factor, timeout and worker start method (the user's: 1, 30, spawn) (JSON, OUT).
 
 Usage: python reload_workers.py OUT
 """
@@ -33,7 +34,7 @@ class Recorder(L.LightningModule):
         return (batch * self.weight).mean()
 
     def train_dataloader(self):
-        return DataLoader(Indices(), batch_size=4, num_workers=2)
+        return DataLoader(Indices(), batch_size=4, num_workers=2, prefetch_factor=1, timeout=30, multiprocessing_context="spawn")
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -44,4 +45,6 @@ if __name__ == "__main__":
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="hetero_ddp", max_epochs=3, reload_dataloaders_every_n_epochs=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model)
-    json.dump({"steps": trainer.global_step, "trained": model.trained}, open(sys.argv[1], "w"))
+    loader = trainer.train_dataloader
+    kept = [loader.prefetch_factor, loader.timeout, loader.multiprocessing_context.get_start_method()]
+    json.dump({"steps": trainer.global_step, "trained": model.trained, "kept": kept}, open(sys.argv[1], "w"))
