@@ -82,7 +82,6 @@ def collectives_marked_as_waits(any_thread: bool = False) -> Iterator[None]:
                 _marking_thread = threading.get_ident()
         return
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-    originals = {name: f for name, f in originals.items() if not hasattr(f, "__wrapped_collective__")}
     _marking_thread = ANY_THREAD if any_thread else threading.get_ident()
     for name, collective in originals.items():
         setattr(dist, name, _marked_as_wait(collective))

@@ -12,7 +12,7 @@ import itertools
 import random
 import types
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -140,29 +140,27 @@ def _cell_filled(cell: Any) -> bool:
     return True
 
 
-def _generator_state(generator: Any) -> Any:
-    if isinstance(generator, torch.Generator):
-        return generator.get_state()
-    if isinstance(generator, np.random.Generator):
-        return copy.deepcopy(generator.bit_generator.state)
-    if isinstance(generator, np.random.BitGenerator):
-        return copy.deepcopy(generator.state)
-    if isinstance(generator, np.random.RandomState):
-        return generator.get_state(legacy=False)  # (the legacy form warns for bit generators other than MT19937)
-    return generator.getstate()
+def _set_bit_generator_state(generator: Any, state: Any) -> None:
+    generator.bit_generator.state = state
 
 
-def _set_generator_state(generator: Any, state: Any) -> None:
-    if isinstance(generator, torch.Generator):
-        generator.set_state(state)
-    elif isinstance(generator, np.random.Generator):
-        generator.bit_generator.state = state
-    elif isinstance(generator, np.random.BitGenerator):
-        generator.state = state
-    elif isinstance(generator, np.random.RandomState):
-        generator.set_state(state)
-    else:
-        generator.setstate(state)
+def _set_state_attribute(generator: Any, state: Any) -> None:
+    generator.state = state
+
+
+# each kind of generator: how its state is read and written back (RandomState's legacy form warns for bit generators
+# other than MT19937)
+_STATE_ACCESS: tuple[tuple[type, Callable[[Any], Any], Callable[[Any, Any], None]], ...] = (
+    (torch.Generator, lambda g: g.get_state(), lambda g, s: g.set_state(s)),
+    (np.random.Generator, lambda g: copy.deepcopy(g.bit_generator.state), _set_bit_generator_state),
+    (np.random.BitGenerator, lambda g: copy.deepcopy(g.state), _set_state_attribute),
+    (np.random.RandomState, lambda g: g.get_state(legacy=False), lambda g, s: g.set_state(s)),
+    (random.Random, lambda g: g.getstate(), lambda g, s: g.setstate(s)),
+)
+
+
+def _state_access(generator: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], None]]:
+    return next((read, write) for kind, read, write in _STATE_ACCESS if isinstance(generator, kind))
 
 
 @contextlib.contextmanager
@@ -170,9 +168,12 @@ def held_generators_restored(*roots: Any) -> Iterator[None]:
     """The random generators ``roots`` hold (:func:`held_generators`) put back afterwards. Other state a read changes (a
     read counter, a cache, a ``SeedSequence``'s count of children spawned) is the dataset's own."""
     generators = {id(generator): generator for root in roots for generator in held_generators(root)}
-    states = [(generator, _generator_state(generator)) for generator in generators.values()]
+    saved = []
+    for generator in generators.values():
+        read, write = _state_access(generator)
+        saved.append((generator, write, read(generator)))
     try:
         yield
     finally:
-        for generator, state in states:
-            _set_generator_state(generator, state)
+        for generator, write, state in saved:
+            write(generator, state)

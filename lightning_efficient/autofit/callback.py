@@ -27,7 +27,7 @@ from lightning_efficient import _batch_counts
 from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
-from lightning_efficient._step import prepared_as_in_the_loop
+from lightning_efficient._step import first_samples_batch, prepared_as_in_the_loop
 from lightning_efficient._validation import require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
@@ -50,7 +50,6 @@ from lightning_efficient.autofit.measure import (
     measure_blocks,
     measure_peak,
     measure_rank,
-    sample_batch,
 )
 from lightning_efficient.autofit.model import (
     CLOSE,
@@ -544,7 +543,7 @@ class AutoFit(Callback):
                 first = prepared_as_in_the_loop(strategy, next(iter(loader)))
 
         def batches(size: int) -> Any:
-            return sample_batch(strategy, loader, size) if first is None else first
+            return first_samples_batch(strategy, loader, size) if first is None else first
 
         blocks, fixed, policies = self._blocks(pl_module, notes)
         options = self._optimizer_specs(trainer, pl_module, notes)

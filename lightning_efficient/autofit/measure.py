@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_efficient._step import first_samples_batch, restored_run_state, run_state_tensors, step_loss
+from lightning_efficient._step import restored_run_state, run_state_tensors, step_loss
 from lightning_efficient._torch import synchronize
 from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.profile import profile_blocks
@@ -64,12 +64,6 @@ def can_resize(dataloader: DataLoader) -> bool:
     """True when samples can be drawn by index and collated into a batch of any size."""
     return not isinstance(dataloader.dataset, IterableDataset) and hasattr(dataloader.dataset, "__getitem__") \
         and hasattr(dataloader.dataset, "__len__") and dataloader.batch_size is not None
-
-
-def sample_batch(strategy: Any, dataloader: DataLoader, size: int) -> Any:
-    """A batch of ``size`` samples from the start of ``dataloader``'s dataset, collated and on the device (the dataset's
-    own generators put back: :func:`~lightning_efficient._step.first_samples_batch`)."""
-    return first_samples_batch(strategy, dataloader, size)
 
 
 def tokens_per_sample(batch: Any) -> float:

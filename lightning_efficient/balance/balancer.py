@@ -524,8 +524,8 @@ class Balancer:
         accumulation = self.plan.accumulation
         planned = self.sampler.step_plan(self.micro_done // accumulation).micro_batches(self.sampler.rank)
         samples = planned[min(self.micro_done % accumulation, len(planned) - 1)]
-        counted = batch_samples(batch)
-        if counted not in (None, samples) and not self._warned_sample_count:
+        counted = None if self._warned_sample_count else batch_samples(batch)  # (read until a warning was given)
+        if counted not in (None, samples):
             warnings.warn(f"{self.name}: rank {self.sampler.rank}'s micro-batch holds {samples} samples by the plan, but "
                           f"its first tensor's leading dimension is {counted}; each rank's loss is weighed by the plan's "
                           "count (a collate function that drops or adds samples would weigh them otherwise)", stacklevel=2)

@@ -89,9 +89,10 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_efficient import ActivationMemory, DemoGPT, EightBitOptimizer, HeterogeneousDDPStrategy
+from lightning_efficient._step import first_samples_batch
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan, RankProfile
-from lightning_efficient.autofit.measure import measure_blocks, sample_batch
+from lightning_efficient.autofit.measure import measure_blocks
 from lightning_efficient.autofit.model import _leanest, _predict, _scaled
 from lightning_efficient.balance.fsdp import HeterogeneousFSDPStrategy
 from lightning_efficient.memory import ParameterStorages
@@ -212,7 +213,7 @@ class AimedHog(Hog):
         if not profile.blocks:  # AutoFit left them unprofiled (every block kept fits): profiled here, as it would
             exclude = ParameterStorages(pl_module).track()
             try:
-                blocks = measure_blocks(trainer.strategy, lambda size: sample_batch(trainer.strategy, trainer.train_dataloader, size),
+                blocks = measure_blocks(trainer.strategy, lambda size: first_samples_batch(trainer.strategy, trainer.train_dataloader, size),
                                         profile.sizes[0], blocks=find_blocks(pl_module), exclude=exclude, policies=tuple(POLICIES))
             finally:
                 exclude.stop()
