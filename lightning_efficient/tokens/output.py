@@ -46,8 +46,8 @@ class TokenLosses(dict):
 
     Keys: ``"token_losses"`` (float ``[batch, seq]``), ``"mask"`` (bool ``[batch, seq]``, true where
     the token counts) and, unless a plugin computes the step loss itself, ``"loss"``: the mean over
-    valid tokens. Extra keyword arguments are kept as further keys (Lightning passes them on to
-    ``on_train_batch_end`` detached).
+    valid tokens (where a plugin does, ``out["loss"]`` still reads that mean, detached, for logging). Extra keyword
+    arguments are kept as further keys (Lightning passes them on to ``on_train_batch_end`` detached).
 
     Args:
         token_losses: per-token losses; ignored positions may hold any finite value.
@@ -90,6 +90,14 @@ class TokenLosses(dict):
         """The further outputs given as keyword arguments."""
         return {k: v for k, v in self.items() if k not in self.LOSS_KEYS}
 
+    def __missing__(self, key: str) -> Tensor:
+        # a plugin computes the step loss itself: ``out["loss"]`` read inside training_step (to log it) is the plain
+        # mean, detached, and is not stored (``"loss" in out`` stays false, as the plugin needs)
+        if key != "loss":
+            raise KeyError(key)
+        with torch.no_grad():
+            return masked_mean(self["token_losses"], self["mask"])
+
 
 class FusedTokenLoss(dict):
     """Hidden states, output head and labels, as a ``training_step`` output: the fused path.
@@ -99,7 +107,8 @@ class FusedTokenLoss(dict):
     over valid tokens (gradients computed during the forward pass, as Liger-Kernel does). With
     :class:`SelectiveTokenLoss` attached, the head's backward pass runs only for the kept tokens (on
     its streaming path, the kept tokens' gradients are computed during the forward pass, at a threshold
-    known before it: :meth:`streamed_losses`).
+    known before it: :meth:`streamed_losses`); ``out["loss"]`` read inside ``training_step`` is then the
+    plain mean, detached, computed by one more pass of the head without gradients.
 
     Args:
         hidden: ``[batch, seq, d]`` hidden states, the head's input.
@@ -143,6 +152,14 @@ class FusedTokenLoss(dict):
     def extra(self) -> dict[str, object]:
         """The further outputs given as keyword arguments."""
         return {k: v for k, v in self.items() if k not in self.LOSS_KEYS}
+
+    def __missing__(self, key: str) -> Tensor:
+        # as TokenLosses': under a plugin that computes the step loss, the plain mean for logging (one more pass
+        # of the head, without gradients, each time it is read)
+        if key != "loss":
+            raise KeyError(key)
+        with torch.no_grad():
+            return self._cross_entropy("mean")
 
     @property
     def vocab_size(self) -> int:

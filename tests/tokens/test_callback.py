@@ -250,3 +250,40 @@ def test_a_callback_monitoring_a_selection_figure_sees_it_every_step(small_datam
                        limit_train_batches=3)
     trainer.fit(DemoGPT(**tiny_gpt_kwargs(), fused_loss=True), datamodule=CorpusDataModule(**small_datamodule_kwargs))
     assert trainer.global_step == 6 and seen.steps == [True] * 6
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_plain_mean_can_be_read_inside_the_step_while_the_callback_computes_the_loss(fused, small_datamodule_kwargs):
+    """A new user's ``self.log("train_loss", out["loss"])`` raised a bare KeyError under the callback: reading it
+    gives the plain mean over valid tokens, detached, and leaves the output as the callback needs it."""
+    read = []
+
+    class LoggingGPT(DemoGPT):
+        def training_step(self, batch, batch_idx):
+            out = self.token_losses(batch)
+            read.append((out["loss"], "loss" in out, out))
+            self.log("train_loss", out["loss"])
+            return out
+
+    torch.manual_seed(0)
+    model = LoggingGPT(**tiny_gpt_kwargs(), fused_loss=fused).double()
+    callback = SelectiveTokenLoss(method="topk", keep_ratio=0.5)
+    trainer = _wrap(model, callback)
+    batch = _batch()
+    step = model.training_step(batch, 0)
+    (mean, stored, out), = read
+    assert not stored and "loss" not in out and not mean.requires_grad
+    with torch.no_grad():
+        logits = model(batch["input_ids"])
+    losses = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none", ignore_index=-100)
+    valid = batch["labels"].flatten() != -100
+    torch.testing.assert_close(mean, losses[valid].mean(), atol=1e-12, rtol=0)
+    assert step["keep"].sum() < valid.sum()  # the step loss is the selection's, not that mean
+    with pytest.raises(KeyError):
+        out["no such key"]
+    callback.teardown(trainer, model, "fit")
+    read.clear()
+    lightning.seed_everything(0)
+    fitted = _trainer([SelectiveTokenLoss(method="topk", keep_ratio=0.5)], steps=2)
+    fitted.fit(LoggingGPT(**tiny_gpt_kwargs(), fused_loss=fused), datamodule=CorpusDataModule(**small_datamodule_kwargs))
+    assert len(read) == 2 and float(fitted.callback_metrics["train_loss"]) == pytest.approx(float(read[-1][0]))
