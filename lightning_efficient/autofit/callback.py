@@ -65,6 +65,7 @@ from lightning_efficient.autofit.model import (
     replan,
     search,
 )
+from lightning_efficient.autofit.token_mean import BatchTokenMean
 from lightning_efficient.balance.probe import is_out_of_memory
 from lightning_efficient.memory import (
     ParameterStorages,
@@ -80,6 +81,7 @@ from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.sharded import has_sharded_params
 from lightning_efficient.optim.twins import eight_bit_classes, find_twin, is_stateless, paged_refusal
+from lightning_efficient.tokens.callback import SelectiveTokenLoss
 
 CONFIRM_ROUNDS = 3
 """Readings of picks beyond the measured micro-batch sizes, at most, each time the pick is checked (after the search,
@@ -204,7 +206,9 @@ class AutoFit(Callback):
     balancer shares the global batch by measured speed); the block policies through an
     :class:`ActivationMemory` it adds; the optimizer through an :class:`EightBitOptimizer` it adds. A user
     who also sets one of those callbacks keeps that setting (its policy or precision is then measured,
-    not searched), and the plan says so. Put ``AutoFit`` before them in ``callbacks``.
+    not searched), and the plan says so. Put ``AutoFit`` before them in ``callbacks``. Where the plan splits the
+    batch, a ``TokenLosses``/``FusedTokenLoss`` step stays the mean over the batch's valid tokens
+    (:mod:`~lightning_efficient.autofit.token_mean`).
 
     Memory is what :class:`~lightning_efficient.MemoryReport` measures: on CUDA
     ``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS above its RSS when the fit started.
@@ -290,6 +294,8 @@ class AutoFit(Callback):
         self._trainer_rank = 0
         self._precision: str | None = None
         self._micro_searched = False
+        self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
+        self._restored_token_scale: float | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -371,7 +377,9 @@ class AutoFit(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"settings": self._settings(), "plan": None if self._plan is None else self._plan.to_dict(),
-                "measured": self._measured}
+                "measured": self._measured,
+                # a resumed first step scales its token sums as the uninterrupted run's (the same rounding)
+                "step_token_scale": self._token_mean.normaliser.scale if self._token_mean.installed else None}
 
     # -- planning -------------------------------------------------------------------------------
     @override
@@ -396,6 +404,7 @@ class AutoFit(Callback):
         planning.reset(release=False)
         older = older_collections()
         restored = agreed_restored_state(restored)
+        self._restored_token_scale = (restored or {}).get("step_token_scale")
         plan, failure = None, None
         try:
             plan = self._reusable(restored, trainer)
@@ -871,6 +880,8 @@ class AutoFit(Callback):
                 # batch) is built again, at the plan's micro-batch, when the loop starts
                 trainer.fit_loop._combined_loader = None
                 self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
+                if not any(isinstance(c, SelectiveTokenLoss) for c in trainer.callbacks):  # (whose own normaliser does it)
+                    self._token_mean.install(trainer, pl_module, f"one batch of {current}", self._restored_token_scale)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
             trainer.accumulate_grad_batches = plan.accumulation
         if self._user_activations is None and ((mine.policies and any(p != "keep" for p in mine.policies)) or self._activations):
@@ -940,6 +951,7 @@ class AutoFit(Callback):
         return samples, bool(getattr(loader, "drop_last", False))
 
     def _undo(self, pl_module: LightningModule) -> None:
+        self._token_mean.remove()
         self._scheduler_frequencies.put_back()
         for item in reversed(self._undo_settings):
             if item[0] == "batch_size":

@@ -64,8 +64,8 @@ from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
 from lightning_efficient.resumable import EpochShuffleSampler
-from lightning_efficient.tokens.normalize import StepTokenNormaliser, kept_loss_sum
-from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses
+from lightning_efficient.tokens.normalize import StepTokenNormaliser
+from lightning_efficient.tokens.output import NormalisedTokenLoss, loss_sum_and_count
 
 _MAX_UNREAD = 8  # micro-steps whose marks may wait to be read before the oldest is read anyway
 
@@ -676,11 +676,9 @@ class Balancer:
             if "loss" not in output:
                 return output
             loss = output["loss"]
-            if isinstance(output, TokenLosses):  # the exact sum, not one rebuilt from a rounded mean
-                return {**output, "loss": self._token_weighted(kept_loss_sum(output.token_losses, output.mask), output.mask.sum())}
-            if isinstance(output, FusedTokenLoss):  # its fused mean keeps the gradients the forward computed
-                count = output.mask.sum()
-                return {**output, "loss": self._token_weighted(loss * count, count)}
+            found = loss_sum_and_count(output)
+            if found is not None:
+                return {**output, "loss": self._token_weighted(*found)}
         elif isinstance(output, Tensor):
             loss = output
         else:

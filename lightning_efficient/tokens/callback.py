@@ -21,6 +21,7 @@ from lightning_efficient.tokens.normalize import (
     all_gather_variable,
     distributed_world_size,
     kept_loss_sum,
+    optimizer_step_normalising,
 )
 from lightning_efficient.tokens.output import FusedTokenLoss, NormalisedTokenLoss, TokenLosses, deferred_reduction
 from lightning_efficient.tokens.selection import (
@@ -317,19 +318,11 @@ class SelectiveTokenLoss(Callback):
 
         original_optimizer_step = pl_module.optimizer_step
 
-        @functools.wraps(original_optimizer_step)
-        def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
-            if optimizer_closure is None:
-                return original_optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        def normalise(optimizer: Any) -> None:
+            self.normaliser.normalise_gradients(optimizer)
+            self._end_step()  # the next step's threshold, before any checkpoint of this step
 
-            def closure_then_normalise() -> Any:
-                result = optimizer_closure()
-                # after the step's last backward, before unscaling, hooks, clipping and the optimizer
-                self.normaliser.normalise_gradients(optimizer)
-                self._end_step()  # the next step's threshold, before any checkpoint of this step
-                return result
-
-            return original_optimizer_step(epoch, batch_idx, optimizer, closure_then_normalise)
+        optimizer_step = optimizer_step_normalising(original_optimizer_step, normalise)
 
         # (a copy of the module made while the fit runs, e.g. an EMA callback's, gets its own methods, unwrapped)
         pl_module.training_step = InstanceWrapper(training_step, original)

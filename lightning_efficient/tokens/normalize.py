@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -84,6 +87,24 @@ def globally_normalised_loss(token_losses: Tensor, keep: Tensor, global_count: T
         global_count = global_kept_count(keep)
     factor = distributed_world_size() / global_count  # a float tensor of the default (float32) dtype
     return kept_sum * factor.to(kept_sum.dtype)
+
+
+def optimizer_step_normalising(original_optimizer_step: Callable[..., Any], normalise: Callable[[Any], None]) -> Callable[..., Any]:
+    """A LightningModule's ``optimizer_step`` that runs ``normalise(optimizer)`` inside the optimizer closure, after the
+    step's last backward: before AMP unscaling, ``on_before_optimizer_step`` hooks, gradient clipping and the optimizer."""
+
+    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+        if optimizer_closure is None:
+            return original_optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+        def closure_then_normalise() -> Any:
+            result = optimizer_closure()
+            normalise(optimizer)
+            return result
+
+        return original_optimizer_step(epoch, batch_idx, optimizer, closure_then_normalise)
+
+    return optimizer_step
 
 
 class StepTokenNormaliser:

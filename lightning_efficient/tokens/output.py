@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_efficient.tokens.linear_ce import check_head_inputs, linear_cross_entropy
+from lightning_efficient.tokens.normalize import kept_loss_sum
 from lightning_efficient.tokens.streaming import StreamedLoss, streaming_cross_entropy
 
 _REDUCTION_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("reduction_deferred", default=False)
@@ -39,6 +40,18 @@ def masked_mean(losses: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``losses`` over the positions where ``mask`` is true (0 when none is)."""
     total = torch.where(mask, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
     return total / mask.sum().clamp_min(1)
+
+
+def loss_sum_and_count(output: object) -> tuple[Tensor, Tensor] | None:
+    """The valid tokens' loss sum and count of a :class:`TokenLosses` or :class:`FusedTokenLoss` output with its plain
+    mean ``"loss"`` (None for any other output): what a step's token mean over several micro-batches is built from.
+    A fused output's sum is its mean times the count, so the gradients its forward computed are kept."""
+    if isinstance(output, TokenLosses) and "loss" in output:  # the exact sum, not one rebuilt from a rounded mean
+        return kept_loss_sum(output.token_losses, output.mask), output.mask.sum()
+    if isinstance(output, FusedTokenLoss) and "loss" in output:
+        count = output.mask.sum()
+        return output["loss"] * count, count
+    return None
 
 
 class TokenLosses(dict):

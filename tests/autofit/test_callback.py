@@ -21,9 +21,10 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport
+from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport, SelectiveTokenLoss
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.autofit.model import BudgetTooSmall
+from tests.autofit.test_token_mean import FirstGradients, PaddedGPT
 from tests.conftest import tiny_gpt_kwargs
 from tests.ddp import run_script
 
@@ -100,6 +101,53 @@ def test_a_budget_between_two_micro_batches_gets_the_smaller_one_and_the_fit_equ
     assert plain.losses == record.losses
     for a, b in zip(model.parameters(), plain_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_autofit_splitting_a_padded_batch_keeps_its_token_mean(small_datamodule_kwargs, tmp_path):
+    """A new user's padded GPT-2 returning TokenLosses, split 1 x 8 by AutoFit: its first gradient was 40% away from the
+    batch of 8's. With a budget only micro-batches below 8 meet, the first gradient is the batch of 8's."""
+    profile = _profile_figures(small_datamodule_kwargs)
+    p0, p1 = profile.line(profile.peak_bytes)
+    budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)  # room for 4, not 8
+
+    def first_gradients(callbacks, batch_size=8, accumulate=1):
+        seen = FirstGradients()
+        _, model, _ = _fit(small_datamodule_kwargs, [*callbacks, seen], batch_size=batch_size, accumulate=accumulate,
+                           steps=1, wide=True, model_class=PaddedGPT)
+        return seen.gradients, model
+
+    fitter = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
+    mine, model = first_gradients([fitter])
+    assert fitter.plan.accumulation > 1
+    theirs, _ = first_gradients([])
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert "training_step" not in vars(model) and "optimizer_step" not in vars(model)
+    # beside a SelectiveTokenLoss, whose own normaliser gives the token mean, AutoFit adds no wrapper
+    beside = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
+    mine, _ = first_gradients([beside, SelectiveTokenLoss(method="none")])
+    assert not beside._token_mean.installed
+    theirs, _ = first_gradients([SelectiveTokenLoss(method="none")], batch_size=beside.plan.micro_batches[0],
+                                accumulate=beside.plan.accumulation)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    # a resume scales its first step as the fit it resumes would have (the running token count is in the checkpoint
+    # with the plan): as plain Lightning at the plan's settings with SelectiveTokenLoss(method="none") resumed alike
+    root = tmp_path / "autofit"
+    first = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
+    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=root, save_last=True)], steps=2, root=str(root), wide=True,
+         model_class=PaddedGPT)
+    saved = torch.load(root / "last.ckpt", weights_only=False)["callbacks"][first.state_key]
+    assert first.plan.accumulation > 1 and saved["step_token_scale"] is not None
+    resumed = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
+    _, mine, _ = _fit(small_datamodule_kwargs, [resumed], steps=4, root=str(root), ckpt_path=str(root / "last.ckpt"), wide=True,
+                      model_class=PaddedGPT)
+    assert resumed.plan == first.plan and resumed.profiles == []
+    plain_root, settings = tmp_path / "plain", {"batch_size": first.plan.micro_batches[0], "accumulate": first.plan.accumulation}
+    _fit(small_datamodule_kwargs, [SelectiveTokenLoss(method="none"), ModelCheckpoint(dirpath=plain_root, save_last=True)],
+         **settings, steps=2, root=str(plain_root), wide=True, model_class=PaddedGPT)
+    _, theirs, _ = _fit(small_datamodule_kwargs, [SelectiveTokenLoss(method="none")], **settings, steps=4, root=str(plain_root),
+                        ckpt_path=str(plain_root / "last.ckpt"), wide=True, model_class=PaddedGPT)
+    assert all(torch.equal(a, b) for a, b in zip(mine.parameters(), theirs.parameters()))
 
 
 def test_a_budget_no_configuration_meets_is_refused_before_the_first_step_with_the_smallest_that_would(small_datamodule_kwargs):

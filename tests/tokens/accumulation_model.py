@@ -84,16 +84,34 @@ class StepGrads(lightning.Callback):
             self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
 
 
+class InstallsBatchTokenMean(lightning.Callback):
+    """AutoFit's token mean over a split batch (:class:`~lightning_efficient.autofit.token_mean.BatchTokenMean`),
+    installed as AutoFit installs it where its plan splits the batch."""
+
+    def __init__(self):
+        from lightning_efficient.autofit.token_mean import BatchTokenMean
+
+        self.mean = BatchTokenMean()
+
+    def on_fit_start(self, trainer, pl_module):
+        self.mean.install(trainer, pl_module, "one batch of 4")
+
+    def teardown(self, trainer, pl_module, stage):
+        self.mean.remove()
+
+
 def fit(method, scope, fused=False, steps=2, clip=None, extra_callbacks=(), **trainer_kwargs):
     """Train ``steps`` steps with accumulation 2; return the StepGrads callback (initial state,
-    per-step gradients, micro-batches' input ids)."""
+    per-step gradients, micro-batches' input ids). ``method="batch_token_mean"``: AutoFit's token mean in place of
+    SelectiveTokenLoss (every valid token kept)."""
     lightning.seed_everything(0)
     grads = StepGrads()
+    loss = InstallsBatchTokenMean() if method == "batch_token_mean" else SelectiveTokenLoss(
+        method=method, keep_ratio=0.5, scope=scope, threshold="exact")
     trainer = lightning.Trainer(
         accelerator="cpu", precision="64-true", max_steps=steps, accumulate_grad_batches=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=clip, callbacks=[grads, SelectiveTokenLoss(method=method, keep_ratio=0.5, scope=scope, threshold="exact"),
-                                         *extra_callbacks],
+        gradient_clip_val=clip, callbacks=[grads, loss, *extra_callbacks],
         **trainer_kwargs,
     )
     trainer.fit(Tiny(fused))

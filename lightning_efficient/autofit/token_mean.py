@@ -1,0 +1,97 @@
+"""The batch's token mean where AutoFit splits it into micro-batches.
+
+Lightning divides each micro-batch's loss by the accumulation, so a loss that is a mean over its micro-batch's
+valid tokens makes the step a mean of micro-batch means: where the rows hold different numbers of valid tokens
+(padding, ``-100`` labels), the plan's micro-batches weigh the tokens otherwise than the user's batch did (a new
+user's padded GPT-2 split 1 x 8: the first gradient 40% away from the batch of 8's). For a
+:class:`~lightning_efficient.TokenLosses` or :class:`~lightning_efficient.FusedTokenLoss` output the token counts
+are known: :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser` weighs each micro-batch's token-loss
+sum so that the step's gradient is the mean over every valid token of the step (over the ranks too, as one device
+on the global batch), as ``SelectiveTokenLoss`` and the heterogeneous strategies do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
+from lightning_efficient.tokens.normalize import StepTokenNormaliser, optimizer_step_normalising
+from lightning_efficient.tokens.output import loss_sum_and_count
+
+_WRAPPED = ("training_step", "optimizer_step")
+
+
+class BatchTokenMean:
+    """Wraps a module's ``training_step`` and ``optimizer_step`` for one fit so that a token-loss output's step
+    gradient is the mean over the step's valid tokens, whatever the micro-batches (see the module docstring).
+
+    Other outputs pass as they are; the first one is named once (``batch_words``: the batch the plan splits).
+    """
+
+    def __init__(self) -> None:
+        self.normaliser = StepTokenNormaliser()
+        self._module: LightningModule | None = None
+        self._wrappers: dict[str, Any] = {}
+        self._told = False
+
+    @property
+    def installed(self) -> bool:
+        """Whether a module's hooks are wrapped now."""
+        return self._module is not None
+
+    def install(self, trainer: Trainer, module: LightningModule, batch_words: str, step_scale: float | None = None) -> None:
+        """Wrap ``module``'s hooks for the fit ``trainer`` runs; ``step_scale`` is a checkpoint's running token count
+        (so a resumed first step rounds as the uninterrupted run's)."""
+        self.remove()
+        self.normaliser.reset()
+        self.normaliser.scale = step_scale
+        self._told = False
+        original_step, original_optimizer_step = module.training_step, module.optimizer_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            output = original_step(*args, **kwargs)
+            if trainer.state.stage not in (None, RunningStage.TRAINING):  # a validation_step calling training_step
+                return output
+            found = loss_sum_and_count(output)
+            if found is None:
+                self._tell_once(output, batch_words)
+                return output
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            accumulation = trainer.accumulate_grad_batches
+            if int(batch_idx) % accumulation == 0:  # a step's first micro-batch: no count of a call outside the loop
+                self.normaliser.begin_step()
+            return {**output, "loss": self.normaliser.micro_batch_loss(*found, accumulation)}
+
+        optimizer_step = optimizer_step_normalising(original_optimizer_step, self.normaliser.normalise_gradients)
+        self._wrappers = {"training_step": InstanceWrapper(training_step, original_step),
+                          "optimizer_step": InstanceWrapper(optimizer_step, original_optimizer_step)}
+        for name, wrapper in self._wrappers.items():
+            setattr(module, name, wrapper)
+        self._module = module
+
+    def remove(self) -> None:
+        """Put the module's hooks back as they were, where ours is still the outermost (a wrapper another set on top
+        of ours since is left as it is, with ours under it)."""
+        module, self._module = self._module, None
+        if module is not None:
+            for name in _WRAPPED:
+                wrapper = self._wrappers[name]
+                if vars(module).get(name) is wrapper:
+                    put_back(module, name, wrapper.__wrapped__)
+        self._wrappers = {}
+        self.normaliser.reset()
+
+    def _tell_once(self, output: Any, batch_words: str) -> None:
+        if self._told:
+            return
+        self._told = True
+        rank_zero_info(
+            f"AutoFit: training_step returns {type(output).__name__}, a loss over its micro-batch: where it is a mean over "
+            f"tokens whose count varies from sample to sample (padding, -100 labels), the plan's micro-batches weigh them "
+            f"otherwise than {batch_words} (Lightning divides each micro-batch's own mean by the accumulation). Return "
+            "lightning_efficient.TokenLosses(per_token_losses, mask) for the batch's token mean."
+        )

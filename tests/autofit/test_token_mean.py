@@ -1,0 +1,123 @@
+"""The token mean AutoFit keeps where its plan splits the batch: the wrapper itself in real fits (float64, against plain
+Lightning on the unsplit batch). AutoFit installing it: tests/autofit/test_callback.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+
+from lightning_efficient import CorpusDataModule, DemoGPT
+from lightning_efficient.autofit.token_mean import BatchTokenMean
+from tests.conftest import tiny_gpt_kwargs
+from tests.ddp import run_script
+from tests.tokens.accumulation_model import fit, make_rows, reference_step_grads
+
+TOKENS = Path(__file__).resolve().parent.parent / "tokens"
+
+
+class PaddedGPT(DemoGPT):
+    """The demo GPT on rows of different valid lengths, as padded batches are: each sample's labels past a length
+    read from its own first token are -100 (the same whatever batch it is in)."""
+
+    def token_losses(self, batch):
+        labels = batch["labels"].clone()
+        lengths = 1 + batch["input_ids"][:, :1] % labels.shape[1]
+        labels[torch.arange(labels.shape[1], device=labels.device) >= lengths] = -100
+        return super().token_losses({**batch, "labels": labels})
+
+
+class ScalarGPT(PaddedGPT):
+    """The same loss returned as a scalar: what AutoFit cannot re-weigh."""
+
+    def training_step(self, batch, batch_idx):
+        return self.token_losses(batch)["loss"]
+
+
+class Installs(lightning.Callback):
+    """Installs the token mean as AutoFit does when its plan splits the batch."""
+
+    def __init__(self) -> None:
+        self.mean = BatchTokenMean()
+        self.first_gradients: list[torch.Tensor] | None = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.mean.install(trainer, pl_module, "one batch of 8")
+
+    def teardown(self, trainer, pl_module, stage):
+        self.mean.remove()
+
+
+class FirstGradients(lightning.Callback):
+    """The gradients the first optimizer step takes (after every normalisation)."""
+
+    def __init__(self) -> None:
+        self.gradients: list[torch.Tensor] | None = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.gradients is None:
+            self.gradients = [p.grad.detach().clone() for p in pl_module.parameters()]
+
+
+def _fit(kwargs, model_class, callbacks, *, batch_size, accumulate, fused=False, precision="64-true", steps=3):
+    lightning.seed_everything(0)
+    model = model_class(**tiny_gpt_kwargs(), fused_loss=fused)
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate, precision=precision,
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                limit_val_batches=0, callbacks=callbacks)
+    trainer.fit(model, CorpusDataModule(**{**kwargs, "batch_size": batch_size}))
+    return model
+
+
+def _largest_difference(a, b) -> float:
+    return max(float((x - y).detach().abs().max()) for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_split_batch_trains_as_the_whole_batch_in_float64(fused, small_datamodule_kwargs):
+    whole = _fit(small_datamodule_kwargs, PaddedGPT, [], batch_size=8, accumulate=1, fused=fused)
+    installs = Installs()
+    split = _fit(small_datamodule_kwargs, PaddedGPT, [installs], batch_size=2, accumulate=4, fused=fused)
+    plain_split = _fit(small_datamodule_kwargs, PaddedGPT, [], batch_size=2, accumulate=4, fused=fused)
+    assert _largest_difference(split, whole) < 1e-12
+    assert _largest_difference(plain_split, whole) > 1e-4  # what Lightning's mean of micro-batch means gives
+    # the hooks are the class's again
+    assert "training_step" not in vars(split) and "optimizer_step" not in vars(split) and not installs.mean.installed
+
+
+def test_a_scalar_loss_passes_as_it_is_and_is_named_once(small_datamodule_kwargs, caplog):
+    caplog.set_level(logging.INFO)
+    plain = _fit(small_datamodule_kwargs, ScalarGPT, [], batch_size=2, accumulate=4)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        split = _fit(small_datamodule_kwargs, ScalarGPT, [Installs()], batch_size=2, accumulate=4)
+    assert _largest_difference(split, plain) == 0.0
+    told = [r.getMessage() for r in caplog.records if "training_step returns Tensor" in r.getMessage()]
+    assert len(told) == 1 and "one batch of 8" in told[0] and "TokenLosses" in told[0]
+
+
+def _assert_steps_equal(steps, init, micro_of_step):
+    assert len(steps) == 2
+    for step, grads in enumerate(steps):
+        want = reference_step_grads(init, "none", micro_of_step(step))
+        for name, grad in want.items():
+            assert (grads[name] - grad).abs().max() <= 1e-12, name
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_each_step_is_the_mean_over_its_valid_tokens_as_one_batch_in_plain_torch(fused):
+    """Micro-batches of 2 samples holding 2 and 12 valid tokens, then 16 and 3: each step's gradient is plain torch's
+    mean over the step's valid tokens (not the mean of the two micro-batch means)."""
+    run = fit("batch_token_mean", "batch", fused=fused)
+    _assert_steps_equal(run.steps, run.init, lambda step: [[4 * step, 4 * step + 1], [4 * step + 2, 4 * step + 3]])
+
+
+def test_two_processes_give_the_mean_over_the_global_batchs_valid_tokens(tmp_path):
+    out = tmp_path / "grads.pt"
+    run_script(TOKENS / "ddp_accumulate.py", out, "batch_token_mean", "batch")
+    saved = torch.load(out)
+    assert torch.equal(torch.cat(saved["batches"]), make_rows()[0][0::2])  # rank r reads samples r, r + 2, ...
+    _assert_steps_equal(saved["steps"], saved["init"],
+                        lambda step: [list(range(8 * step, 8 * step + 4)), list(range(8 * step + 4, 8 * step + 8))])
