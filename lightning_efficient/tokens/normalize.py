@@ -134,18 +134,21 @@ class StepTokenNormaliser:
         self.scale: float | None = None  # K: the previous step's global token count
         self._known_non_finite: int | None = None  # the non-finite count of a step whose K was its own count (nothing to multiply)
         self.step_tokens: Tensor | None = None  # [tokens, non-finite losses] of this rank's micro-batches so far (int64)
+        self._backward_ran = False  # whether a backward went through one of this step's losses
 
     def reset(self) -> None:
         """Forget ``K`` and any step in progress (a new fit starts from its first micro-batch's count)."""
         self.scale = None
         self.step_tokens = None
         self._known_non_finite = None
+        self._backward_ran = False
 
     def begin_step(self) -> None:
         """Forget the tokens counted so far in this step (call it at a step's first micro-batch, so that
         a ``training_step`` run outside the loop is not counted)."""
         self.step_tokens = None
         self._known_non_finite = None
+        self._backward_ran = False
 
     def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int,
                          non_finite: Tensor | int = 0) -> Tensor:
@@ -171,12 +174,20 @@ class StepTokenNormaliser:
             self.scale = float(max(int(global_sum(counts[:1])) * accumulation, 1))
         self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
-        return local_sum * (distributed_world_size() * accumulation / self.scale)
+        loss = local_sum * (distributed_world_size() * accumulation / self.scale)
+        if loss.requires_grad:
+            loss.register_hook(self._backward_through)
+        return loss
+
+    def _backward_through(self, grad: Tensor) -> Tensor:
+        self._backward_ran = True
+        return grad
 
     def normalise_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Multiply the optimizer's gradients by ``K / T`` (``T``: the step's global token count), then
         ``K := T``. Call it on every rank after the step's last backward; nothing to do when no
-        micro-batch went through :meth:`micro_batch_loss` since the last call.
+        micro-batch went through :meth:`micro_batch_loss` since the last call, and the gradients are left as they
+        are when no backward went through those micro-batches' losses (a step that skips it).
 
         Raises:
             FloatingPointError: on every rank, when any rank had non-finite token losses this step.
@@ -188,6 +199,7 @@ class StepTokenNormaliser:
             return
         tokens, non_finite = (int(c) for c in global_sum(self.step_tokens))  # one host sync a step
         self.step_tokens = None
+        backward_ran, self._backward_ran = self._backward_ran, False
         if non_finite:
             raise FloatingPointError(f"{non_finite} per-token losses over all ranks are not finite in this step; "
                                      "they are not dropped silently.")
@@ -196,6 +208,10 @@ class StepTokenNormaliser:
         if factor == 1.0:
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads or not backward_ran:
+            # no backward ran this step (StochasticWeightAveraging's batch-norm epoch, which skips it): the gradients
+            # held, if any, are an earlier step's, which plain Lightning's optimizer steps with as they are
+            return
         if all(type(g) is Tensor for g in grads):
             torch._foreach_mul_(grads, factor)
         else:  # DTensor gradients (FSDP2): one at a time

@@ -359,3 +359,45 @@ def test_the_fit_start_line_names_the_keep_ratio_only_where_one_applies(method, 
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("SelectiveTokenLoss: method=")]
     assert len(said) == 1, said
     assert ("keep_ratio=0.7" in said[0]) == (method != "none"), said[0]
+
+
+class _NormedTiny(Tiny):
+    """The accumulation tests' token model with a BatchNorm over its hidden features (what StochasticWeightAveraging
+    recomputes in an epoch of its own, without backward) and a learning rate."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(self.emb.embedding_dim)
+
+    def hidden(self, ids):
+        embedded = self.emb(ids)
+        return torch.tanh(self.norm(embedded.flatten(0, 1)).view_as(embedded))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_stochastic_weight_averagings_batch_norm_epoch_without_gradients_finishes_as_plain_lightning():
+    """A new user's trial: SWA's extra epoch, which recomputes the batch-norm statistics with no backward, raised
+    "Tensor list must have at least one tensor" from the gradient normalisation."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    def fit(callbacks):
+        lightning.seed_everything(0)
+        model = _NormedTiny().double()
+        _trainer([StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1), *callbacks], steps=-1, max_epochs=2,
+                 precision="64-true").fit(model)
+        return model
+
+    plain, mine = fit([]), fit([SelectiveTokenLoss(method="none")])
+    assert mine.norm.num_batches_tracked == plain.norm.num_batches_tracked > 0
+    for a, b in zip(plain.state_dict().values(), mine.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    # no gradient held at all (the helper's case under hetero_ddp): nothing to scale, no error
+    from lightning_efficient.tokens.normalize import StepTokenNormaliser
+
+    normaliser, weight = StepTokenNormaliser(), torch.nn.Parameter(torch.ones(3))
+    for count in (4, 2):
+        normaliser.micro_batch_loss(weight.sum() * count, count, accumulation=2)
+    normaliser.normalise_gradients(torch.optim.SGD([weight], lr=0.1))
+    assert weight.grad is None and normaliser.scale == 6.0
