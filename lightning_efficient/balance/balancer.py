@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _set_num_threads_if_needed
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -380,6 +381,12 @@ class Balancer:
             )
         self.plan = plan_shares(global_batch, self.initial_weights(), self.caps(), least_accumulation=requested)
         if self.plan.accumulation != requested:
+            if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+                raise ValueError(
+                    f"{name}: the caps (max_micro_batch, AutoFit's or the probe's) take {self.plan.accumulation} "
+                    f"micro-batches a step for the global batch of {global_batch}, but a GradientAccumulationScheduler "
+                    "sets the accumulation itself (over whole global batches): drop the scheduler, or the caps"
+                )
             rank_zero_info(f"{name}: {self.plan.accumulation} micro-batches per step to respect max_micro_batch")
         # always: a loader built earlier in this fit (estimated_stepping_batches in configure_optimizers) may have set
         # another accumulation, under caps since changed (AutoFit's)
@@ -689,7 +696,9 @@ class Balancer:
 
     def _token_weighted(self, local_sum: Tensor, count: Tensor) -> Tensor:
         """This micro-batch's token-loss sum, scaled by ``W * A / K`` (see :meth:`_scaled`)."""
-        return self.token_normaliser.micro_batch_loss(local_sum, count, self.plan.accumulation)
+        # what Lightning divides by: a GradientAccumulationScheduler's (over whole global batches), else the plan's
+        accumulation = self.strategy.lightning_module.trainer.accumulate_grad_batches
+        return self.token_normaliser.micro_batch_loss(local_sum, count, accumulation)
 
     def normalise_gradients(self, optimizer: Any) -> None:
         """Divide token-weighted gradients by the step's global token count (after its last backward)."""

@@ -466,3 +466,32 @@ def test_marked_collectives_are_traced_by_torch_compile_as_themselves_and_other_
     result = subprocess.run([sys.executable, "-c", _MARKED_IN_A_PROCESS_GROUP], capture_output=True, text=True, cwd=root,
                             timeout=240)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_an_accumulation_scheduler_keeps_each_step_the_mean_over_its_valid_tokens(tmp_path):
+    """A new user's trial: hetero_ddp with a GradientAccumulationScheduler and TokenLosses weighed each micro-batch for
+    the plan's accumulation, not the scheduler's that Lightning divides by (weights 1.6e-2 from one process's); with
+    caps that take more micro-batches a step it failed with Lightning's "You have set accumulate_grad_batches", which the
+    user had not."""
+    from tests.ddp import run_script
+    from tests.tokens.accumulation_model import Tiny, make_rows
+
+    out = tmp_path / "out.pt"
+    run_script(SCRIPT.parent / "accumulation_scheduler.py", out, timeout=240)
+    found = torch.load(out)
+    assert found["steps"] == 4 + 2
+    model = Tiny().double()
+    model.load_state_dict(found["initial"])
+    ids, labels = make_rows()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for samples in [range(4 * k, 4 * k + 4) for k in range(4)] + [range(0, 8), range(8, 16)]:
+        optimizer.zero_grad()
+        index = list(samples)
+        losses = model.per_token(ids[index], labels[index])
+        valid = labels[index] != -100
+        (losses[valid].sum() / valid.sum()).backward()
+        optimizer.step()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(found["final"][name], value, rtol=0, atol=1e-12)
+    assert "GradientAccumulationScheduler sets the accumulation itself" in found["capped_error"]
+    assert "take 2 micro-batches a step for the global batch of 4" in found["capped_error"]
