@@ -865,6 +865,7 @@ class AutoFit(Callback):
     # -- applying -------------------------------------------------------------------------------
     def _apply(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule) -> None:
         mine = plan.ranks[trainer.global_rank]
+        built = trainer.fit_loop._combined_loader is not None
         if self._heterogeneous(trainer):
             strategy = trainer.strategy
             self._undo_settings.append((strategy, "max_micro_batch", strategy.max_micro_batch))
@@ -897,6 +898,19 @@ class AutoFit(Callback):
             self._optimizer.bits = 8 if eight else 32
             self._optimizer.paged = plan.optimizer == "8-bit paged"
             self._optimizer.offload = "cpu" if plan.optimizer == "8-bit offload" else None
+        if built and trainer.fit_loop._combined_loader is None:
+            self._build_training_loader_again(trainer)
+
+    @staticmethod
+    def _build_training_loader_again(trainer: Trainer) -> None:
+        """Build the training DataLoader Lightning built before the plan (``trainer.estimated_stepping_batches`` read in
+        ``configure_optimizers``) again now, with torch's CPU random stream put back afterwards: building it creates its
+        iterator, which draws a seed from that stream, once in plain Lightning's fit. Built again by the loop, it drew a
+        second time, and a shuffled DataLoader's sampler (which draws when the first batch is read) trained other samples
+        at every step than plain Lightning's (a new user's OneCycleLR: weights 3e-2 apart). A DataLoader with workers
+        seeds its first epoch's workers from the seed this iterator drew (later epochs draw as plain Lightning's)."""
+        with torch.random.fork_rng(devices=[]):
+            trainer.fit_loop.setup_data()
 
     def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int, accumulation: int) -> None:
         """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's

@@ -618,7 +618,7 @@ def test_a_batch_sampler_of_its_own_trains_the_batches_it_would_in_plain_lightni
         dataset = data.train_dataloader().dataset
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=ShuffledBatches(len(dataset), 4))
         record = Recorder()
-        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                     enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, record])
         trainer.fit(DemoGPT(**tiny_gpt_kwargs()), train_dataloaders=loader)
         return record.losses
@@ -845,7 +845,7 @@ def test_measuring_leaves_metrics_and_non_persistent_buffers_as_the_same_fit_in_
         lightning.seed_everything(0)
         model = MetricGPT(**tiny_gpt_kwargs())
         data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8})
-        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, max_epochs=1, logger=False, enable_checkpointing=False,
                                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
         trainer.fit(model, data)
         return model
@@ -1107,6 +1107,53 @@ def test_a_dataloader_built_while_the_optimizers_are_configured_is_built_again_a
     assert plain.losses == record.losses and rates.values == plain_rates.values
     for a, b in zip(model.parameters(), plain_model.parameters()):
         assert torch.equal(a, b)
+
+
+class ShuffledCorpus(CorpusDataModule):
+    """The demo corpus through a plain shuffled DataLoader: its sampler draws from torch's global random stream."""
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+
+class StepSamples(lightning.Callback):
+    """The samples (their token rows, sorted) each optimizer step trains."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[int, ...]]] = []
+        self._rows: list[tuple[int, ...]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._rows += [tuple(row.tolist()) for row in batch["input_ids"]]
+        if not trainer.fit_loop.epoch_loop._should_accumulate():
+            self.steps.append(sorted(self._rows))
+            self._rows = []
+
+
+def test_a_shuffled_dataloader_built_while_the_optimizers_are_configured_trains_the_samples_plain_lightning_trains(
+        small_datamodule_kwargs):
+    """A new user's trial: building that DataLoader again at the plan's micro-batch drew from torch's global stream a
+    second time, so a shuffled DataLoader trained other samples at every step than plain Lightning at the user's batch
+    (weights 3e-2 apart with a OneCycleLR)."""
+    profile = _profile_figures(small_datamodule_kwargs)
+    p0, p1 = profile.line(profile.peak_bytes)
+    budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
+
+    def trained(callbacks):
+        lightning.seed_everything(0)
+        seen = StepSamples()
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, max_epochs=1, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                                    callbacks=[*callbacks, seen])
+        trainer.fit(OneCycleGPT(**WIDE_HEAD), ShuffledCorpus(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}))
+        return seen.steps, torch.initial_seed(), torch.rand(1)
+
+    fit = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
+    mine = trained([fit])
+    assert fit.plan.accumulation > 1
+    theirs = trained([])
+    assert len(mine[0]) == 3 and mine[0] == theirs[0]
+    assert torch.equal(mine[2], theirs[2])  # and the global stream goes on as plain Lightning's
 
 
 class _Counts(lightning.Callback):
