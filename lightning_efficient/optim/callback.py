@@ -257,9 +257,11 @@ class EightBitOptimizer(Callback):
                 rank_zero_warn(f"EightBitOptimizer: optimizer {index}: {error}; left as it is.")
                 replaced.append(optimizer)
                 continue
-            # registered only once the twin exists: bitsandbytes reads them when a state is first made
-            for param in _flat_params(optimizer):
-                if id(param) in reasons:
+            # registered only once the twin exists: bitsandbytes reads them when a state is first made. Every parameter
+            # of the module the settings keep 32-bit, not only the optimizer's now: one added to it while the fit runs
+            # (BaseFinetuning's unfrozen layers) gets its state then, and bitsandbytes finds its override by its id
+            for param in [*_flat_params(optimizer), *pl_module.parameters()]:
+                if id(param) in reasons and id(param) not in self._overridden:
                     manager.override_config(param, "optim_bits", 32)
                     self._overridden.add(id(param))
             if offload:

@@ -1156,6 +1156,34 @@ def test_a_shuffled_dataloader_built_while_the_optimizers_are_configured_trains_
     assert torch.equal(mine[2], theirs[2])  # and the global stream goes on as plain Lightning's
 
 
+class NormedGPT(DemoGPT):
+    """The demo GPT with a batch norm over its final hidden features: statistics over the (micro-)batch."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.batch_norm = torch.nn.BatchNorm1d(self.hparams.d_model)
+
+    def hidden_states(self, input_ids):
+        hidden = super().hidden_states(input_ids)
+        return self.batch_norm(hidden.transpose(1, 2)).transpose(1, 2)
+
+
+def test_a_split_of_the_batch_under_batch_norm_is_said(small_datamodule_kwargs):
+    """A new user's trial: a model with BatchNorm split 2 x 4 normalised over 2 samples instead of 8, silently."""
+    profile = _profile_figures(small_datamodule_kwargs)
+    p0, p1 = profile.line(profile.peak_bytes)
+    budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
+    fit = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
+    with pytest.warns(UserWarning, match=r"AutoFit: 1 batch-norm layer\(s\) \(batch_norm\) normalise over each micro-batch: at "
+                                         r"the plan's micro-batch of \d they see \d samples where your batch had 8"):
+        _fit(small_datamodule_kwargs, [fit], steps=1, wide=True, model_class=NormedGPT)
+    assert fit.plan.accumulation > 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*batch-norm")
+        _fit(small_datamodule_kwargs, [AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])],
+             steps=1, wide=True)
+
+
 class _Counts(lightning.Callback):
     """The samples each fit trains, its optimizer steps and its validation runs (not the sanity check)."""
 

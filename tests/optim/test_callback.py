@@ -637,3 +637,32 @@ def test_states_left_under_other_8bit_settings_are_said_and_the_twin_starts_afre
     with pytest.warns(UserWarning, match="other parameters are 8-bit under this callback's settings"):
         trainer(1, [EightBitOptimizer(min_8bit_size=100_000), seen]).fit(module)
     assert seen.twin_state["state"] == {}
+
+
+def test_parameters_a_finetuning_callback_adds_while_the_fit_runs_keep_32bit_where_the_settings_say():
+    """A new user's trial: BaseFinetuning's unfrozen embedding, and layers matched by keep_32bit, got 8-bit states:
+    the 32-bit overrides were registered for the optimizer's parameters at the start only."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class UnfreezeLater(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze([pl_module.embed, pl_module.hidden])
+
+        def finetune_function(self, pl_module, current_epoch, optimizer):
+            if current_epoch == 1:
+                self.unfreeze_and_add_param_group([pl_module.embed, pl_module.hidden], optimizer)
+
+    class States(lightning.Callback):
+        def on_train_end(self, trainer, pl_module):
+            state = trainer.optimizers[0].state
+            self.kinds = {name: state[p]["state1"].dtype for name, p in pl_module.named_parameters() if p in state}
+
+    class Frozen(Regression):
+        def configure_optimizers(self):  # the trainable parameters only, as a finetuning set-up builds it
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+    states = States()
+    _fit(Frozen(), 16, [UnfreezeLater(), EightBitOptimizer(keep_32bit=["hidden.weight"], min_8bit_size=64), states])
+    assert states.kinds == {"embed.weight": torch.float32, "hidden.weight": torch.float32, "hidden.bias": torch.uint8,
+                            "out.weight": torch.uint8, "out.bias": torch.float32}
+    assert not bnb.optim.GlobalOptimManager.get_instance().pid2config  # dropped after the fit
