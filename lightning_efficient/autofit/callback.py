@@ -388,6 +388,12 @@ class AutoFit(Callback):
         self._restored = dict(state_dict)
 
     @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        mine = (checkpoint.get("callbacks") or {}).get(self.state_key)
+        if mine is not None:  # whether a resume starts within an epoch (at a DataLoader batch) or at the next one
+            mine["mid_epoch"] = not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"settings": self._settings(), "plan": None if self._plan is None else self._plan.to_dict(),
                 "measured": self._measured,
@@ -436,7 +442,10 @@ class AutoFit(Callback):
             self._micro_searched = self.search_micro_batch
         try:
             if plan is None:
-                saved = None if not restored or restored.get("plan") is None else FitPlan.from_dict(restored["plan"])
+                # a checkpoint taken mid-epoch resumes at a DataLoader batch, which the plan's micro-batch must keep the
+                # samples of; one taken at an epoch's end (or before this flag was saved: assumed mid-epoch) does not
+                saved = None if not restored or restored.get("plan") is None or not restored.get("mid_epoch", True) else (
+                    FitPlan.from_dict(restored["plan"]))
                 try:
                     # measuring draws nothing the run would have drawn; no collection frees earlier garbage between readings
                     with random_streams_restored(pl_module.device), automatic_collection_paused():
@@ -553,7 +562,8 @@ class AutoFit(Callback):
             # line through two and four put slower): up to three, each at most half the one above; none on a resume that
             # keeps the checkpoint's micro-batch
             candidates = [2**k for k in range(per_rank.bit_length())] if heterogeneous else divisors(per_rank)
-            ladder = _ladder(candidates, sizes[0]) if keep_micro_batch is None else ()
+            # on a resume that keeps the checkpoint's micro-batch, that one (its time is then read, not extrapolated)
+            ladder = _ladder(candidates, sizes[0]) if keep_micro_batch is None else tuple(keep_micro_batch.micro_batches[:1])
         else:
             sizes = (batch_size, batch_size)
             micro_batches = [batch_size]

@@ -543,6 +543,24 @@ def test_a_resume_with_another_global_batch_plans_again(small_datamodule_kwargs,
     assert record.samples == [16, 16]
 
 
+def test_a_resume_from_an_epochs_end_with_another_budget_chooses_the_micro_batch_again(small_datamodule_kwargs, tmp_path):
+    """A new user's trial: a resume from ModelCheckpoint(every_n_epochs=1) with a larger budget kept the checkpoint's
+    micro-batch ("a resume mid-epoch needs it"), though the next epoch starts from its first batch."""
+    profile = _profile_figures(small_datamodule_kwargs)
+    p0, p1 = profile.line(profile.peak_bytes)
+    tight = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)  # room for 4, not 8
+    first = AutoFit(budget=tight, activation_policies=["keep"], optimizer_options=["32-bit"])
+    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=-1, max_epochs=1,
+         root=str(tmp_path), wide=True)
+    assert first.plan.accumulation > 1
+    resumed, record = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
+    _fit(small_datamodule_kwargs, [resumed, record], steps=-1, max_epochs=2, root=str(tmp_path),
+         ckpt_path=str(tmp_path / "last.ckpt"), wide=True)
+    assert resumed.profiles and resumed.plan.micro_batches == [8] and resumed.plan.accumulation == 1
+    assert not any("kept from the checkpoint's plan" in note for note in resumed.plan.notes)
+    assert record.samples and set(record.samples) == {8}
+
+
 class FixedBatchData(CorpusDataModule):
     def train_dataloader(self):
         loader = super().train_dataloader()
