@@ -10,22 +10,32 @@ from torch import nn
 from lightning_efficient.memory import unsharded_class
 
 
-def _uniform_containers(model: nn.Module) -> list[tuple[str, nn.Module, type]]:
+def _is_composite(module: nn.Module) -> bool:
+    """A module with parameters and sub-modules: a layer of a stack, not a bare ``Linear``."""
+    return any(True for _ in module.parameters()) and any(True for _ in module.children())
+
+
+def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | None]]:
     """``(name, container, child class)`` for every ModuleList/Sequential of >= 2 children of one class
-    that hold parameters; when there is none, every ModuleList holding a single such block (a
-    one-layer model is still a stack of blocks: a composite module with parameters, not a bare layer).
-    A block that FSDP2's ``fully_shard`` turned into ``FSDP<Name>`` counts as its own class ``<Name>``."""
+    that hold parameters, and every hybrid stack: a ModuleList of >= 2 composite children of several classes, one
+    of them repeated (attention and state-space layers, as Jamba's; child class None). When there is none, every
+    ModuleList holding a single composite block (a one-layer model is still a stack of blocks). A block that FSDP2's
+    ``fully_shard`` turned into ``FSDP<Name>`` counts as its own class ``<Name>``."""
     found, single = [], []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
         classes = {unsharded_class(c) for c in children}
-        if len(classes) != 1 or not any(True for _ in children[0].parameters()):
+        if not children or not any(True for _ in children[0].parameters()):
+            continue
+        if len(classes) > 1:
+            if isinstance(module, nn.ModuleList) and len(children) > len(classes) and all(map(_is_composite, children)):
+                found.append((name, module, None))
             continue
         if len(children) >= 2:
             found.append((name, module, classes.pop()))
-        elif isinstance(module, nn.ModuleList) and any(True for _ in children[0].children()):
+        elif isinstance(module, nn.ModuleList) and _is_composite(children[0]):
             single.append((name, module, classes.pop()))
     return found or single
 
@@ -33,8 +43,8 @@ def _uniform_containers(model: nn.Module) -> list[tuple[str, nn.Module, type]]:
 def block_candidates(model: nn.Module) -> list[str]:
     """Class names of repeated modules and qualified names of their containers, for error messages."""
     return sorted(
-        {cls.__name__ for _, _, cls in _uniform_containers(model)}
-        | {f"{name}.*" for name, _, _ in _uniform_containers(model)}
+        {cls.__name__ for _, _, cls in _block_containers(model) if cls is not None}
+        | {f"{name}.*" for name, _, _ in _block_containers(model)}
     )
 
 
@@ -44,8 +54,8 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
     Args:
         model: the model (a LightningModule or any ``nn.Module``).
         blocks: ``"auto"`` — the children of the largest ModuleList/Sequential whose children are all of
-            one class (every such container of that largest size, so an encoder-decoder's two stacks
-            are both found); or a list of class names (``"GPT2Block"``; a block sharded with FSDP2's
+            one class, or of a hybrid stack of several (every such container of that largest size, so an
+            encoder-decoder's two stacks are both found); or a list of class names (``"GPT2Block"``; a block sharded with FSDP2's
             ``fully_shard``, of class ``FSDPGPT2Block``, matches either name) and ``fnmatch`` patterns
             of qualified names (``"model.layers.*"``).
 
@@ -53,7 +63,7 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
         ValueError: when nothing matches, listing the candidates that exist.
     """
     if blocks == "auto":
-        containers = _uniform_containers(model)
+        containers = _block_containers(model)
         if not containers:
             raise ValueError(
                 "blocks='auto' found no ModuleList/Sequential of repeated blocks in "

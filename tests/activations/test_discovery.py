@@ -46,3 +46,37 @@ def test_a_one_block_model_still_has_its_block():
     # a lone layer in a list is not a block
     with pytest.raises(ValueError, match="found no ModuleList"):
         find_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])))
+
+
+def test_a_hybrid_stack_of_attention_and_state_space_layers_is_found_and_checkpointed_exactly():
+    """A new user's trial: Jamba's layers (Mamba and attention decoder layers in one ModuleList) were not found by
+    blocks='auto' ("candidates: none"). A stack of several composite classes, one repeated, is a stack of blocks."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_efficient.activations.policies import unwrap_block, wrap_block
+
+    torch.manual_seed(0)
+    jamba = transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=4,
+        mamba_dt_rank=4))
+    found = find_blocks(jamba)
+    assert [n for n, _ in found] == [f"model.layers.{i}" for i in range(4)]
+    assert len({type(m) for _, m in found}) == 2
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def gradients():
+        jamba.zero_grad()
+        jamba(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # (as ActivationMemory sets it)
+        return [p.grad.clone() for p in jamba.parameters() if p.grad is not None]
+
+    plain = gradients()
+    for _, block in found:
+        wrap_block(block, "checkpoint")
+    checkpointed = gradients()
+    for _, block in found:
+        unwrap_block(block)
+    assert len(plain) == len(checkpointed) and all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+    # a list of distinct parts (an encoder and a decoder) is no stack: none of its classes repeats
+    parts = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.TransformerEncoderLayer(4, 1)]))
+    with pytest.raises(ValueError, match="found no ModuleList"):
+        find_blocks(parts)
