@@ -559,10 +559,9 @@ class AutoFit(Callback):
             micro_batches = None
             # smaller candidates are timed too (a CPU's time per sample is not a line in the micro-batch, below the
             # smallest timed size least of all: the demo's grid read one sample faster a sample than two, which the
-            # line through two and four put slower): up to three, each at most half the one above; none on a resume that
-            # keeps the checkpoint's micro-batch
+            # line through two and four put slower): up to three, each at most half the one above; on a resume that
+            # keeps the checkpoint's micro-batch, that one alone (its time read, not extrapolated from the line)
             candidates = [2**k for k in range(per_rank.bit_length())] if heterogeneous else divisors(per_rank)
-            # on a resume that keeps the checkpoint's micro-batch, that one (its time is then read, not extrapolated)
             ladder = _ladder(candidates, sizes[0]) if keep_micro_batch is None else tuple(keep_micro_batch.micro_batches[:1])
         else:
             sizes = (batch_size, batch_size)
