@@ -58,7 +58,8 @@ class BatchTokenMean:
                 return output
             found = loss_sum_and_count(output)
             if found is None:
-                self._tell_once(output, batch_words)
+                if output is not None:  # (None: a step skipped)
+                    self._tell_once(output, batch_words)
                 return output
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
             accumulation = trainer.accumulate_grad_batches
