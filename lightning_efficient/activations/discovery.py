@@ -17,11 +17,13 @@ def _is_composite(module: nn.Module) -> bool:
 
 def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | None]]:
     """``(name, container, child class)`` for every ModuleList/Sequential of >= 2 children of one class
-    that hold parameters, and every hybrid stack: a ModuleList of >= 2 composite children of several classes, one
-    of them repeated (attention and state-space layers, as Jamba's; child class None). When there is none, every
-    ModuleList holding a single composite block (a one-layer model is still a stack of blocks). A block that FSDP2's
-    ``fully_shard`` turned into ``FSDP<Name>`` counts as its own class ``<Name>``."""
-    found, single = [], []
+    that hold parameters. Where there is none, every hybrid stack: a ModuleList of >= 2 composite children of several
+    classes, one of them repeated (attention and state-space layers, as Jamba's; child class None). A review: taken
+    beside stacks of one class, wav2vec2's 7 feature-extractor convolutions (one GroupNorm layer, six without) beat
+    its 2-6 transformer layers. Where there is neither, every ModuleList holding a single composite block (a one-layer
+    model is still a stack of blocks). A block that FSDP2's ``fully_shard`` turned into ``FSDP<Name>`` counts as its
+    own class ``<Name>``."""
+    found, hybrid, single = [], [], []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
@@ -31,13 +33,13 @@ def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | Non
             continue
         if len(classes) > 1:
             if isinstance(module, nn.ModuleList) and len(children) > len(classes) and all(map(_is_composite, children)):
-                found.append((name, module, None))
+                hybrid.append((name, module, None))
             continue
         if len(children) >= 2:
             found.append((name, module, classes.pop()))
         elif isinstance(module, nn.ModuleList) and _is_composite(children[0]):
             single.append((name, module, classes.pop()))
-    return found or single
+    return found or hybrid or single
 
 
 def block_candidates(model: nn.Module) -> list[str]:
@@ -54,10 +56,11 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
     Args:
         model: the model (a LightningModule or any ``nn.Module``).
         blocks: ``"auto"`` — the children of the largest ModuleList/Sequential whose children are all of
-            one class, or of a hybrid stack of several (every such container of that largest size, so an
-            encoder-decoder's two stacks are both found); or a list of class names (``"GPT2Block"``; a block sharded with FSDP2's
-            ``fully_shard``, of class ``FSDPGPT2Block``, matches either name) and ``fnmatch`` patterns
-            of qualified names (``"model.layers.*"``).
+            one class (every such container of that largest size, so an encoder-decoder's two stacks
+            are both found), or where there is none, of the largest hybrid stack of several classes; or
+            a list of class names (``"GPT2Block"``; a block sharded with FSDP2's ``fully_shard``, of class
+            ``FSDPGPT2Block``, matches either name) and ``fnmatch`` patterns of qualified names
+            (``"model.layers.*"``).
 
     Raises:
         ValueError: when nothing matches, listing the candidates that exist.

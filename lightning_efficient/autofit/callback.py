@@ -307,6 +307,7 @@ class AutoFit(Callback):
         self._trainer_rank = 0
         self._precision: str | None = None
         self._micro_searched = False
+        self._built_again = False  # the training DataLoader built before the plan was built again in on_fit_start
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
         self._restored_token_scale: float | None = None
 
@@ -921,7 +922,8 @@ class AutoFit(Callback):
             self._optimizer.bits = 8 if eight else 32
             self._optimizer.paged = plan.optimizer == "8-bit paged"
             self._optimizer.offload = "cpu" if plan.optimizer == "8-bit offload" else None
-        if built and trainer.fit_loop._combined_loader is None:
+        self._built_again = built and trainer.fit_loop._combined_loader is None
+        if self._built_again:
             self._build_training_loader_again(trainer)
 
     @staticmethod
@@ -934,6 +936,18 @@ class AutoFit(Callback):
         seeds its first epoch's workers from the seed this iterator drew (later epochs draw as plain Lightning's)."""
         with torch.random.fork_rng(devices=[]):
             trainer.fit_loop.setup_data()
+
+    def _load_the_checkpoints_data_position(self, trainer: Trainer) -> None:
+        """The checkpoint's DataLoader position, which Lightning restores after ``on_fit_start``, into the DataLoader
+        built again there, as the loop's own build loads it, and the iterator made again from it (a review: a mid-epoch
+        resume trained the epoch's first batches again). Under the heterogeneous strategies the balancer does it."""
+        fit_loop = trainer.fit_loop
+        if not self._built_again or self._heterogeneous(trainer) or not fit_loop._combined_loader_states_to_load:
+            return
+        fit_loop._load_combined_loader_states()  # (only where Lightning would: a fit restarting from a checkpoint)
+        if not fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher is not None:
+            with torch.random.fork_rng(devices=[]):  # no draw plain Lightning's fit does not make
+                iter(fit_loop._data_fetcher)
 
     def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int, accumulation: int) -> None:
         """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
@@ -1011,6 +1025,7 @@ class AutoFit(Callback):
                     "does not read the `batch_size` attribute, so the global batch would change. Build the DataLoader with "
                     "self.batch_size, or AutoFit(search_micro_batch=False)"
                 )
+        self._load_the_checkpoints_data_position(trainer)
         if self._meter is not None:
             self._meter.reset()
         self._resumed_step_saved.fit_started()  # (the plan's micro-batches split each step)

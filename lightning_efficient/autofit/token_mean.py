@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
+from lightning_efficient._step import step_batch_index
 from lightning_efficient.tokens.normalize import StepTokenNormaliser, optimizer_step_normalising
 from lightning_efficient.tokens.output import loss_sum_and_count
 
@@ -36,6 +37,7 @@ class BatchTokenMean:
         self.normaliser = StepTokenNormaliser()
         self._module: LightningModule | None = None
         self._wrappers: dict[str, Any] = {}
+        self._live = {"on": False}
         self._told = False
 
     @property
@@ -51,23 +53,29 @@ class BatchTokenMean:
         self.normaliser.scale = step_scale
         self._told = False
         original_step, original_optimizer_step = module.training_step, module.optimizer_step
+        # cleared by remove(): a wrapper another callback set on top of ours puts ours back when it is removed, after
+        # this fit's teardown (a review: left so, it weighed a later fit's steps by this fit's counts)
+        self._live = live = {"on": True}
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
             output = original_step(*args, **kwargs)
-            if trainer.state.stage not in (None, RunningStage.TRAINING):  # a validation_step calling training_step
+            if not live["on"] or trainer.state.stage not in (None, RunningStage.TRAINING):  # (or a validation_step's call)
                 return output
             found = loss_sum_and_count(output)
             if found is None:
                 if output is not None:  # (None: a step skipped)
                     self._tell_once(output, batch_words)
                 return output
-            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
             accumulation = trainer.accumulate_grad_batches
-            if int(batch_idx) % accumulation == 0:  # a step's first micro-batch: no count of a call outside the loop
+            if step_batch_index(trainer, args, kwargs) % accumulation == 0:  # a step's first micro-batch: no count of a call outside the loop
                 self.normaliser.begin_step()
             return {**output, "loss": self.normaliser.micro_batch_loss(*found, accumulation)}
 
-        optimizer_step = optimizer_step_normalising(original_optimizer_step, self.normaliser.normalise_gradients)
+        def normalise(optimizer: Any) -> None:
+            if live["on"]:
+                self.normaliser.normalise_gradients(optimizer)
+
+        optimizer_step = optimizer_step_normalising(original_optimizer_step, normalise)
         self._wrappers = {"training_step": InstanceWrapper(training_step, original_step),
                           "optimizer_step": InstanceWrapper(optimizer_step, original_optimizer_step)}
         for name, wrapper in self._wrappers.items():
@@ -75,8 +83,9 @@ class BatchTokenMean:
         self._module = module
 
     def remove(self) -> None:
-        """Put the module's hooks back as they were, where ours is still the outermost (a wrapper another set on top
-        of ours since is left as it is, with ours under it)."""
+        """Put the module's hooks back as they were, where ours is still the outermost; ours under a wrapper another
+        set on top of it since passes every call through from now on."""
+        self._live["on"] = False
         module, self._module = self._module, None
         if module is not None:
             for name in _WRAPPED:

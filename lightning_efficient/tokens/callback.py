@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
+from lightning_efficient._step import step_batch_index
 from lightning_efficient._validation import require, require_choice, require_int
 from lightning_efficient.tokens.normalize import (
     StepTokenNormaliser,
@@ -458,7 +459,7 @@ class SelectiveTokenLoss(Callback):
         self, trainer: Trainer, pl_module: LightningModule, output: Any, args: tuple, kwargs: dict
     ) -> NormalisedTokenLoss:
         step = trainer.global_step
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        batch_idx = step_batch_index(trainer, args, kwargs)
         if self._observed_step is not None and self._observed_step != step:
             self._end_step()  # a safeguard: a step whose optimizer closure did not fold its scores
         elif int(batch_idx) % trainer.accumulate_grad_batches == 0:

@@ -76,6 +76,11 @@ def test_a_hybrid_stack_of_attention_and_state_space_layers_is_found_and_checkpo
     for _, block in found:
         unwrap_block(block)
     assert len(plain) == len(checkpointed) and all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+    # beside a stack of one class a hybrid one is not taken (a review: wav2vec2's 7 feature-extractor convolutions,
+    # one with a GroupNorm and six without, beat its 2 transformer layers)
+    wav2vec2 = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16, conv_dim=(8,) * 7, feat_extract_norm="group"))
+    assert [n for n, _ in find_blocks(wav2vec2)] == ["encoder.layers.0", "encoder.layers.1"]
     # a list of distinct parts (an encoder and a decoder) is no stack: none of its classes repeats
     parts = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.TransformerEncoderLayer(4, 1)]))
     with pytest.raises(ValueError, match="found no ModuleList"):

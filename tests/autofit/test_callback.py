@@ -1202,6 +1202,28 @@ def test_a_split_of_the_batch_under_batch_norm_is_said(small_datamodule_kwargs):
              steps=1, wide=True)
 
 
+def test_a_mid_epoch_resume_of_a_dataloader_built_while_the_optimizers_are_configured_trains_the_rest_of_the_epoch(
+        small_datamodule_kwargs, tmp_path):
+    """A review: built again in on_fit_start, before Lightning restores the checkpoint's DataLoader position, the
+    resumable DataLoader started the epoch over (the loop then builds nothing, so it never loaded the position)."""
+    profile = _profile_figures(small_datamodule_kwargs)
+    p0, p1 = profile.line(profile.peak_bytes)
+    budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
+
+    def trained(steps, callbacks=(), root=None, ckpt_path=None):
+        seen, fit = StepSamples(), AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
+        _fit(small_datamodule_kwargs, [fit, seen, *callbacks], steps=steps, max_epochs=1, wide=True, model_class=OneCycleGPT,
+             root=root, ckpt_path=ckpt_path)
+        return seen.steps, fit
+
+    root = tmp_path / "run"
+    whole, fit = trained(4, [ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}")],
+                         root=str(root))
+    assert len(whole) == 4 and fit.plan.accumulation > 1
+    resumed, fit = trained(4, root=str(root), ckpt_path=str(root / "step=2.ckpt"))
+    assert fit.profiles == [] and resumed == whole[2:]
+
+
 class _Counts(lightning.Callback):
     """The samples each fit trains, its optimizer steps and its validation runs (not the sanity check)."""
 

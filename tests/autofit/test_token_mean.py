@@ -14,7 +14,7 @@ from lightning_efficient import CorpusDataModule, DemoGPT
 from lightning_efficient.autofit.token_mean import BatchTokenMean
 from tests.conftest import tiny_gpt_kwargs
 from tests.ddp import run_script
-from tests.tokens.accumulation_model import fit, make_rows, reference_step_grads
+from tests.tokens.accumulation_model import Tiny, TinyWithoutBatchIndex, fit, make_rows, reference_step_grads
 
 TOKENS = Path(__file__).resolve().parent.parent / "tokens"
 
@@ -106,11 +106,15 @@ def _assert_steps_equal(steps, init, micro_of_step):
             assert (grads[name] - grad).abs().max() <= 1e-12, name
 
 
+@pytest.mark.parametrize("method", ["batch_token_mean", "none"])
+@pytest.mark.parametrize("module_class", [Tiny, TinyWithoutBatchIndex])
 @pytest.mark.parametrize("fused", [False, True])
-def test_each_step_is_the_mean_over_its_valid_tokens_as_one_batch_in_plain_torch(fused):
+def test_each_step_is_the_mean_over_its_valid_tokens_as_one_batch_in_plain_torch(fused, module_class, method):
     """Micro-batches of 2 samples holding 2 and 12 valid tokens, then 16 and 3: each step's gradient is plain torch's
-    mean over the step's valid tokens (not the mean of the two micro-batch means)."""
-    run = fit("batch_token_mean", "batch", fused=fused)
+    mean over the step's valid tokens (not the mean of the two micro-batch means), by AutoFit's wrapper and by
+    SelectiveTokenLoss(method="none"), also for a ``training_step(self, batch)`` (a review: counted from index 0 at
+    every micro-batch, the steps were scaled 1.17 and 6.33 times)."""
+    run = fit(method, "batch", fused=fused, module_class=module_class)
     _assert_steps_equal(run.steps, run.init, lambda step: [[4 * step, 4 * step + 1], [4 * step + 2, 4 * step + 3]])
 
 
@@ -121,3 +125,30 @@ def test_two_processes_give_the_mean_over_the_global_batchs_valid_tokens(tmp_pat
     assert torch.equal(torch.cat(saved["batches"]), make_rows()[0][0::2])  # rank r reads samples r, r + 2, ...
     _assert_steps_equal(saved["steps"], saved["init"],
                         lambda step: [list(range(8 * step, 8 * step + 4)), list(range(8 * step + 4, 8 * step + 8))])
+
+
+class WrapsTheStepToo(lightning.Callback):
+    """Another callback that wraps ``training_step`` on the instance for a fit, on top of the token mean's, and puts
+    back what it found when the fit ends."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.found = pl_module.training_step
+        pl_module.training_step = lambda *args, **kwargs: self.found(*args, **kwargs)
+
+    def teardown(self, trainer, pl_module, stage):
+        pl_module.training_step = self.found
+
+
+def test_a_wrapper_left_under_another_callbacks_passes_every_call_through_after_the_fit(small_datamodule_kwargs):
+    """A review: put back by a callback that wrapped the step on top of it, the token mean's wrapper outlived its fit and
+    weighed the next fit's first step by the old fit's counts (6x the gradient)."""
+    model = _fit(small_datamodule_kwargs, PaddedGPT, [Installs(), WrapsTheStepToo()], batch_size=2, accumulate=4)
+    assert "training_step" in vars(model)  # ours, put back under the other's
+    fresh = PaddedGPT(**tiny_gpt_kwargs()).double()
+    fresh.load_state_dict(model.state_dict())
+    for module in (model, fresh):  # the same plain fit of both
+        lightning.seed_everything(1)
+        lightning.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=4, precision="64-true", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          limit_val_batches=0).fit(module, CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 2}))
+    assert _largest_difference(model, fresh) == 0.0

@@ -100,7 +100,14 @@ class InstallsBatchTokenMean(lightning.Callback):
         self.mean.remove()
 
 
-def fit(method, scope, fused=False, steps=2, clip=None, extra_callbacks=(), **trainer_kwargs):
+class TinyWithoutBatchIndex(Tiny):
+    """:class:`Tiny` whose ``training_step`` takes the batch alone (Lightning then passes no ``batch_idx``)."""
+
+    def training_step(self, batch):
+        return super().training_step(batch, None)
+
+
+def fit(method, scope, fused=False, steps=2, clip=None, extra_callbacks=(), module_class=Tiny, **trainer_kwargs):
     """Train ``steps`` steps with accumulation 2; return the StepGrads callback (initial state,
     per-step gradients, micro-batches' input ids). ``method="batch_token_mean"``: AutoFit's token mean in place of
     SelectiveTokenLoss (every valid token kept)."""
@@ -114,7 +121,7 @@ def fit(method, scope, fused=False, steps=2, clip=None, extra_callbacks=(), **tr
         gradient_clip_val=clip, callbacks=[grads, loss, *extra_callbacks],
         **trainer_kwargs,
     )
-    trainer.fit(Tiny(fused))
+    trainer.fit(module_class(fused))
     return grads
 
 
