@@ -35,6 +35,7 @@ from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget, validate_budget
 from lightning_efficient.autofit.fit_inputs import (
+    StreamBeforeFirstBuild,
     agreed_restored_state,
     checkpoint_contents,
     fit_checkpoint_path,
@@ -308,6 +309,7 @@ class AutoFit(Callback):
         self._precision: str | None = None
         self._micro_searched = False
         self._built_again = False  # the training DataLoader built before the plan was built again in on_fit_start
+        self._first_build = StreamBeforeFirstBuild()
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
         self._restored_token_scale: float | None = None
 
@@ -326,6 +328,7 @@ class AutoFit(Callback):
             return
         callbacks = trainer.callbacks
         require(sum(isinstance(c, AutoFit) for c in callbacks) == 1, "callbacks", "two AutoFit", "one AutoFit per Trainer")
+        self._first_build.watch(trainer.fit_loop)
         if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
             raise ValueError("AutoFit sets accumulate_grad_batches itself; it cannot work beside a GradientAccumulationScheduler")
         mine = (self._activations, self._optimizer)
@@ -404,6 +407,7 @@ class AutoFit(Callback):
     # -- planning -------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._first_build.stop()
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._plan = None  # a fit refused below shows no earlier fit's plan
@@ -926,16 +930,20 @@ class AutoFit(Callback):
         if self._built_again:
             self._build_training_loader_again(trainer)
 
-    @staticmethod
-    def _build_training_loader_again(trainer: Trainer) -> None:
+    def _build_training_loader_again(self, trainer: Trainer) -> None:
         """Build the training DataLoader Lightning built before the plan (``trainer.estimated_stepping_batches`` read in
-        ``configure_optimizers``) again now, with torch's CPU random stream put back afterwards: building it creates its
-        iterator, which draws a seed from that stream, once in plain Lightning's fit. Built again by the loop, it drew a
-        second time, and a shuffled DataLoader's sampler (which draws when the first batch is read) trained other samples
-        at every step than plain Lightning's (a new user's OneCycleLR: weights 3e-2 apart). A DataLoader with workers
-        seeds its first epoch's workers from the seed this iterator drew (later epochs draw as plain Lightning's)."""
-        with torch.random.fork_rng(devices=[]):
+        ``configure_optimizers``) again now, from torch's CPU random stream as that first build found it, then put the
+        stream back as it is: building it makes its iterator, which draws a seed (and, with workers, which read ahead at
+        once, the shuffled order), once in plain Lightning's fit. Built again by the loop, it drew a second time, and a
+        shuffled DataLoader trained other samples at every step than plain Lightning's (a new user's OneCycleLR: weights
+        3e-2 apart)."""
+        now = torch.random.get_rng_state()
+        if self._first_build.state is not None:
+            torch.random.set_rng_state(self._first_build.state)
+        try:
             trainer.fit_loop.setup_data()
+        finally:
+            torch.random.set_rng_state(now)
 
     def _load_the_checkpoints_data_position(self, trainer: Trainer) -> None:
         """The checkpoint's DataLoader position, which Lightning restores after ``on_fit_start``, into the DataLoader
@@ -1143,12 +1151,14 @@ class AutoFit(Callback):
     # -- clean-up -------------------------------------------------------------------------------
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._first_build.stop()
         self._restored, self._checkpoint_states = None, {}  # a checkpoint's plan belongs to its own fit
         self._unprofiled = None  # (its batches hold the fit's DataLoader)
         self._undo(pl_module)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._first_build.stop()
         self._restored, self._checkpoint_states, self._unprofiled = None, {}, None
         self._undo(pl_module)  # Lightning skips teardown when fit raises
 

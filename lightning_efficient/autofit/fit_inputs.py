@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 
 from lightning_efficient._distributed import gather_objects
 from lightning_efficient._generators import held_generators_restored
@@ -125,3 +126,35 @@ def agreed_restored_state(restored: dict[str, Any] | None) -> dict[str, Any] | N
         return read[0] if read else None
     rank_zero_info("AutoFit: the ranks read different AutoFit states from the checkpoint; planning again on every rank.")
     return None
+
+
+class StreamBeforeFirstBuild:
+    """Torch's CPU random stream as it was when Lightning first built a fit's training DataLoader before the fit's start
+    (``trainer.estimated_stepping_batches`` read in ``configure_optimizers`` builds it): building it again from there
+    draws what that build drew. Making its iterator draws a seed, and with workers the shuffled order too (they read
+    ahead at once): built again from the stream as it stood later, a new user's first epoch trained plain Lightning's
+    second epoch's order. Watched from ``setup`` to ``on_fit_start`` through the loop's ``setup_data``."""
+
+    def __init__(self) -> None:
+        self.state: Tensor | None = None
+        self._loop: Any = None
+
+    def watch(self, fit_loop: Any) -> None:
+        """Read the stream at ``fit_loop``'s first build from now on."""
+        self.stop()
+        self.state = None
+        original = fit_loop.setup_data
+
+        def setup_data() -> None:
+            if self.state is None and fit_loop._combined_loader is None:
+                self.state = torch.random.get_rng_state()
+            return original()
+
+        fit_loop.setup_data = setup_data
+        self._loop = fit_loop
+
+    def stop(self) -> None:
+        """Give the loop its own ``setup_data`` back (the state read stays)."""
+        if self._loop is not None and "setup_data" in vars(self._loop):
+            del self._loop.setup_data
+        self._loop = None

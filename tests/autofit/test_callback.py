@@ -1131,7 +1131,8 @@ class ShuffledCorpus(CorpusDataModule):
     """The demo corpus through a plain shuffled DataLoader: its sampler draws from torch's global random stream."""
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                                           num_workers=self.num_workers)
 
 
 class StepSamples(lightning.Callback):
@@ -1148,11 +1149,13 @@ class StepSamples(lightning.Callback):
             self._rows = []
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_shuffled_dataloader_built_while_the_optimizers_are_configured_trains_the_samples_plain_lightning_trains(
-        small_datamodule_kwargs):
+        small_datamodule_kwargs, workers):
     """A new user's trial: building that DataLoader again at the plan's micro-batch drew from torch's global stream a
     second time, so a shuffled DataLoader trained other samples at every step than plain Lightning at the user's batch
-    (weights 3e-2 apart with a OneCycleLR)."""
+    (weights 3e-2 apart with a OneCycleLR). With workers, which read ahead as the iterator is made, a build from the
+    stream as it stood later trained plain Lightning's second epoch's order."""
     profile = _profile_figures(small_datamodule_kwargs)
     p0, p1 = profile.line(profile.peak_bytes)
     budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
@@ -1163,7 +1166,8 @@ def test_a_shuffled_dataloader_built_while_the_optimizers_are_configured_trains_
         trainer = lightning.Trainer(accelerator="cpu", max_steps=3, max_epochs=1, logger=False, enable_checkpointing=False,
                                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                                     callbacks=[*callbacks, seen])
-        trainer.fit(OneCycleGPT(**WIDE_HEAD), ShuffledCorpus(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}))
+        data = ShuffledCorpus(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256, "num_workers": workers})
+        trainer.fit(OneCycleGPT(**WIDE_HEAD), data)
         return seen.steps, torch.initial_seed(), torch.rand(1)
 
     fit = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
