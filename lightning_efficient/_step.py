@@ -106,8 +106,10 @@ def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool
                                              "and a step measured outside the loop (by AutoFit, ActivationMemory(policy="
                                              "'auto') or max_micro_batch='auto') is handed one batch")
     step = type(module).training_step.__get__(module) if class_step else module.training_step
+    # as Lightning calls it: a training_step(self, batch) gets the batch alone (a review: measuring refused it)
+    arguments = (batch, batch_idx) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)
     with quiet_logging(module), strategy.precision_plugin.train_step_context():
-        output = step(batch, batch_idx)
+        output = step(*arguments)
     return output["loss"] if isinstance(output, Mapping) else output
 
 

@@ -17,12 +17,12 @@ def _is_composite(module: nn.Module) -> bool:
 
 def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | None]]:
     """``(name, container, child class)`` for every ModuleList/Sequential of >= 2 children of one class
-    that hold parameters. Where there is none, every hybrid stack: a ModuleList of >= 2 composite children of several
-    classes, one of them repeated (attention and state-space layers, as Jamba's; child class None). A review: taken
-    beside stacks of one class, wav2vec2's 7 feature-extractor convolutions (one GroupNorm layer, six without) beat
-    its 2-6 transformer layers. Where there is neither, every ModuleList holding a single composite block (a one-layer
-    model is still a stack of blocks). A block that FSDP2's ``fully_shard`` turned into ``FSDP<Name>`` counts as its
-    own class ``<Name>``."""
+    that hold parameters, but for those within a hybrid stack's layers. Where there is none, every hybrid stack: a
+    ModuleList of >= 2 composite children of several classes, one of them repeated (attention and state-space layers,
+    as Jamba's; child class None). A review: taken beside stacks of one class, wav2vec2's 7 feature-extractor
+    convolutions (one GroupNorm layer, six without) beat its 2-6 transformer layers. Where there is neither, every
+    ModuleList holding a single composite block (a one-layer model is still a stack of blocks). A block that FSDP2's
+    ``fully_shard`` turned into ``FSDP<Name>`` counts as its own class ``<Name>``."""
     found, hybrid, single = [], [], []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -39,6 +39,8 @@ def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | Non
             found.append((name, module, classes.pop()))
         elif isinstance(module, nn.ModuleList) and _is_composite(children[0]):
             single.append((name, module, classes.pop()))
+    # a stack inside a hybrid stack's layers is those layers' own (transformers 4's Jamba: each MoE layer's experts)
+    found = [c for c in found if not any(c[0].startswith(f"{name}.") for name, _, _ in hybrid)]
     return found or hybrid or single
 
 

@@ -35,7 +35,7 @@ from lightning_efficient.activations.planner import BlockProfile
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget, validate_budget
 from lightning_efficient.autofit.fit_inputs import (
-    StreamBeforeFirstBuild,
+    StreamsAtTheLastBuild,
     agreed_restored_state,
     checkpoint_contents,
     fit_checkpoint_path,
@@ -187,6 +187,13 @@ def _keep_still_fits(plan: FitPlan, profiles: list[RankProfile], margin: float) 
     return True
 
 
+def _users_loader(trainer: Trainer) -> Any:
+    """The training DataLoader the fit's ``train_dataloader()`` returns, for AutoFit to read, with the random streams
+    a draw in it moves put back (a review: a split drawn there moved Python's and NumPy's streams on)."""
+    with random_streams_restored(trainer.strategy.root_device):
+        return trainer.fit_loop._data_source.dataloader()
+
+
 def _warn_of_batch_statistics(module: LightningModule, batch: int, micro: int) -> None:
     """Warn where ``module`` has batch-norm layers in training: they normalise over each micro-batch, so splitting the
     user's batch changes what they compute (a new user's trial: weights 0.04 apart after 8 steps at 2 x 4, silently)."""
@@ -309,7 +316,7 @@ class AutoFit(Callback):
         self._precision: str | None = None
         self._micro_searched = False
         self._built_again = False  # the training DataLoader built before the plan was built again in on_fit_start
-        self._first_build = StreamBeforeFirstBuild()
+        self._last_build = StreamsAtTheLastBuild()
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
         self._restored_token_scale: float | None = None
 
@@ -328,7 +335,7 @@ class AutoFit(Callback):
             return
         callbacks = trainer.callbacks
         require(sum(isinstance(c, AutoFit) for c in callbacks) == 1, "callbacks", "two AutoFit", "one AutoFit per Trainer")
-        self._first_build.watch(trainer.fit_loop)
+        self._last_build.watch(trainer.fit_loop)
         if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
             raise ValueError("AutoFit sets accumulate_grad_batches itself; it cannot work beside a GradientAccumulationScheduler")
         mine = (self._activations, self._optimizer)
@@ -407,7 +414,7 @@ class AutoFit(Callback):
     # -- planning -------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._first_build.stop()
+        self._last_build.stop()
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._plan = None  # a fit refused below shows no earlier fit's plan
@@ -515,7 +522,7 @@ class AutoFit(Callback):
 
     def _samples_per_step(self, trainer: Trainer, loader: Any = None) -> int:
         """The global batch the user set (before AutoFit changes anything)."""
-        loader = trainer.fit_loop._data_source.dataloader() if loader is None else loader
+        loader = _users_loader(trainer) if loader is None else loader
         batch_size = loader_batch_size(loader)
         accumulation = trainer.accumulate_grad_batches
         if self._heterogeneous(trainer):
@@ -529,7 +536,7 @@ class AutoFit(Callback):
         """Measure every rank and search. ``keep_micro_batch``: the checkpoint's plan, whose micro-batch is kept
         when it still fits (a resume mid-epoch must keep the samples per step of each DataLoader batch)."""
         strategy = trainer.strategy
-        loader = trainer.fit_loop._data_source.dataloader()
+        loader = _users_loader(trainer)
         require(isinstance(loader, torch.utils.data.DataLoader), "train_dataloader", type(loader).__name__,
                 "one DataLoader (AutoFit measures its samples)")
         heterogeneous = self._heterogeneous(trainer)
@@ -932,29 +939,26 @@ class AutoFit(Callback):
 
     def _build_training_loader_again(self, trainer: Trainer) -> None:
         """Build the training DataLoader Lightning built before the plan (``trainer.estimated_stepping_batches`` read in
-        ``configure_optimizers``) again now, from torch's CPU random stream as that first build found it, then put the
-        stream back as it is: building it makes its iterator, which draws a seed (and, with workers, which read ahead at
-        once, the shuffled order), once in plain Lightning's fit. Built again by the loop, it drew a second time, and a
-        shuffled DataLoader trained other samples at every step than plain Lightning's (a new user's OneCycleLR: weights
-        3e-2 apart)."""
-        now = torch.random.get_rng_state()
-        if self._first_build.state is not None:
-            torch.random.set_rng_state(self._first_build.state)
-        try:
+        ``configure_optimizers``) again now, from the random streams as that build found them, then put the streams back
+        as they are (:class:`~lightning_efficient.autofit.fit_inputs.StreamsAtTheLastBuild`): built again by the loop, it
+        drew a second time, and a shuffled DataLoader trained other samples at every step than plain Lightning's (a new
+        user's OneCycleLR: weights 3e-2 apart)."""
+        with self._last_build.replayed():
             trainer.fit_loop.setup_data()
-        finally:
-            torch.random.set_rng_state(now)
 
     def _load_the_checkpoints_data_position(self, trainer: Trainer) -> None:
         """The checkpoint's DataLoader position, which Lightning restores after ``on_fit_start``, into the DataLoader
-        built again there, as the loop's own build loads it, and the iterator made again from it (a review: a mid-epoch
-        resume trained the epoch's first batches again). Under the heterogeneous strategies the balancer does it."""
+        built again there, and the iterator made again from it (from the streams of the build: no draw plain Lightning
+        does not make), as the loop's own build after the restore loaded it before AutoFit built it in ``on_fit_start``
+        (a review: a mid-epoch resume trained the epoch's first batches again). Plain Lightning, whose DataLoader built
+        in ``configure_optimizers`` is not built again after the restore, leaves the position unread and trains the
+        epoch's first batches again; the heterogeneous strategies load it too (there the balancer does)."""
         fit_loop = trainer.fit_loop
         if not self._built_again or self._heterogeneous(trainer) or not fit_loop._combined_loader_states_to_load:
             return
         fit_loop._load_combined_loader_states()  # (only where Lightning would: a fit restarting from a checkpoint)
         if not fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher is not None:
-            with torch.random.fork_rng(devices=[]):  # no draw plain Lightning's fit does not make
+            with self._last_build.replayed():
                 iter(fit_loop._data_fetcher)
 
     def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int, accumulation: int) -> None:
@@ -1000,7 +1004,7 @@ class AutoFit(Callback):
         a ``DistributedSampler`` in its place (a review: with ``use_distributed_sampler=False`` every rank draws the whole
         dataset, and an epoch counted as half of it stepped a scheduler after every step of its second half)."""
         try:
-            loader = trainer.fit_loop._data_source.dataloader()
+            loader = _users_loader(trainer)
             samples = len(loader.sampler)
         except Exception:  # noqa: BLE001 - no loader or an iterable dataset: nothing to count by
             return None
@@ -1151,14 +1155,14 @@ class AutoFit(Callback):
     # -- clean-up -------------------------------------------------------------------------------
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._first_build.stop()
+        self._last_build.stop()
         self._restored, self._checkpoint_states = None, {}  # a checkpoint's plan belongs to its own fit
         self._unprofiled = None  # (its batches hold the fit's DataLoader)
         self._undo(pl_module)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._first_build.stop()
+        self._last_build.stop()
         self._restored, self._checkpoint_states, self._unprofiled = None, {}, None
         self._undo(pl_module)  # Lightning skips teardown when fit raises
 

@@ -8,10 +8,12 @@ import contextlib
 import copy
 import inspect
 import os
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
@@ -128,26 +130,27 @@ def agreed_restored_state(restored: dict[str, Any] | None) -> dict[str, Any] | N
     return None
 
 
-class StreamBeforeFirstBuild:
-    """Torch's CPU random stream as it was when Lightning first built a fit's training DataLoader before the fit's start
-    (``trainer.estimated_stepping_batches`` read in ``configure_optimizers`` builds it): building it again from there
-    draws what that build drew. Making its iterator draws a seed, and with workers the shuffled order too (they read
-    ahead at once): built again from the stream as it stood later, a new user's first epoch trained plain Lightning's
-    second epoch's order. Watched from ``setup`` to ``on_fit_start`` through the loop's ``setup_data``."""
+class StreamsAtTheLastBuild:
+    """torch's CPU, Python's and NumPy's global random streams as they were when Lightning last built a fit's training
+    DataLoader before the fit's start (``trainer.estimated_stepping_batches`` read in ``configure_optimizers`` builds it;
+    a ``LearningRateFinder`` or ``BatchSizeFinder`` builds it again): building it again from there draws what that
+    build drew, in ``train_dataloader()`` and in making its iterator (a seed, and with workers, which read ahead at once,
+    the shuffled order). Built again from the streams as they stood later, a new user's first epoch trained plain
+    Lightning's second epoch's order. Watched from ``setup`` to ``on_fit_start`` through the loop's ``setup_data``."""
 
     def __init__(self) -> None:
-        self.state: Tensor | None = None
+        self.state: tuple[Tensor, Any, Any] | None = None
         self._loop: Any = None
 
     def watch(self, fit_loop: Any) -> None:
-        """Read the stream at ``fit_loop``'s first build from now on."""
+        """Read the streams at each of ``fit_loop``'s builds from now on."""
         self.stop()
         self.state = None
         original = fit_loop.setup_data
 
         def setup_data() -> None:
-            if self.state is None and fit_loop._combined_loader is None:
-                self.state = torch.random.get_rng_state()
+            if fit_loop._combined_loader is None or fit_loop._should_reload_train_dl:  # (it builds: not an early return)
+                self.state = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
             return original()
 
         fit_loop.setup_data = setup_data
@@ -158,3 +161,20 @@ class StreamBeforeFirstBuild:
         if self._loop is not None and "setup_data" in vars(self._loop):
             del self._loop.setup_data
         self._loop = None
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Within: the streams as the last build found them (as they are where none was read); after: as they were."""
+        now = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
+        if self.state is not None:
+            _set_streams(self.state)
+        try:
+            yield
+        finally:
+            _set_streams(now)
+
+
+def _set_streams(state: tuple[Tensor, Any, Any]) -> None:
+    torch.random.set_rng_state(state[0])
+    random.setstate(state[1])
+    np.random.set_state(state[2])

@@ -76,6 +76,12 @@ def test_a_hybrid_stack_of_attention_and_state_space_layers_is_found_and_checkpo
     for _, block in found:
         unwrap_block(block)
     assert len(plain) == len(checkpointed) and all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+    # a stack of one class inside the hybrid stack's layers is theirs (transformers 4's Jamba: each MoE layer's experts
+    # in a ModuleList, which won over the layers)
+    mixer = jamba.model.layers[1].feed_forward
+    mixer.extra_experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(2, 2)) for _ in range(8))
+    assert [n for n, _ in find_blocks(jamba)] == [f"model.layers.{i}" for i in range(4)]
+    del mixer.extra_experts
     # beside a stack of one class a hybrid one is not taken (a review: wav2vec2's 7 feature-extractor convolutions,
     # one with a GroupNorm and six without, beat its 2 transformer layers)
     wav2vec2 = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import random
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import weakref
 from pathlib import Path
 
 import lightning
+import numpy as np
 import pytest
 import torch
 import torchmetrics
@@ -1128,9 +1130,11 @@ def test_a_dataloader_built_while_the_optimizers_are_configured_is_built_again_a
 
 
 class ShuffledCorpus(CorpusDataModule):
-    """The demo corpus through a plain shuffled DataLoader: its sampler draws from torch's global random stream."""
+    """The demo corpus through a plain shuffled DataLoader: its sampler draws from torch's global random stream, and
+    building it draws from Python's and NumPy's (a split drawn anew, as some data modules do)."""
 
     def train_dataloader(self):
+        self.draws = [*getattr(self, "draws", []), (random.random(), float(np.random.rand()))]
         return torch.utils.data.DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,
                                            num_workers=self.num_workers)
 
@@ -1149,33 +1153,74 @@ class StepSamples(lightning.Callback):
             self._rows = []
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("workers", "finder"), [(0, False), (2, False), (2, True)])
 def test_a_shuffled_dataloader_built_while_the_optimizers_are_configured_trains_the_samples_plain_lightning_trains(
-        small_datamodule_kwargs, workers):
+        small_datamodule_kwargs, workers, finder):
     """A new user's trial: building that DataLoader again at the plan's micro-batch drew from torch's global stream a
     second time, so a shuffled DataLoader trained other samples at every step than plain Lightning at the user's batch
     (weights 3e-2 apart with a OneCycleLR). With workers, which read ahead as the iterator is made, a build from the
-    stream as it stood later trained plain Lightning's second epoch's order."""
+    stream as it stood later trained plain Lightning's second epoch's order. A review: a LearningRateFinder builds it
+    again before AutoFit plans, and that build is the one plain Lightning trains; Python's and NumPy's streams, drawn
+    from in train_dataloader(), moved on."""
     profile = _profile_figures(small_datamodule_kwargs)
     p0, p1 = profile.line(profile.peak_bytes)
     budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
 
     def trained(callbacks):
+        from lightning.pytorch.callbacks import LearningRateFinder
+
         lightning.seed_everything(0)
         seen = StepSamples()
+        finders = [LearningRateFinder(num_training_steps=2)] if finder else []
         trainer = lightning.Trainer(accelerator="cpu", max_steps=3, max_epochs=1, logger=False, enable_checkpointing=False,
                                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                                    callbacks=[*callbacks, seen])
+                                    callbacks=[*finders, *callbacks, seen])
         data = ShuffledCorpus(**{**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256, "num_workers": workers})
         trainer.fit(OneCycleGPT(**WIDE_HEAD), data)
-        return seen.steps, torch.initial_seed(), torch.rand(1)
+        return seen.steps, data.draws, (torch.rand(1), random.random(), float(np.random.rand()))
 
     fit = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
     mine = trained([fit])
     assert fit.plan.accumulation > 1
     theirs = trained([])
     assert len(mine[0]) == 3 and mine[0] == theirs[0]
-    assert torch.equal(mine[2], theirs[2])  # and the global stream goes on as plain Lightning's
+    assert set(theirs[1]) <= set(mine[1])  # the build again drew what the last build drew (AutoFit reads it too, put back)
+    assert torch.equal(mine[2][0], theirs[2][0]) and mine[2][1:] == theirs[2][1:]  # and the streams go on as plain's
+
+
+class PaddedGPTWithoutIndex(PaddedGPT):
+    """A ``training_step(self, batch)``: Lightning hands it the batch alone."""
+
+    def training_step(self, batch):
+        return self.token_losses(batch)
+
+
+class FailingOptimizers(DemoGPT):
+    def configure_optimizers(self):
+        raise RuntimeError("no optimizer today")
+
+
+def test_a_training_step_without_batch_idx_is_measured_and_its_split_batch_keeps_its_token_mean(small_datamodule_kwargs):
+    """A review: AutoFit's measuring called training_step(batch, batch_idx) on a step that takes the batch alone ("takes 2
+    positional arguments but 3 were given"), and its token mean counted such a step from index 0 at every micro-batch."""
+    profile = _profile_figures(small_datamodule_kwargs)
+    p0, p1 = profile.line(profile.peak_bytes)
+    budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
+    fitter, mine, theirs = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"]), FirstGradients(), FirstGradients()
+    trainer, _, _ = _fit(small_datamodule_kwargs, [fitter, mine], steps=2, wide=True, model_class=PaddedGPTWithoutIndex)
+    assert fitter.plan.accumulation > 1
+    _fit(small_datamodule_kwargs, [theirs], steps=1, wide=True, model_class=PaddedGPTWithoutIndex)
+    for a, b in zip(mine.gradients, theirs.gradients):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    # the loop's own setup_data is back after the fit, after a plan-only fit and after one that raises before the start
+    assert "setup_data" not in vars(trainer.fit_loop)
+    trainer, _, _ = _fit(small_datamodule_kwargs, [AutoFit(budget="8GiB", plan_only=True)])
+    assert "setup_data" not in vars(trainer.fit_loop)
+    failing = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[AutoFit(budget="8GiB")])
+    with pytest.raises(RuntimeError, match="no optimizer today"):
+        failing.fit(FailingOptimizers(**tiny_gpt_kwargs()), CorpusDataModule(**small_datamodule_kwargs))
+    assert "setup_data" not in vars(failing.fit_loop)
 
 
 class NormedGPT(DemoGPT):
