@@ -558,7 +558,9 @@ def test_a_resume_from_an_epochs_end_with_another_budget_chooses_the_micro_batch
     resumed, record = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
     _fit(small_datamodule_kwargs, [resumed, record], steps=-1, max_epochs=2, root=str(tmp_path),
          ckpt_path=str(tmp_path / "last.ckpt"), wide=True)
-    assert resumed.profiles and resumed.plan.micro_batches == [8] and resumed.plan.accumulation == 1
+    # measured again with the smaller sizes timed too (a resume that keeps the micro-batch times that one alone), and
+    # the pick is the search's, not the checkpoint's (at 8 GiB the fastest size a sample, which a CI run read at 4)
+    assert resumed.profiles and {size for size, _ in resumed.profiles[0].times} == {1, 2}
     assert not any("kept from the checkpoint's plan" in note for note in resumed.plan.notes)
     assert record.samples and set(record.samples) == {8}
 
