@@ -11,7 +11,8 @@ would; resumed on another number of ranks (or batch size), it continues from the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -135,3 +136,26 @@ class ResumableDataLoader(DataLoader):
                              "same (e.g. double the batch size on half the ranks), or resume from an end-of-epoch "
                              "checkpoint")
         self._skip = handed_out
+
+
+def load_pending_position(fit_loop: Any, *, at_an_epochs_end: bool,
+                          iterator_streams: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    """The training DataLoader position of the checkpoint a fit resumes from, into a DataLoader built before Lightning
+    restored it (``trainer.estimated_stepping_batches`` in ``configure_optimizers`` builds one; Lightning, which loads
+    the position only as it builds, then never does, and a mid-epoch resume trains the epoch's first batches again),
+    then Lightning's training iterator made again from it (within ``iterator_streams()``).
+
+    Args:
+        fit_loop: the trainer's ``fit_loop``, once Lightning restored the checkpoint (``on_train_start``).
+        at_an_epochs_end: load it also where Lightning does not restart the loop (a checkpoint at an epoch's end), as a
+            sampler that learns the epoch trained needs; else only where Lightning's own build would.
+        iterator_streams: the random streams the iterator is made in (it draws a seed).
+    """
+    states = fit_loop._combined_loader_states_to_load
+    if not states or fit_loop._combined_loader is None or not (at_an_epochs_end or fit_loop.restarting):
+        return
+    fit_loop._combined_loader._load_state_dicts(states)
+    fit_loop._combined_loader_states_to_load = []
+    if fit_loop._data_fetcher is not None:
+        with iterator_streams():
+            iter(fit_loop._data_fetcher)

@@ -82,6 +82,7 @@ from lightning_efficient.optim._bnb import bitsandbytes
 from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.sharded import has_sharded_params
 from lightning_efficient.optim.twins import eight_bit_classes, find_twin, is_stateless, paged_refusal
+from lightning_efficient.resumable import load_pending_position
 from lightning_efficient.tokens.callback import SelectiveTokenLoss
 
 CONFIRM_ROUNDS = 3
@@ -318,7 +319,6 @@ class AutoFit(Callback):
         self._built_again = False  # the training DataLoader built before the plan was built again in on_fit_start
         self._last_build = StreamsAtTheLastBuild()
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
-        self._restored_token_scale: float | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -435,7 +435,6 @@ class AutoFit(Callback):
         planning.reset(release=False)
         older = older_collections()
         restored = agreed_restored_state(restored)
-        self._restored_token_scale = (restored or {}).get("step_token_scale")
         plan, failure = None, None
         try:
             plan = self._reusable(restored, trainer)
@@ -480,7 +479,8 @@ class AutoFit(Callback):
                        + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
-        self._apply(plan, trainer, pl_module)
+        # (a checkpoint's running token count: a resumed first step rounds as the uninterrupted run's)
+        self._apply(plan, trainer, pl_module, token_scale=(restored or {}).get("step_token_scale"))
 
     def _planning_peak_line(self, plan: FitPlan, rank: int) -> str:
         """The peak while planning (this rank's), and why it may be above the budget."""
@@ -897,7 +897,7 @@ class AutoFit(Callback):
                              builder.drop_overrides)
 
     # -- applying -------------------------------------------------------------------------------
-    def _apply(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _apply(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule, token_scale: float | None = None) -> None:
         mine = plan.ranks[trainer.global_rank]
         built = trainer.fit_loop._combined_loader is not None
         if self._heterogeneous(trainer):
@@ -916,7 +916,7 @@ class AutoFit(Callback):
                 trainer.fit_loop._combined_loader = None
                 self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
                 if not any(isinstance(c, SelectiveTokenLoss) for c in trainer.callbacks):  # (whose own normaliser does it)
-                    self._token_mean.install(trainer, pl_module, f"one batch of {current}", self._restored_token_scale)
+                    self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_scale)
                 _warn_of_batch_statistics(pl_module, current, mine.micro_batch)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
             trainer.accumulate_grad_batches = plan.accumulation
@@ -953,13 +953,8 @@ class AutoFit(Callback):
         (a review: a mid-epoch resume trained the epoch's first batches again). Plain Lightning, whose DataLoader built
         in ``configure_optimizers`` is not built again after the restore, leaves the position unread and trains the
         epoch's first batches again; the heterogeneous strategies load it too (there the balancer does)."""
-        fit_loop = trainer.fit_loop
-        if not self._built_again or self._heterogeneous(trainer) or not fit_loop._combined_loader_states_to_load:
-            return
-        fit_loop._load_combined_loader_states()  # (only where Lightning would: a fit restarting from a checkpoint)
-        if not fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher is not None:
-            with self._last_build.replayed():
-                iter(fit_loop._data_fetcher)
+        if self._built_again and not self._heterogeneous(trainer):
+            load_pending_position(trainer.fit_loop, at_an_epochs_end=False, iterator_streams=self._last_build.replayed)
 
     def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int, accumulation: int) -> None:
         """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's

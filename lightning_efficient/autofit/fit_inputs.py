@@ -150,7 +150,7 @@ class StreamsAtTheLastBuild:
 
         def setup_data() -> None:
             if fit_loop._combined_loader is None or fit_loop._should_reload_train_dl:  # (it builds: not an early return)
-                self.state = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
+                self.state = torch.random.get_rng_state(), random.getstate(), np.random.get_state()
             return original()
 
         fit_loop.setup_data = setup_data
@@ -165,16 +165,10 @@ class StreamsAtTheLastBuild:
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
         """Within: the streams as the last build found them (as they are where none was read); after: as they were."""
-        now = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
-        if self.state is not None:
-            _set_streams(self.state)
-        try:
+        with random_streams_restored(torch.device("cpu")):
+            if self.state is not None:
+                torch_state, python_state, numpy_state = self.state
+                torch.random.set_rng_state(torch_state)
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
             yield
-        finally:
-            _set_streams(now)
-
-
-def _set_streams(state: tuple[Tensor, Any, Any]) -> None:
-    torch.random.set_rng_state(state[0])
-    random.setstate(state[1])
-    np.random.set_state(state[2])

@@ -66,10 +66,9 @@ class BatchTokenMean:
                 if output is not None:  # (None: a step skipped)
                     self._tell_once(output, batch_words)
                 return output
-            accumulation = trainer.accumulate_grad_batches
-            if step_batch_index(trainer, args, kwargs) % accumulation == 0:  # a step's first micro-batch: no count of a call outside the loop
-                self.normaliser.begin_step()
-            return {**output, "loss": self.normaliser.micro_batch_loss(*found, accumulation)}
+            loss = self.normaliser.micro_batch_loss(*found, trainer.accumulate_grad_batches,
+                                                    batch_idx=step_batch_index(trainer, args, kwargs))
+            return {**output, "loss": loss}
 
         def normalise(optimizer: Any) -> None:
             if live["on"]:

@@ -64,7 +64,7 @@ from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
-from lightning_efficient.resumable import EpochShuffleSampler
+from lightning_efficient.resumable import EpochShuffleSampler, load_pending_position
 from lightning_efficient.tokens.normalize import StepTokenNormaliser
 from lightning_efficient.tokens.output import NormalisedTokenLoss, loss_sum_and_count
 
@@ -786,16 +786,9 @@ class Balancer:
         ``OneCycleLR``'s total steps) is not set up again, so Lightning never loads its state, and a mid-epoch resume
         trained the epoch's first batches again (a new user's trial). Then the training iterator is made again from
         the position (the one made before read the sampler from the epoch's start)."""
-        fit_loop = self.strategy.lightning_module.trainer.fit_loop
-        states = fit_loop._combined_loader_states_to_load
-        if not states or fit_loop._combined_loader is None:
-            return
         # (also at an epoch's end, where Lightning does not restart the loop and leaves the states unread: the sampler
         # learns the epoch trained, and the iterator made again starts the next one)
-        fit_loop._combined_loader._load_state_dicts(states)
-        fit_loop._combined_loader_states_to_load = []
-        if fit_loop._data_fetcher is not None:
-            iter(fit_loop._data_fetcher)
+        load_pending_position(self.strategy.lightning_module.trainer.fit_loop, at_an_epochs_end=True)
 
     def load_data_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the sampler (also on another number of ranks) and, on the same number of ranks,

@@ -571,10 +571,8 @@ class SelectiveTokenLoss(Callback):
 
     def _loss(self, trainer: Trainer, kept_sum: Tensor, keep: Tensor, batch_idx: int, non_finite: Tensor) -> Tensor:
         """The micro-batch's loss from its kept-loss sum, weighted for the step (manual optimization is refused)."""
-        if batch_idx % trainer.accumulate_grad_batches == 0:
-            # a step's first micro-batch: forget tokens counted by a call outside the loop (a profile)
-            self.normaliser.begin_step()
-        return self.normaliser.micro_batch_loss(kept_sum, keep.sum(), trainer.accumulate_grad_batches, non_finite)
+        return self.normaliser.micro_batch_loss(kept_sum, keep.sum(), trainer.accumulate_grad_batches, non_finite,
+                                                batch_idx=batch_idx)
 
     def draw_seed(self, step: int, batch_idx: int) -> int:
         """The seed of ``random``'s draw on this rank at ``step`` for batch ``batch_idx``."""

@@ -151,7 +151,7 @@ class StepTokenNormaliser:
         self._backward_ran = False
 
     def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int,
-                         non_finite: Tensor | int = 0) -> Tensor:
+                         non_finite: Tensor | int = 0, *, batch_idx: int | None = None) -> Tensor:
         """This micro-batch's loss: its local token-loss sum times ``W * A / K``.
 
         Args:
@@ -161,7 +161,11 @@ class StepTokenNormaliser:
             non_finite: this rank's non-finite token losses in the micro-batch: counted with the
                 tokens, so that :meth:`normalise_gradients` raises on every rank together instead of
                 one rank raising while the others wait in a collective.
+            batch_idx: the micro-batch's index in the epoch, where the caller runs in Lightning's loop: at a step's
+                first micro-batch, what a call outside the loop (a profile) counted is forgotten (:meth:`begin_step`).
         """
+        if batch_idx is not None and batch_idx % accumulation == 0:
+            self.begin_step()
         device = local_sum.device
         counts = torch.stack([torch.as_tensor(c, device=device).to(torch.int64).reshape(()) for c in (local_count, non_finite)])
         if accumulation == 1 and distributed_world_size() == 1:
