@@ -5,9 +5,15 @@ valid tokens makes the step a mean of micro-batch means: where the rows hold dif
 (padding, ``-100`` labels), the plan's micro-batches weigh the tokens otherwise than the user's batch did (a new
 user's padded GPT-2 split 1 x 8: the first gradient 40% away from the batch of 8's). For a
 :class:`~lightning_efficient.TokenLosses` or :class:`~lightning_efficient.FusedTokenLoss` output the token counts
-are known: :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser` weighs each micro-batch's token-loss
-sum so that the step's gradient is the mean over every valid token of the step (over the ranks too, as one device
-on the global batch), as ``SelectiveTokenLoss`` and the heterogeneous strategies do.
+are known, and each micro-batch's token-loss sum is weighed so that the update is the one the unsplit batch gives:
+
+- in one process and under DDP (whose gradients are each rank's own until the step's last backward),
+  :class:`~lightning_efficient.tokens.normalize.RankStepTokenMean` makes each rank's gradient the mean over its
+  valid tokens in the step, which DDP averages over the ranks, as a plain DDP fit on the unsplit batch does;
+- where every backward reduces the gradients over the ranks (FSDP2), a rank's own mean cannot be made after the
+  fact: :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser` makes the step the mean over every
+  valid token of every rank (as ``SelectiveTokenLoss`` and the heterogeneous strategies do), where a plain FSDP2 fit
+  averages the ranks' own means.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
 from lightning_efficient._step import step_batch_index
-from lightning_efficient.tokens.normalize import StepTokenNormaliser, optimizer_step_normalising
+from lightning_efficient.tokens.normalize import RankStepTokenMean, StepTokenNormaliser, distributed_world_size, optimizer_step_normalising
 from lightning_efficient.tokens.output import loss_sum_and_count
 
 _WRAPPED = ("training_step", "optimizer_step")
@@ -28,13 +35,14 @@ _WRAPPED = ("training_step", "optimizer_step")
 
 class BatchTokenMean:
     """Wraps a module's ``training_step`` and ``optimizer_step`` for one fit so that a token-loss output's step
-    gradient is the mean over the step's valid tokens, whatever the micro-batches (see the module docstring).
+    gradient is the unsplit batch's token mean, whatever the micro-batches (see the module docstring for the ranks).
 
     Other outputs pass as they are; the first one is named once (``batch_words``: the batch the plan splits).
     """
 
     def __init__(self) -> None:
-        self.normaliser = StepTokenNormaliser()
+        self.normaliser = StepTokenNormaliser()  # where gradients are reduced at every backward
+        self.rank_mean = RankStepTokenMean()  # where they are a rank's own until the step's last backward
         self._module: LightningModule | None = None
         self._wrappers: dict[str, Any] = {}
         self._live = {"on": False}
@@ -51,6 +59,7 @@ class BatchTokenMean:
         self.remove()
         self.normaliser.reset()
         self.normaliser.scale = step_scale
+        self.rank_mean.reset()
         self._told = False
         original_step, original_optimizer_step = module.training_step, module.optimizer_step
         # cleared by remove(): a wrapper another callback set on top of ours puts ours back when it is removed, after
@@ -66,8 +75,12 @@ class BatchTokenMean:
                 if output is not None:  # (None: a step skipped)
                     self._tell_once(output, batch_words)
                 return output
-            loss = self.normaliser.micro_batch_loss(*found, trainer.accumulate_grad_batches,
-                                                    batch_idx=step_batch_index(trainer, args, kwargs))
+            accumulation, batch_idx = trainer.accumulate_grad_batches, step_batch_index(trainer, args, kwargs)
+            if _gradients_are_local_until_the_last_backward(trainer):
+                loss = self.rank_mean.micro_batch_loss(*found, accumulation, first=batch_idx % accumulation == 0,
+                                                       last=not trainer.fit_loop._should_accumulate(), optimizers=trainer.optimizers)
+            else:
+                loss = self.normaliser.micro_batch_loss(*found, accumulation, batch_idx=batch_idx)
             return {**output, "loss": loss}
 
         def normalise(optimizer: Any) -> None:
@@ -93,6 +106,7 @@ class BatchTokenMean:
                     put_back(module, name, wrapper.__wrapped__)
         self._wrappers = {}
         self.normaliser.reset()
+        self.rank_mean.reset()
 
     def _tell_once(self, output: Any, batch_words: str) -> None:
         if self._told:
@@ -104,3 +118,12 @@ class BatchTokenMean:
             f"otherwise than {batch_words} (Lightning divides each micro-batch's own mean by the accumulation). Return "
             "lightning_efficient.TokenLosses(per_token_losses, mask) for the batch's token mean."
         )
+
+
+def _gradients_are_local_until_the_last_backward(trainer: Trainer) -> bool:
+    """Whether each rank's gradients are its own until the step's last backward: one process, or Lightning's DDP (which
+    does not synchronise the accumulating micro-batches' backwards)."""
+    strategy = trainer.strategy
+    if strategy.handles_gradient_accumulation:
+        return False
+    return distributed_world_size() == 1 or isinstance(getattr(strategy, "model", None), DistributedDataParallel)

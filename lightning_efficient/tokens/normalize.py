@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -107,7 +107,22 @@ def optimizer_step_normalising(original_optimizer_step: Callable[..., Any], norm
     return optimizer_step
 
 
-class StepTokenNormaliser:
+class _NotesBackward:
+    """Notes whether a backward went through a loss it watched (a step that runs none leaves the gradients alone)."""
+
+    _backward_ran = False
+
+    def _watched(self, loss: Tensor) -> Tensor:
+        if loss.requires_grad:
+            loss.register_hook(self._backward_through)
+        return loss
+
+    def _backward_through(self, grad: Tensor) -> Tensor:
+        self._backward_ran = True
+        return grad
+
+
+class StepTokenNormaliser(_NotesBackward):
     """Makes a step's gradient the mean over every (kept) token of all its micro-batches and ranks.
 
     Lightning divides each micro-batch's loss by the accumulation ``A`` and DDP averages gradients
@@ -179,13 +194,7 @@ class StepTokenNormaliser:
         self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
         loss = local_sum * (distributed_world_size() * accumulation / self.scale)
-        if loss.requires_grad:
-            loss.register_hook(self._backward_through)
-        return loss
-
-    def _backward_through(self, grad: Tensor) -> Tensor:
-        self._backward_ran = True
-        return grad
+        return self._watched(loss)
 
     def normalise_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Multiply the optimizer's gradients by ``K / T`` (``T``: the step's global token count), then
@@ -221,3 +230,64 @@ class StepTokenNormaliser:
         else:  # DTensor gradients (FSDP2): one at a time
             for grad in grads:
                 grad.mul_(factor)
+
+
+class RankStepTokenMean(_NotesBackward):
+    """Makes each rank's step gradient the mean over that rank's valid tokens in all the step's micro-batches, where a
+    rank's gradients are its own until the step's last backward (one process; Lightning's DDP, which does not
+    synchronise the accumulating micro-batches): DDP then averages the ranks' means, as a plain DDP fit does with one
+    batch a step, so that splitting the batch does not change the update.
+
+    A step's micro-batches before its last contribute their token-loss sum times ``A / K`` (``A``: the accumulation
+    Lightning divides by; ``K``: the step's first micro-batch count times ``A``, a stand-in for the step's count that
+    keeps the gradients' scale). At the last, before its backward, this rank's count ``T`` is known: the gradients
+    held are multiplied by ``K / T`` and the last micro-batch contributes its sum times ``A / T``. Counts stay on the
+    device (the host never waits for them), no collective is added, and nothing is carried from step to step (a
+    resume needs no state). Non-finite losses pass on as in plain Lightning.
+    """
+
+    def __init__(self) -> None:
+        self._step: tuple[Tensor, Tensor] | None = None  # (tokens, K) of this rank's micro-batches so far
+        self._backward_ran = False  # whether a backward went through one of this step's losses before the last
+
+    def reset(self) -> None:
+        """Forget any step in progress."""
+        self._step = None
+        self._backward_ran = False
+
+    def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int, *, first: bool, last: bool,
+                         optimizers: Iterable[torch.optim.Optimizer]) -> Tensor:
+        """This micro-batch's loss (see the class docstring).
+
+        Args:
+            local_sum: the sum of this rank's token losses in the micro-batch.
+            local_count: how many tokens that sum is over.
+            accumulation: ``A``, the micro-batches per optimizer step Lightning divides by.
+            first: whether the micro-batch is its step's first (what is counted is forgotten).
+            last: whether it is its step's last (the one whose backward synchronises the ranks' gradients).
+            optimizers: the optimizers whose gradients the step's earlier micro-batches accumulated.
+        """
+        device = local_sum.device
+        local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
+        count = torch.as_tensor(local_count, device=device).to(torch.int64).reshape(())
+        if first or self._step is None:
+            self._step = (count, (count.clamp_min(1) * accumulation).to(local_sum.dtype))
+            self._backward_ran = False
+        else:
+            self._step = (self._step[0] + count, self._step[1])
+        tokens, scale = self._step
+        if last:
+            backward_ran = self._backward_ran
+            self.reset()
+            total = tokens.clamp_min(1).to(local_sum.dtype)
+            if backward_ran:  # (else nothing of this step is held: a first micro-batch, or a step no backward ran in)
+                factor = scale / total
+                factors: dict[torch.dtype, Tensor] = {}
+                for optimizer in optimizers:
+                    for group in optimizer.param_groups:
+                        for p in group["params"]:
+                            if p.grad is not None:
+                                p.grad.mul_(factors.setdefault(p.grad.dtype, factor.to(p.grad.dtype)))
+            return local_sum * (accumulation / total)
+        loss = local_sum * (accumulation / scale)
+        return self._watched(loss)

@@ -29,6 +29,7 @@ from lightning_efficient.autofit.model import BudgetTooSmall
 from tests.autofit.test_token_mean import FirstGradients, PaddedGPT
 from tests.conftest import tiny_gpt_kwargs
 from tests.ddp import run_script
+from tests.tokens.accumulation_model import InstallsBatchTokenMean
 
 MiB = 2**20
 
@@ -132,22 +133,22 @@ def test_autofit_splitting_a_padded_batch_keeps_its_token_mean(small_datamodule_
     theirs, _ = first_gradients([SelectiveTokenLoss(method="none")], batch_size=beside.plan.micro_batches[0],
                                 accumulate=beside.plan.accumulation)
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
-    # a resume scales its first step as the fit it resumes would have (the running token count is in the checkpoint
-    # with the plan): as plain Lightning at the plan's settings with SelectiveTokenLoss(method="none") resumed alike
+    # a resume trains as plain Lightning at the plan's settings with the token mean installed, resumed alike (one
+    # device: each step's mean is the step's own, nothing carried from step to step)
     root = tmp_path / "autofit"
     first = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
     _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=root, save_last=True)], steps=2, root=str(root), wide=True,
          model_class=PaddedGPT)
     saved = torch.load(root / "last.ckpt", weights_only=False)["callbacks"][first.state_key]
-    assert first.plan.accumulation > 1 and saved["step_token_scale"] is not None
+    assert first.plan.accumulation > 1 and saved["step_token_scale"] is None
     resumed = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
     _, mine, _ = _fit(small_datamodule_kwargs, [resumed], steps=4, root=str(root), ckpt_path=str(root / "last.ckpt"), wide=True,
                       model_class=PaddedGPT)
     assert resumed.plan == first.plan and resumed.profiles == []
     plain_root, settings = tmp_path / "plain", {"batch_size": first.plan.micro_batches[0], "accumulate": first.plan.accumulation}
-    _fit(small_datamodule_kwargs, [SelectiveTokenLoss(method="none"), ModelCheckpoint(dirpath=plain_root, save_last=True)],
+    _fit(small_datamodule_kwargs, [InstallsBatchTokenMean(), ModelCheckpoint(dirpath=plain_root, save_last=True)],
          **settings, steps=2, root=str(plain_root), wide=True, model_class=PaddedGPT)
-    _, theirs, _ = _fit(small_datamodule_kwargs, [SelectiveTokenLoss(method="none")], **settings, steps=4, root=str(plain_root),
+    _, theirs, _ = _fit(small_datamodule_kwargs, [InstallsBatchTokenMean()], **settings, steps=4, root=str(plain_root),
                         ckpt_path=str(plain_root / "last.ckpt"), wide=True, model_class=PaddedGPT)
     assert all(torch.equal(a, b) for a, b in zip(mine.parameters(), theirs.parameters()))
 

@@ -118,11 +118,32 @@ def test_each_step_is_the_mean_over_its_valid_tokens_as_one_batch_in_plain_torch
     _assert_steps_equal(run.steps, run.init, lambda step: [[4 * step, 4 * step + 1], [4 * step + 2, 4 * step + 3]])
 
 
-def test_two_processes_give_the_mean_over_the_global_batchs_valid_tokens(tmp_path):
+def test_under_ddp_each_rank_takes_its_own_token_mean_which_ddp_averages_as_for_the_unsplit_batch(tmp_path):
+    """2 processes, micro-batches of 2 samples, accumulation 2: each step's gradient is the mean over the ranks of each
+    rank's token mean over its 4 samples, what plain DDP gives on batches of 4 (the plan must not change the update
+    by splitting: a review found the global token mean here, and plain DDP's rank means where the plan did not split)."""
     out = tmp_path / "grads.pt"
     run_script(TOKENS / "ddp_accumulate.py", out, "batch_token_mean", "batch")
     saved = torch.load(out)
     assert torch.equal(torch.cat(saved["batches"]), make_rows()[0][0::2])  # rank r reads samples r, r + 2, ...
+    assert len(saved["steps"]) == 2
+    for step, grads in enumerate(saved["steps"]):
+        first = 8 * step
+        per_rank = [reference_step_grads(saved["init"], "none", [[first + r, first + r + 2], [first + r + 4, first + r + 6]])
+                    for r in (0, 1)]
+        global_mean = reference_step_grads(saved["init"], "none", [list(range(first, first + 8))])
+        for name, grad in grads.items():
+            want = (per_rank[0][name] + per_rank[1][name]) / 2
+            assert (grad - want).abs().max() <= 1e-12, name
+        assert max(float((grads[n] - g).abs().max()) for n, g in global_mean.items()) > 1e-4  # the rows differ in length
+
+
+def test_under_fsdp2_the_step_is_the_mean_over_every_ranks_valid_tokens(tmp_path):
+    """FSDP2 reduces the gradients at every backward, so a rank's own mean cannot be made after the fact: the step is
+    the global batch's token mean (what the README says; plain FSDP2 on the unsplit batch averages the ranks' means)."""
+    out = tmp_path / "grads.pt"
+    run_script(TOKENS / "fsdp_accumulate.py", out)
+    saved = torch.load(out)
     _assert_steps_equal(saved["steps"], saved["init"],
                         lambda step: [list(range(8 * step, 8 * step + 4)), list(range(8 * step + 4, 8 * step + 8))])
 
@@ -152,3 +173,28 @@ def test_a_wrapper_left_under_another_callbacks_passes_every_call_through_after_
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           limit_val_batches=0).fit(module, CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 2}))
     assert _largest_difference(model, fresh) == 0.0
+
+
+def test_the_rank_mean_rescales_what_the_steps_earlier_backwards_held_and_nothing_else():
+    """The gradients held at a step's last micro-batch are rescaled from the stand-in count to the step's count only
+    where a backward of this step put them there: not an earlier step's left by a step that ran no backward
+    (StochasticWeightAveraging's batch-norm epoch), not at a step's first micro-batch."""
+    from lightning_efficient.tokens.normalize import RankStepTokenMean
+
+    weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+
+    def step(counts, backward):
+        mean = RankStepTokenMean()
+        weight.grad = torch.full_like(weight, 5.0)  # what an earlier step left
+        for i, count in enumerate(counts):
+            loss = mean.micro_batch_loss(weight.sum() * count, count, len(counts), first=i == 0, last=i == len(counts) - 1,
+                                         optimizers=[optimizer])
+            if backward:
+                loss.backward()
+        return weight.grad.clone()
+
+    assert torch.equal(step([4, 2], backward=False), torch.full((3,), 5.0, dtype=torch.float64))
+    # with backwards: (5 + 4 * 2 / 8) * 8 / 6 + 2 * 2 / 6, before Lightning's division by the accumulation
+    torch.testing.assert_close(step([4, 2], backward=True), torch.full((3,), (5 + 1) * 8 / 6 + 4 / 6, dtype=torch.float64))
+    torch.testing.assert_close(step([3], backward=True), torch.full((3,), 5 + 1.0, dtype=torch.float64))
