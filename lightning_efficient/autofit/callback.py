@@ -240,6 +240,9 @@ class AutoFit(Callback):
             5%; CPU: the available memory shared by this host's ranks, less 5%), or a list with one per rank.
         margin: the fraction of each budget the predicted peak leaves free, for what a prediction misses.
         search_micro_batch: search the micro-batch (False: keep the DataLoader's).
+        micro_batches: the micro-batch sizes to choose from (as DeepSpeed's autotuner's ``micro_batch_sizes``), of those
+            the search allows: sizes dividing each rank's batch (under the heterogeneous strategies, up to the global
+            batch); None: all of them. Checked against the batch before the first step.
         activation_policies: the block policies to choose from (``["keep"]``: activations are not planned).
             ``offload`` is considered on CUDA only.
         optimizer_options: the optimizer-state options to choose from; the paged and offloaded ones on CUDA only.
@@ -260,6 +263,7 @@ class AutoFit(Callback):
         budget: int | str | list[int | str],
         margin: float = 0.10,
         search_micro_batch: bool = True,
+        micro_batches: list[int] | None = None,
         activation_policies: list[Policy] | None = None,
         optimizer_options: list[OptimizerChoice] | None = None,
         blocks: Literal["auto"] | list[str] = "auto",
@@ -272,6 +276,11 @@ class AutoFit(Callback):
                 "margin", margin, "a fraction in [0, 1)")
         require(isinstance(search_micro_batch, bool), "search_micro_batch", search_micro_batch, "True or False")
         require(isinstance(plan_only, bool), "plan_only", plan_only, "True or False")
+        require(micro_batches is None or (isinstance(micro_batches, list) and micro_batches and all(
+            isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in micro_batches)), "micro_batches", micro_batches,
+            "None or a non-empty list of integers >= 1")
+        require(micro_batches is None or search_micro_batch, "micro_batches", micro_batches,
+                "None where search_micro_batch=False (the DataLoader's micro-batch is kept)")
         policies = list(activation_policies) if activation_policies is not None else ["keep", "selective", "checkpoint", "offload", "disk"]
         require(all(p in POLICIES for p in policies) and "keep" in policies, "activation_policies", activation_policies,
                 "a list of " + ", ".join(POLICIES) + " that includes 'keep'")
@@ -286,6 +295,7 @@ class AutoFit(Callback):
         self.budget = budget
         self.margin = float(margin)
         self.search_micro_batch = search_micro_batch
+        self.micro_batches = None if micro_batches is None else sorted(set(micro_batches))
         self.activation_policies = tuple(policies)
         self.optimizer_options = tuple(options)
         self.blocks = blocks
@@ -324,6 +334,7 @@ class AutoFit(Callback):
     def _settings(self) -> dict[str, Any]:
         user = self._user_optimizer  # a plan priced for its states is not reused without it (nor it for another)
         return {"precision": self._precision, "budget": self.budget, "margin": self.margin, "search_micro_batch": self.search_micro_batch,
+                "micro_batches": self.micro_batches,
                 "activation_policies": list(self.activation_policies), "optimizer_options": list(self.optimizer_options),
                 "blocks": self.blocks, "min_8bit_size": self.min_8bit_size,
                 "optimizer_as_set": None if user is None else {"bits": user.bits, "paged": user.paged, "offload": user.offload,
@@ -532,6 +543,17 @@ class AutoFit(Callback):
             accumulation = trainer.strategy.balancer.requested_accumulation(trainer)
         return batch_size * trainer.world_size * accumulation
 
+    def _allowed_micro_batches(self, per_rank: int, samples: int, heterogeneous: bool) -> list[int] | None:
+        """The user's ``micro_batches`` the search can take (None: every size it allows), refused where none is."""
+        if self.micro_batches is None:
+            return None
+        limit = samples if heterogeneous else per_rank
+        allowed = [m for m in self.micro_batches if m <= limit and (heterogeneous or per_rank % m == 0)]
+        require(bool(allowed), "micro_batches", self.micro_batches,
+                f"sizes up to the global batch of {samples} samples" if heterogeneous
+                else f"sizes dividing each rank's batch of {per_rank} samples: {divisors(per_rank)}")
+        return allowed
+
     def _plan_now(self, trainer: Trainer, pl_module: LightningModule, keep_micro_batch: FitPlan | None = None) -> FitPlan:
         """Measure every rank and search. ``keep_micro_batch``: the checkpoint's plan, whose micro-batch is kept
         when it still fits (a resume mid-epoch must keep the samples per step of each DataLoader batch)."""
@@ -568,12 +590,12 @@ class AutoFit(Callback):
         if searched:
             m2 = min(max(batch_size, 2), per_rank)
             sizes = (max(1, m2 // 2), m2)
-            micro_batches = None
+            micro_batches = self._allowed_micro_batches(per_rank, samples, heterogeneous)
             # smaller candidates are timed too (a CPU's time per sample is not a line in the micro-batch, below the
             # smallest timed size least of all: the demo's grid read one sample faster a sample than two, which the
             # line through two and four put slower): up to three, each at most half the one above; on a resume that
             # keeps the checkpoint's micro-batch, that one alone (its time read, not extrapolated from the line)
-            candidates = [2**k for k in range(per_rank.bit_length())] if heterogeneous else divisors(per_rank)
+            candidates = micro_batches or ([2**k for k in range(per_rank.bit_length())] if heterogeneous else divisors(per_rank))
             ladder = _ladder(candidates, sizes[0]) if keep_micro_batch is None else tuple(keep_micro_batch.micro_batches[:1])
         else:
             sizes = (batch_size, batch_size)
@@ -623,7 +645,7 @@ class AutoFit(Callback):
         self._profiles = profiles
         plan = None
         saved = keep_micro_batch
-        if saved is not None and not heterogeneous and saved.accumulation is not None and micro_batches is None:
+        if saved is not None and not heterogeneous and saved.accumulation is not None and searched:
             try:
                 plan = search(profiles, samples_per_step=samples, heterogeneous=False, margin=self.margin, policies=policies,
                               micro_batches=saved.micro_batches[:1])

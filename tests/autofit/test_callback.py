@@ -232,10 +232,30 @@ def test_callbacks_the_user_set_keep_their_settings_and_the_plan_says_so(small_d
     ({"budget": "1GiB", "blocks": "layers"}, "blocks='layers' is not allowed"),
     ({"budget": "1GiB", "min_8bit_size": 0}, "min_8bit_size=0 is not allowed"),
     ({"budget": "1GiB", "plan_only": 1}, "plan_only=1 is not allowed"),
+    ({"budget": "1GiB", "micro_batches": []}, "micro_batches=\\[\\] is not allowed"),
+    ({"budget": "1GiB", "micro_batches": [2, 0]}, "micro_batches=\\[2, 0\\] is not allowed"),
+    ({"budget": "1GiB", "micro_batches": [True]}, "micro_batches=\\[True\\] is not allowed"),
+    ({"budget": "1GiB", "micro_batches": 2}, "micro_batches=2 is not allowed"),
+    ({"budget": "1GiB", "micro_batches": [2], "search_micro_batch": False}, "micro_batches=\\[2\\] is not allowed.*search_micro_batch=False"),
 ])
 def test_wrong_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AutoFit(**kwargs)
+
+
+def test_the_micro_batches_a_user_allows_are_the_ones_chosen_from_and_one_the_batch_cannot_take_is_refused(small_datamodule_kwargs):
+    """``micro_batches`` restricts the search (a loose budget's pick would be the whole batch); sizes that divide no
+    rank's batch are refused before the first step, naming the sizes that would."""
+    record = Recorder()
+    fit = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"], micro_batches=[2, 3])
+    _fit(small_datamodule_kwargs, [fit, record], steps=2)
+    assert fit.plan.micro_batches == [2] and fit.plan.accumulation == 4
+    assert record.samples == [8, 8] and record.accumulation == {4}
+    record = Recorder()
+    with pytest.raises(ValueError, match=r"micro_batches=\[3, 5\] is not allowed.*dividing each rank's batch of 8 samples: "
+                                         r"\[1, 2, 4, 8\]"):
+        _fit(small_datamodule_kwargs, [AutoFit(budget="8GiB", micro_batches=[5, 3, 3]), record], steps=2)
+    assert record.samples == [] and record._samples == 0
 
 
 def _config(path, data_kwargs, **trainer):

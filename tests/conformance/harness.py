@@ -371,7 +371,7 @@ def cases() -> list[Case]:
         for plugin in PLUGINS:
             if _allowed(plugin, strategy):
                 add(best_row({"plugin": plugin, "strategy": strategy}))
-    return out + list(STREAMING_CASES)
+    return out + list(STREAMING_CASES) + list(AUTOFIT_CASES)
 
 
 # The streaming threshold on the fused head, after every other cell (so none of those changes), picked by
@@ -385,6 +385,29 @@ STREAMING_CASES = (
     Case(STREAMING, "16-mixed", "mid", "chained", "clip", strategy="ddp"),
     Case(STREAMING, "bf16-true", "epoch", "sequential", "accumulate", strategy="hetero_ddp", scope="global"),
 )
+
+
+# AutoFit, after the streaming cells (so no other cell changes), picked by hand: budget "auto", 32-bit states, keep or
+# checkpoint (exact), and where it searches the micro-batch only half each rank's batch allowed (``micro_batches``),
+# so that every such plan splits the batch (the token mean it keeps is then held to the split tolerance). The
+# micro-batch is not searched (``autofit_searches_micro_batch``) where a split cannot keep plain Lightning's update:
+# under the user's own accumulation (plain Lightning takes the mean of its batches' token means, a split the step's
+# token mean) and under FSDP2 (which reduces at every backward: a split takes the global token mean, plain FSDP2 the
+# ranks' means).
+AUTOFIT = "autofit"
+AUTOFIT_CASES = (
+    Case(AUTOFIT, "32-true", "mid", "onecycle", "validate", raises=True),
+    Case(AUTOFIT, "bf16-mixed", "epoch", "every_2", "clip"),
+    Case(AUTOFIT, "16-mixed", "mid", "sequential", "accumulate"),
+    Case(AUTOFIT, "32-true", "mid", "chained", "plain", raises=True, strategy="ddp"),
+    Case(AUTOFIT, "bf16-true", "epoch", "lambda", "accumulate", strategy="hetero_ddp"),
+    Case(AUTOFIT, "bf16-mixed", "mid", "onecycle", "clip", strategy="fsdp"),
+)
+
+
+def autofit_searches_micro_batch(case: Case) -> bool:
+    """Whether the AutoFit cell searches the micro-batch (see AUTOFIT_CASES)."""
+    return case.hetero or not (case.loop == "accumulate" or case.sharded)
 
 
 # Combinations that cannot work: refused before the first step, with the reason (the test asserts the
@@ -481,6 +504,7 @@ def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
     """The plugin callbacks of ``case`` (fresh instances)."""
     from lightning_efficient import (
         ActivationMemory,
+        AutoFit,
         EightBitOptimizer,
         MemoryReport,
         SelectiveTokenLoss,
@@ -500,6 +524,10 @@ def plugin_callbacks(case: Case, workdir: Path) -> list[Callback]:
         "activations": [activations()],
         "eightbit": [EightBitOptimizer(min_8bit_size=512)],
         "report": [MemoryReport(every_n_steps=2, log=False, print_table=False)],
+        AUTOFIT: [AutoFit(budget="auto", activation_policies=["keep", "checkpoint"], optimizer_options=["32-bit"],
+                          search_micro_batch=autofit_searches_micro_batch(case),
+                          micro_batches=[MICRO_BATCH // (2 if case.multi_process else 1) // 2]
+                          if autofit_searches_micro_batch(case) else None)],
         "all": [SelectiveTokenLoss(method="none"), activations(),
                 *([EightBitOptimizer(min_8bit_size=512)] if case.eight_bit else []),
                 MemoryReport(every_n_steps=2, log=False, print_table=False)],

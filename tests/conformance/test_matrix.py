@@ -399,7 +399,9 @@ def test_the_cases_cover_every_value_of_every_axis_with_every_plugin() -> None:
 
 def test_the_streaming_cells_come_after_the_others_and_cover_what_streaming_must_meet() -> None:
     streaming = [c for c in CASES if c.plugin == harness.STREAMING]
-    assert streaming == list(harness.STREAMING_CASES) == CASES[-len(streaming):]  # every other cell as it was
+    autofit = [c for c in CASES if c.plugin == harness.AUTOFIT]
+    assert autofit == list(harness.AUTOFIT_CASES) == CASES[-len(autofit):]  # every other cell as it was
+    assert streaming == list(harness.STREAMING_CASES) == CASES[-len(streaming) - len(autofit):-len(autofit)]
     assert {c.precision for c in streaming if c.strategy == "single"} >= {"32-true", "bf16-mixed"}
     assert {c.strategy for c in streaming} >= {"single", "ddp", "hetero_ddp"}
     assert any(c.loop == "accumulate" for c in streaming) and any(c.resume == "mid" for c in streaming)
