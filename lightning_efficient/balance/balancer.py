@@ -324,16 +324,24 @@ class Balancer:
             return [None] * world
         if isinstance(self.max_micro_batch, int):
             return [self.max_micro_batch] * world
-        if len(self.max_micro_batch) != world:
-            raise ValueError(f"max_micro_batch={self.max_micro_batch} has {len(self.max_micro_batch)} entries for {world} ranks")
+        self.check_per_rank_settings(world)
         return list(self.max_micro_batch)
+
+    def check_per_rank_settings(self, world: int) -> None:
+        """Refuse ``shares`` or ``max_micro_batch`` lists that do not hold one entry per rank of ``world``.
+
+        Raises:
+            ValueError: naming the setting, its value and the number of ranks.
+        """
+        for name, value in (("shares", self.shares), ("max_micro_batch", self.max_micro_batch)):
+            if isinstance(value, (list, tuple)) and len(value) != world:
+                raise ValueError(f"{name}={list(value)} has {len(value)} entries for {world} ranks: give one per rank")
 
     def initial_weights(self) -> list[float]:
         """The shares the first plan follows (equal under ``"auto"``)."""
         if self.shares == "auto":
             return [1.0] * self.world
-        if len(self.shares) != self.world:
-            raise ValueError(f"shares={list(self.shares)} has {len(self.shares)} weights for {self.world} ranks")
+        self.check_per_rank_settings(self.world)
         return [float(s) for s in self.shares]
 
     def process_dataloader(self, dataloader: object) -> object | None:
@@ -846,6 +854,12 @@ class BalancedStrategy:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's step, timed, with the loss weighted for the global batch."""
         return self.balancer.training_step(super().training_step, *args, **kwargs)
+
+    def _configure_launcher(self) -> None:
+        """The strategy's launcher, once per-rank settings are checked against the number of ranks: a ``shares`` list of
+        the wrong length is refused here, in the Trainer's constructor, not by every rank after the launch."""
+        self.balancer.check_per_rank_settings(self.num_nodes * self.num_processes)
+        super()._configure_launcher()  # type: ignore[misc]
 
     def setup_environment(self) -> None:
         """The strategy's environment, then the same intra-op thread count on every rank.

@@ -9,7 +9,7 @@ rebalance_gathered: the same with the loss gathered by self.all_gather there; re
 of the loss synced on each step (dist_sync_on_step=True) there; rebalance_direct: a torch.distributed.all_reduce of
 it there; rebalance_backward: an all-reduce in the backward, as SyncBatchNorm's),
 probe (max_micro_batch="auto" under a real per-rank memory limit: rank 0 may grow its address space by 256 MiB, rank 1
-by 48 MiB, from the start of fit to its end), bad_global, bad_shares, bad_accumulation, bad_iterating_step (a
+by 48 MiB, from the start of fit to its end), bad_global, bad_accumulation, bad_iterating_step (a
 training_step(self, dataloader_iter)) (the ValueError fit raises is written to OUT).
 """
 
@@ -234,8 +234,6 @@ if __name__ == "__main__":
         kwargs = {"global_batch_size": 48, "shares": [1.0, 1.0], "max_micro_batch": caps}
     if mode == "bad_global":
         kwargs = {"global_batch_size": 1}
-    if mode == "bad_shares":
-        kwargs = {"global_batch_size": 6, "shares": [1.0, 2.0, 3.0]}
     if mode == "bad_accumulation":  # 3 micro-batches a step, each rank's 2 samples of 4 cannot fill them
         kwargs = {"global_batch_size": 4}
     strategy = HeterogeneousDDPStrategy(**kwargs)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_efficient import HeterogeneousDDPStrategy
+from lightning_efficient import HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy
 from tests.balance import ddp_hetero
 from tests.ddp import run_script
 
@@ -133,7 +133,6 @@ def test_auto_micro_batch_is_probed_under_each_ranks_real_memory_limit(tmp_path)
 
 @pytest.mark.parametrize(("mode", "pattern"), [
     ("bad_global", r"global_batch_size=1 is smaller than the number of ranks \(2\)"),
-    ("bad_shares", r"shares=\[1.0, 2.0, 3.0\] has 3 weights for 2 ranks"),
     ("bad_accumulation", r"accumulate_grad_batches=3 micro-batches a step, but the global batch of 4 gives each of 2 "
                          r"rank\(s\) at most 2 .* set accumulate_grad_batches <= 2 or a larger global_batch_size"),
     # a new user's step that draws its own batches trained with a wrong loss weight, silently
@@ -143,6 +142,19 @@ def test_impossible_settings_fail_before_the_first_step(tmp_path, mode, pattern)
     out = tmp_path / "error.txt"
     _launch(mode, out)  # the script writes the ValueError fit raised
     assert re.search(pattern, out.read_text()), out.read_text()
+
+
+@pytest.mark.parametrize("strategy_class", [HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy])
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"shares": [1.0, 2.0, 3.0]}, r"shares=\[1.0, 2.0, 3.0\] has 3 entries for 2 ranks: give one per rank"),
+    ({"max_micro_batch": [4]}, r"max_micro_batch=\[4\] has 1 entries for 2 ranks: give one per rank"),
+])
+def test_per_rank_lists_of_the_wrong_length_are_refused_once_by_the_trainers_constructor(strategy_class, kwargs, pattern):
+    """Before any process is launched (a new user's trial: every rank raised it after the launch, one traceback each)."""
+    import lightning
+
+    with pytest.raises(ValueError, match=pattern):
+        lightning.Trainer(accelerator="cpu", devices=2, strategy=strategy_class(global_batch_size=6, **kwargs), logger=False)
 
 
 @pytest.mark.parametrize(("kwargs", "pattern"), [
