@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.loops.utilities import _is_max_limit_reached
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -115,6 +116,22 @@ def _info_lines_left_out(prefix: str) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(printed)
+
+
+def _trains_a_step(trainer: Trainer) -> bool:
+    """Whether the fit starting trains a step, as far as Lightning's loop can tell before it runs: not where
+    ``limit_train_batches=0``, nor where ``max_steps`` or ``max_epochs`` is reached already (a second ``fit`` of one
+    Trainer; a finished run's checkpoint, where it is loaded by ``on_fit_start``)."""
+    if trainer.limit_train_batches == 0:
+        return False
+    loop = trainer.fit_loop
+    step, epochs = loop.epoch_loop.global_step, loop.epoch_progress.current.processed
+    loaded = trainer._checkpoint_connector._loaded_checkpoint
+    if loaded:
+        step = loaded.get("global_step", step)
+        progress = loaded.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+        epochs = progress.get("processed", epochs)
+    return not (_is_max_limit_reached(step, loop.max_steps) or _is_max_limit_reached(epochs, loop.max_epochs))
 
 
 def _ladder(candidates: list[int], below: int, most: int = 3) -> tuple[int, ...]:
@@ -437,6 +454,10 @@ class AutoFit(Callback):
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
         states, self._checkpoint_states = self._checkpoint_states, {}
+        if not self.plan_only and not _trains_a_step(trainer):
+            rank_zero_info("AutoFit: this fit trains no step (max_steps or max_epochs reached already, or "
+                           "limit_train_batches=0): nothing measured or planned.")
+            return
         if restored is None and getattr(trainer.strategy, "restore_checkpoint_after_setup", False):
             # ModelParallelStrategy / hetero_fsdp load checkpoints after on_fit_start: this callback's part as read in setup
             saved = states.get(self.state_key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -256,6 +257,39 @@ def test_the_micro_batches_a_user_allows_are_the_ones_chosen_from_and_one_the_ba
                                          r"\[1, 2, 4, 8\]"):
         _fit(small_datamodule_kwargs, [AutoFit(budget="8GiB", micro_batches=[5, 3, 3]), record], steps=2)
     assert record.samples == [] and record._samples == 0
+
+
+class CountsSteps(DemoGPT):
+    """The demo GPT counting its training_step calls (AutoFit's measuring ones too)."""
+
+    calls = 0
+
+    def training_step(self, batch, batch_idx):
+        type(self).calls += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_trains_no_step_measures_and_plans_nothing(small_datamodule_kwargs, tmp_path, caplog):
+    """A second fit of a Trainer whose max_steps is reached, and a resume from a finished run's checkpoint with another
+    budget, train nothing in plain Lightning: AutoFit measured (running training_step) and printed a plan for them."""
+    again = AutoFit(budget="8GiB", optimizer_options=["32-bit"])
+    trainer, model, data = _fit(small_datamodule_kwargs, [again, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+                                steps=2, root=str(tmp_path), model_class=CountsSteps)
+    assert again.plan is not None
+    CountsSteps.calls = 0
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, data)
+    assert CountsSteps.calls == 0 and again.plan is None and trainer.global_step == 2
+    assert any("this fit trains no step" in r.getMessage() for r in caplog.records)
+    resumed = AutoFit(budget="4GiB", optimizer_options=["32-bit"])
+    _fit(small_datamodule_kwargs, [resumed], steps=2, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"),
+         model_class=CountsSteps)
+    assert CountsSteps.calls == 0 and resumed.plan is None
+    # a fit that trains: planned as before
+    more = AutoFit(budget="4GiB", optimizer_options=["32-bit"])
+    _fit(small_datamodule_kwargs, [more], steps=3, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"),
+         model_class=CountsSteps)
+    assert more.plan is not None and CountsSteps.calls > 1
 
 
 def _config(path, data_kwargs, **trainer):
