@@ -215,7 +215,7 @@ def plan_yaml(plan: FitPlan, autofit: AutoFit, trainer: Trainer, model: Lightnin
     them trains as AutoFit's would, without measuring), else the AutoFit callback itself."""
     import yaml
 
-    budget = {"class_path": "lightning_efficient.AutoFit", "init_args": {"budget": autofit.budget, "margin": autofit.margin}}
+    budget = {"class_path": "lightning_efficient.AutoFit", "init_args": autofit.init_args()}
     policies = {tuple(r.policies) for r in plan.ranks}
     if len(policies) > 1:
         return yaml.safe_dump({"trainer": {"callbacks": [budget]}}, sort_keys=False)
@@ -269,10 +269,7 @@ def run_plan(args: Sequence[str]) -> AutoFit:
         autofit = AutoFit(budget=known.budget, margin=0.10 if known.margin is None else known.margin)
         trainer.callbacks.insert(0, autofit)
     elif known.budget is not None or known.margin is not None:
-        autofit = AutoFit(**{**{k: getattr(autofit, k) for k in ("budget", "margin", "search_micro_batch", "blocks",
-                                                                  "min_8bit_size", "report_after_steps")},
-                             "activation_policies": list(autofit.activation_policies),
-                             "optimizer_options": list(autofit.optimizer_options),
+        autofit = AutoFit(**{**autofit.init_args(),
                              **({"budget": known.budget} if known.budget is not None else {}),
                              **({"margin": known.margin} if known.margin is not None else {})})
         index = next(i for i, c in enumerate(trainer.callbacks) if isinstance(c, AutoFit))

@@ -312,7 +312,7 @@ class AutoFit(Callback):
         self.budget = budget
         self.margin = float(margin)
         self.search_micro_batch = search_micro_batch
-        self.micro_batches = None if micro_batches is None else sorted(set(micro_batches))
+        self.micro_batches = None if micro_batches is None else list(micro_batches)
         self.activation_policies = tuple(policies)
         self.optimizer_options = tuple(options)
         self.blocks = blocks
@@ -537,7 +537,8 @@ class AutoFit(Callback):
         if not restored or restored.get("plan") is None:
             return None
         plan = FitPlan.from_dict(restored["plan"])
-        if restored.get("settings") != self._settings():
+        # (a checkpoint from before micro_batches was a setting planned with every size)
+        if {"micro_batches": None, **(restored.get("settings") or {})} != self._settings():
             rank_zero_info("AutoFit: the checkpoint's plan was made with other settings; planning again.")
             return None
         if plan.samples_per_step != self._samples_per_step(trainer):
@@ -569,11 +570,19 @@ class AutoFit(Callback):
         if self.micro_batches is None:
             return None
         limit = samples if heterogeneous else per_rank
-        allowed = [m for m in self.micro_batches if m <= limit and (heterogeneous or per_rank % m == 0)]
+        allowed = sorted({m for m in self.micro_batches if m <= limit and (heterogeneous or per_rank % m == 0)})
         require(bool(allowed), "micro_batches", self.micro_batches,
                 f"sizes up to the global batch of {samples} samples" if heterogeneous
                 else f"sizes dividing each rank's batch of {per_rank} samples: {divisors(per_rank)}")
         return allowed
+
+    def init_args(self) -> dict[str, Any]:
+        """The constructor's arguments this callback holds (``plan_only`` left out): what a config file gives to build
+        it again."""
+        return {"budget": self.budget, "margin": self.margin, "search_micro_batch": self.search_micro_batch,
+                "micro_batches": self.micro_batches, "activation_policies": list(self.activation_policies),
+                "optimizer_options": list(self.optimizer_options), "blocks": self.blocks,
+                "min_8bit_size": self.min_8bit_size, "report_after_steps": self.report_after_steps}
 
     def _plan_now(self, trainer: Trainer, pl_module: LightningModule, keep_micro_batch: FitPlan | None = None) -> FitPlan:
         """Measure every rank and search. ``keep_micro_batch``: the checkpoint's plan, whose micro-batch is kept
@@ -592,6 +601,9 @@ class AutoFit(Callback):
         if heterogeneous:
             per_rank = samples
             searched = resizable and self.search_micro_batch
+            require(searched or self.micro_batches is None, "micro_batches", self.micro_batches,
+                    "None for this DataLoader, whose micro-batches cannot be sized (its own batch_sampler, or a dataset not "
+                    "drawn by index)")
             if strategy.max_micro_batch is not None:
                 notes.append(f"the strategy's max_micro_batch={strategy.max_micro_batch!r} is replaced by the plan's caps")
         else:
@@ -601,12 +613,15 @@ class AutoFit(Callback):
             from_hook = trainer.fit_loop._data_source.is_module()
             searched = self.search_micro_batch and resizable and from_hook and lightning_hasattr(pl_module, "batch_size")
             if self.search_micro_batch and not searched:
-                notes.append("micro-batch kept at the DataLoader's: " + (
-                    "it was passed to fit(), which nothing rebuilds; return it from train_dataloader() built with "
-                    "self.batch_size for AutoFit to choose the micro-batch" if resizable and not from_hook
-                    else "no `batch_size` attribute on the module or datamodule to set" if resizable
-                    else "it batches with its own batch_sampler" if loader.batch_size is None
-                    else "its dataset cannot be drawn by index"))
+                why = ("it was passed to fit(), which nothing rebuilds; return it from train_dataloader() built with "
+                       "self.batch_size for AutoFit to choose the micro-batch" if resizable and not from_hook
+                       else "no `batch_size` attribute on the module or datamodule to set" if resizable
+                       else "it batches with its own batch_sampler" if loader.batch_size is None
+                       else "its dataset cannot be drawn by index")
+                # (every rank alike: nothing measured yet)
+                require(self.micro_batches is None, "micro_batches", self.micro_batches,
+                        f"None for this DataLoader, whose micro-batch AutoFit cannot choose: {why}")
+                notes.append("micro-batch kept at the DataLoader's: " + why)
         self._micro_searched = searched
         if searched:
             m2 = min(max(batch_size, 2), per_rank)

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
 from lightning_efficient._step import step_batch_index
-from lightning_efficient.tokens.normalize import RankStepTokenMean, StepTokenNormaliser, distributed_world_size, optimizer_step_normalising
+from lightning_efficient.tokens.normalize import RankStepTokenMean, StepTokenNormaliser, optimizer_step_normalising
 from lightning_efficient.tokens.output import loss_sum_and_count
 
 _WRAPPED = ("training_step", "optimizer_step")
@@ -71,13 +71,16 @@ class BatchTokenMean:
             if not live["on"] or trainer.state.stage not in (None, RunningStage.TRAINING):  # (or a validation_step's call)
                 return output
             found = loss_sum_and_count(output)
+            accumulation, batch_idx = trainer.accumulate_grad_batches, step_batch_index(trainer, args, kwargs)
+            first = batch_idx % accumulation == 0
             if found is None:
+                if first:  # (a later micro-batch of this step counts from nothing, not from an earlier step's)
+                    self.rank_mean.forget_step()
                 if output is not None:  # (None: a step skipped)
                     self._tell_once(output, batch_words)
                 return output
-            accumulation, batch_idx = trainer.accumulate_grad_batches, step_batch_index(trainer, args, kwargs)
             if _gradients_are_local_until_the_last_backward(trainer):
-                loss = self.rank_mean.micro_batch_loss(*found, accumulation, first=batch_idx % accumulation == 0,
+                loss = self.rank_mean.micro_batch_loss(*found, accumulation, first=first,
                                                        last=not trainer.fit_loop._should_accumulate(), optimizers=trainer.optimizers)
             else:
                 loss = self.normaliser.micro_batch_loss(*found, accumulation, batch_idx=batch_idx)
@@ -121,9 +124,11 @@ class BatchTokenMean:
 
 
 def _gradients_are_local_until_the_last_backward(trainer: Trainer) -> bool:
-    """Whether each rank's gradients are its own until the step's last backward: one process, or Lightning's DDP (which
-    does not synchronise the accumulating micro-batches' backwards)."""
+    """Whether each rank's gradients are its own until the step's last backward: a fit of one process (whatever
+    process group another fit left), or Lightning's DDP (which does not synchronise the accumulating micro-batches'
+    backwards). Not under the sharded strategies (FSDP2 reduces at every backward; Lightning's FSDP1, GPU only and
+    untested here, keeps the global token mean too) nor where the strategy accumulates itself (DeepSpeed)."""
     strategy = trainer.strategy
     if strategy.handles_gradient_accumulation:
         return False
-    return distributed_world_size() == 1 or isinstance(getattr(strategy, "model", None), DistributedDataParallel)
+    return trainer.world_size == 1 or isinstance(getattr(strategy, "model", None), DistributedDataParallel)

@@ -239,19 +239,28 @@ class RankStepTokenMean(_NotesBackward):
     batch a step, so that splitting the batch does not change the update.
 
     A step's micro-batches before its last contribute their token-loss sum times ``A / K`` (``A``: the accumulation
-    Lightning divides by; ``K``: the step's first micro-batch count times ``A``, a stand-in for the step's count that
-    keeps the gradients' scale). At the last, before its backward, this rank's count ``T`` is known: the gradients
-    held are multiplied by ``K / T`` and the last micro-batch contributes its sum times ``A / T``. Counts stay on the
-    device (the host never waits for them), no collective is added, and nothing is carried from step to step (a
-    resume needs no state). Non-finite losses pass on as in plain Lightning.
+    Lightning divides by; ``K``: a stand-in for the step's count, this rank's previous step's, or at a fit's first
+    step its first micro-batch's count times ``A``). At the last, before its backward, this rank's count ``T`` is
+    known: the gradients held are multiplied by ``K / T`` and the last micro-batch contributes its sum times
+    ``A / T``. ``K`` sets only the gradients' scale before the last backward, so the previous step's count (which a
+    step's seldom strays far from) is taken over a first micro-batch's (a padded row of one valid token made an
+    fp16 GradScaler skip steps). Counts stay on the device (the host never waits for them), no collective is added;
+    a resume starts from the first micro-batch's count, which changes nothing but rounding. Non-finite losses pass
+    on as in plain Lightning.
     """
 
     def __init__(self) -> None:
         self._step: tuple[Tensor, Tensor] | None = None  # (tokens, K) of this rank's micro-batches so far
+        self._previous: Tensor | None = None  # this rank's previous step's count (the next step's K)
         self._backward_ran = False  # whether a backward went through one of this step's losses before the last
 
     def reset(self) -> None:
-        """Forget any step in progress."""
+        """Forget any step in progress and the previous step's count (a new fit)."""
+        self.forget_step()
+        self._previous = None
+
+    def forget_step(self) -> None:
+        """Forget the step in progress (a step's first micro-batch that returned no token losses)."""
         self._step = None
         self._backward_ran = False
 
@@ -271,23 +280,38 @@ class RankStepTokenMean(_NotesBackward):
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
         count = torch.as_tensor(local_count, device=device).to(torch.int64).reshape(())
         if first or self._step is None:
-            self._step = (count, (count.clamp_min(1) * accumulation).to(local_sum.dtype))
+            stand_in = self._previous if self._previous is not None else count.clamp_min(1) * accumulation
+            self._step = (count, stand_in.to(local_sum.dtype))
             self._backward_ran = False
         else:
             self._step = (self._step[0] + count, self._step[1])
         tokens, scale = self._step
         if last:
             backward_ran = self._backward_ran
-            self.reset()
-            total = tokens.clamp_min(1).to(local_sum.dtype)
+            self.forget_step()
+            self._previous = tokens.clamp_min(1)
+            total = self._previous.to(local_sum.dtype)
             if backward_ran:  # (else nothing of this step is held: a first micro-batch, or a step no backward ran in)
-                factor = scale / total
-                factors: dict[torch.dtype, Tensor] = {}
-                for optimizer in optimizers:
-                    for group in optimizer.param_groups:
-                        for p in group["params"]:
-                            if p.grad is not None:
-                                p.grad.mul_(factors.setdefault(p.grad.dtype, factor.to(p.grad.dtype)))
+                _multiply_gradients(optimizers, scale / total)
             return local_sum * (accumulation / total)
         loss = local_sum * (accumulation / scale)
         return self._watched(loss)
+
+
+def _multiply_gradients(optimizers: Iterable[torch.optim.Optimizer], factor: Tensor) -> None:
+    """Multiply every gradient the optimizers hold by the 0-dim ``factor``: one fused multiply per device and dtype
+    (the factor cast once for each), DTensor gradients (FSDP2) one at a time."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for (device, dtype), grads in groups.items():
+        cast = factor.to(device=device, dtype=dtype)
+        plain = [g for g in grads if type(g) is Tensor]
+        if plain:
+            torch._foreach_mul_(plain, cast)
+        for grad in grads:
+            if type(grad) is not Tensor:
+                grad.mul_(cast)

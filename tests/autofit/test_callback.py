@@ -252,11 +252,24 @@ def test_the_micro_batches_a_user_allows_are_the_ones_chosen_from_and_one_the_ba
     _fit(small_datamodule_kwargs, [fit, record], steps=2)
     assert fit.plan.micro_batches == [2] and fit.plan.accumulation == 4
     assert record.samples == [8, 8] and record.accumulation == {4}
+    # another allowed size, another plan (so neither pick is the unrestricted search's by chance)
+    other = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"], micro_batches=[4])
+    _fit(small_datamodule_kwargs, [other], steps=1)
+    assert other.plan.micro_batches == [4] and other.plan.accumulation == 2
     record = Recorder()
-    with pytest.raises(ValueError, match=r"micro_batches=\[3, 5\] is not allowed.*dividing each rank's batch of 8 samples: "
+    with pytest.raises(ValueError, match=r"micro_batches=\[5, 3, 3\] is not allowed.*dividing each rank's batch of 8 samples: "
                                          r"\[1, 2, 4, 8\]"):
         _fit(small_datamodule_kwargs, [AutoFit(budget="8GiB", micro_batches=[5, 3, 3]), record], steps=2)
     assert record.samples == [] and record._samples == 0
+    # a DataLoader passed to fit() is not rebuilt: the sizes asked for cannot be honoured, and are refused, not ignored
+    lightning.seed_everything(0)
+    data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8})
+    data.setup("fit")
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[AutoFit(budget="8GiB", micro_batches=[2])])
+    with pytest.raises(ValueError, match=r"micro_batches=\[2\] is not allowed: expected None for this DataLoader, whose "
+                                         r"micro-batch AutoFit cannot choose: it was passed to fit\(\)"):
+        trainer.fit(DemoGPT(**tiny_gpt_kwargs()), data.train_dataloader())
 
 
 class CountsSteps(DemoGPT):
@@ -290,6 +303,19 @@ def test_a_fit_that_trains_no_step_measures_and_plans_nothing(small_datamodule_k
     _fit(small_datamodule_kwargs, [more], steps=3, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"),
          model_class=CountsSteps)
     assert more.plan is not None and CountsSteps.calls > 1
+
+
+def test_a_checkpoint_from_before_micro_batches_was_a_setting_has_its_plan_reused(small_datamodule_kwargs, tmp_path):
+    """Its settings lack the key; they were planned with every size, as ``micro_batches=None`` plans now."""
+    settings = {"budget": "8GiB", "activation_policies": ["keep"], "optimizer_options": ["32-bit"]}
+    first = AutoFit(**settings)
+    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2, root=str(tmp_path))
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    del checkpoint["callbacks"][first.state_key]["settings"]["micro_batches"]
+    torch.save(checkpoint, tmp_path / "older.ckpt")
+    resumed = AutoFit(**settings)
+    _fit(small_datamodule_kwargs, [resumed], steps=3, root=str(tmp_path), ckpt_path=str(tmp_path / "older.ckpt"))
+    assert resumed.plan == first.plan and resumed.profiles == []
 
 
 def _config(path, data_kwargs, **trainer):
@@ -348,6 +374,18 @@ def test_the_plan_command_answers_a_budget_too_small_with_the_least_that_would_f
     assert last.startswith("lightning-efficient plan: AutoFit: no configuration fits the budget. rank 0: budget 1.0 MiB")
     assert "to need a budget of at least" in last, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_the_plan_command_keeps_the_configs_autofit_arguments_under_another_budget(small_datamodule_kwargs, tmp_path):
+    """A review: ``--budget`` rebuilt the config's AutoFit from a fixed list of its arguments, without ``micro_batches``."""
+    autofit = {"class_path": "lightning_efficient.AutoFit", "init_args": {
+        "budget": "1GiB", "micro_batches": [1], "activation_policies": ["keep"], "optimizer_options": ["32-bit"]}}
+    config = _config(tmp_path / "run.yaml", small_datamodule_kwargs, callbacks=[autofit])
+    done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "2GiB"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    settings = _printed_config(done.stdout)
+    assert settings["data"]["init_args"]["batch_size"] == 1 and settings["trainer"]["accumulate_grad_batches"] == 4
 
 
 @pytest.mark.parametrize(("option", "value", "said"), [("--budget", "banana", "budget='banana' is not allowed"),

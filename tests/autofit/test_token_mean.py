@@ -198,3 +198,36 @@ def test_the_rank_mean_rescales_what_the_steps_earlier_backwards_held_and_nothin
     # with backwards: (5 + 4 * 2 / 8) * 8 / 6 + 2 * 2 / 6, before Lightning's division by the accumulation
     torch.testing.assert_close(step([4, 2], backward=True), torch.full((3,), (5 + 1) * 8 / 6 + 4 / 6, dtype=torch.float64))
     torch.testing.assert_close(step([3], backward=True), torch.full((3,), 5 + 1.0, dtype=torch.float64))
+
+
+def test_the_rank_means_stand_in_count_is_the_previous_steps_so_a_short_first_row_does_not_inflate_the_gradients():
+    """A review: with the first micro-batch's count as the stand-in, a padded first row of one valid token scaled the
+    step's earlier gradients up to the step's count over it (x 130 in its case), and an fp16 GradScaler skipped 5 of 24
+    steps (plain Lightning: none). The stand-in is the previous step's count from the second step on."""
+    from lightning_efficient.tokens.normalize import RankStepTokenMean
+
+    weight = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    mean = RankStepTokenMean()
+    for i, count in enumerate([100, 160]):  # a first step of 260 tokens
+        mean.micro_batch_loss(weight * count, count, 2, first=i == 0, last=i == 1, optimizers=[optimizer]).backward()
+    first_of_next = mean.micro_batch_loss(weight * 1, 1, 2, first=True, last=False, optimizers=[optimizer])
+    assert float(first_of_next) == 1 * 2 / 260  # not 1 * 2 / (1 * 2)
+    mean.reset()  # a new fit starts from its first micro-batch's count
+    assert float(mean.micro_batch_loss(weight * 1, 1, 2, first=True, last=False, optimizers=[optimizer])) == 1.0
+
+
+class SkipsTwo(Tiny):
+    """:class:`Tiny` skipping (returning None) micro-batches 1 and 2: the last of step 0 and the first of step 1."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in (1, 2) else super().training_step(batch, batch_idx)
+
+
+def test_a_step_whose_first_micro_batch_returns_none_counts_none_of_an_earlier_steps_tokens():
+    """A review: after a step whose last micro-batch returned None, a step whose first did too counted the earlier
+    step's tokens into its own. Step 1 trains micro-batch 3 alone: its gradient is that micro-batch's token mean."""
+    run = fit("batch_token_mean", "batch", module_class=SkipsTwo)
+    want = reference_step_grads(run.init, "none", [[6, 7]])
+    for name, grad in want.items():
+        assert (run.steps[1][name] - grad).abs().max() <= 1e-12, name
