@@ -1,7 +1,7 @@
 """lightning_efficient: train language models with Lightning in less memory and less time."""
 
 from lightning_efficient.activations import ActivationMemory
-from lightning_efficient.autofit import AutoFit
+from lightning_efficient.autofit import AutoFit, StepTokenMean
 from lightning_efficient.balance import HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy
 from lightning_efficient.demo import CorpusDataModule, DemoGPT
 from lightning_efficient.optim import EightBitOptimizer
@@ -21,6 +21,7 @@ __all__ = [
     "HeterogeneousFSDPStrategy",
     "MemoryReport",
     "SelectiveTokenLoss",
+    "StepTokenMean",
     "TokenLosses",
     "__version__",
     "linear_cross_entropy",

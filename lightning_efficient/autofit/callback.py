@@ -59,6 +59,7 @@ from lightning_efficient.autofit.model import (
     FitPlan,
     RankChoice,
     RankProfile,
+    SettingRefused,
     _counts,
     blocks_matter,
     divisors,
@@ -116,6 +117,12 @@ def _info_lines_left_out(prefix: str) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(printed)
+
+
+def _refuse_unless(condition: bool, name: str, value: Any, allowed: str) -> None:
+    """Raise :class:`SettingRefused` naming the setting, its value and what this run allows unless ``condition``."""
+    if not condition:
+        raise SettingRefused(f"AutoFit: {name}={value!r} is not allowed: expected {allowed}.")
 
 
 def _trains_a_step(trainer: Trainer) -> bool:
@@ -571,9 +578,9 @@ class AutoFit(Callback):
             return None
         limit = samples if heterogeneous else per_rank
         allowed = sorted({m for m in self.micro_batches if m <= limit and (heterogeneous or per_rank % m == 0)})
-        require(bool(allowed), "micro_batches", self.micro_batches,
-                f"sizes up to the global batch of {samples} samples" if heterogeneous
-                else f"sizes dividing each rank's batch of {per_rank} samples: {divisors(per_rank)}")
+        _refuse_unless(bool(allowed), "micro_batches", self.micro_batches,
+                       f"sizes up to the global batch of {samples} samples" if heterogeneous
+                       else f"sizes dividing each rank's {per_rank} samples a step: {divisors(per_rank)}")
         return allowed
 
     def init_args(self) -> dict[str, Any]:
@@ -601,9 +608,9 @@ class AutoFit(Callback):
         if heterogeneous:
             per_rank = samples
             searched = resizable and self.search_micro_batch
-            require(searched or self.micro_batches is None, "micro_batches", self.micro_batches,
-                    "None for this DataLoader, whose micro-batches cannot be sized (its own batch_sampler, or a dataset not "
-                    "drawn by index)")
+            _refuse_unless(searched or self.micro_batches is None, "micro_batches", self.micro_batches,
+                           "None for this DataLoader, whose micro-batches cannot be sized (its own batch_sampler, or a "
+                           "dataset not drawn by index)")
             if strategy.max_micro_batch is not None:
                 notes.append(f"the strategy's max_micro_batch={strategy.max_micro_batch!r} is replaced by the plan's caps")
         else:
@@ -619,8 +626,8 @@ class AutoFit(Callback):
                        else "it batches with its own batch_sampler" if loader.batch_size is None
                        else "its dataset cannot be drawn by index")
                 # (every rank alike: nothing measured yet)
-                require(self.micro_batches is None, "micro_batches", self.micro_batches,
-                        f"None for this DataLoader, whose micro-batch AutoFit cannot choose: {why}")
+                _refuse_unless(self.micro_batches is None, "micro_batches", self.micro_batches,
+                               f"None for this DataLoader, whose micro-batch AutoFit cannot choose: {why}")
                 notes.append("micro-batch kept at the DataLoader's: " + why)
         self._micro_searched = searched
         if searched:
@@ -685,7 +692,9 @@ class AutoFit(Callback):
             try:
                 plan = search(profiles, samples_per_step=samples, heterogeneous=False, margin=self.margin, policies=policies,
                               micro_batches=saved.micro_batches[:1])
-                notes.append(f"micro-batch {saved.micro_batches[0]} kept from the checkpoint's plan (a resume mid-epoch needs it)")
+                kept = saved.micro_batches[0]
+                outside = "" if micro_batches is None or kept in micro_batches else f", outside micro_batches={self.micro_batches}"
+                notes.append(f"micro-batch {kept} kept from the checkpoint's plan{outside} (a resume mid-epoch needs it)")
             except BudgetTooSmall:
                 notes.append(f"the checkpoint's micro-batch {saved.micro_batches[0]} does not fit this budget: chosen again")
         settings = {"samples_per_step": samples, "heterogeneous": heterogeneous, "margin": self.margin,

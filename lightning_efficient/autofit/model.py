@@ -225,6 +225,11 @@ class BudgetTooSmall(ValueError):
     """No configuration fits the budget; the message gives the smallest budget that would and its plan."""
 
 
+class SettingRefused(ValueError):
+    """An AutoFit setting this run cannot take, found before the first step (by the fit's DataLoader or batch): the
+    message names the setting, its value and what this run allows."""
+
+
 def _scaled(blocks: list[BlockProfile], factor: float) -> list[BlockProfile]:
     return [BlockProfile(b.name, {k: int(v * factor) for k, v in b.held_bytes.items()},
                          {k: v * factor for k, v in b.cost_s.items()}) for b in blocks]

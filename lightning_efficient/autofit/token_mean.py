@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
@@ -47,16 +47,19 @@ class BatchTokenMean:
         self._wrappers: dict[str, Any] = {}
         self._live = {"on": False}
         self._told = False
+        self._who = "AutoFit"
 
     @property
     def installed(self) -> bool:
         """Whether a module's hooks are wrapped now."""
         return self._module is not None
 
-    def install(self, trainer: Trainer, module: LightningModule, batch_words: str, step_scale: float | None = None) -> None:
+    def install(self, trainer: Trainer, module: LightningModule, batch_words: str, step_scale: float | None = None,
+                who: str = "AutoFit") -> None:
         """Wrap ``module``'s hooks for the fit ``trainer`` runs; ``step_scale`` is a checkpoint's running token count
-        (so a resumed first step rounds as the uninterrupted run's)."""
+        (so a resumed first step rounds as the uninterrupted run's); ``who`` names the callback in what it says."""
         self.remove()
+        self._who = who
         self.normaliser.reset()
         self.normaliser.scale = step_scale
         self.rank_mean.reset()
@@ -116,11 +119,52 @@ class BatchTokenMean:
             return
         self._told = True
         rank_zero_info(
-            f"AutoFit: training_step returns {type(output).__name__}, a loss over its micro-batch: where it is a mean over "
+            f"{self._who}: training_step returns {type(output).__name__}, a loss over its micro-batch: where it is a mean over "
             f"tokens whose count varies from sample to sample (padding, -100 labels), the plan's micro-batches weigh them "
             f"otherwise than {batch_words} (Lightning divides each micro-batch's own mean by the accumulation). Return "
             "lightning_efficient.TokenLosses(per_token_losses, mask) for the batch's token mean."
         )
+
+
+class StepTokenMean(Callback):
+    """Makes a step's gradient the mean over its valid tokens where the step runs several micro-batches
+    (``accumulate_grad_batches``), for a ``training_step`` returning :class:`~lightning_efficient.TokenLosses` or
+    :class:`~lightning_efficient.FusedTokenLoss`: the update the step's samples give as one batch. Lightning divides
+    each micro-batch's own token mean by the accumulation, which weighs the tokens of rows of other lengths otherwise.
+
+    What AutoFit does where its plan splits the batch, as a callback of its own: ``lightning-efficient plan`` puts it in
+    the config it prints for a plan that splits, so that config trains as AutoFit's fit. On one device and under DDP
+    each rank's gradient is its own token mean (DDP averages the ranks' as for the unsplit batch); under FSDP2 the
+    step is the mean over every rank's tokens (see :mod:`~lightning_efficient.autofit.token_mean`). Under the
+    heterogeneous strategies (their own global token mean) and beside a ``SelectiveTokenLoss`` (its own) it does
+    nothing. Other outputs pass as they are, said once.
+    """
+
+    def __init__(self) -> None:
+        self._mean = BatchTokenMean()
+        self._restored_scale: float | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Wrap the module's hooks for this fit (nothing under a heterogeneous strategy or beside SelectiveTokenLoss)."""
+        from lightning_efficient.tokens.callback import SelectiveTokenLoss
+
+        scale, self._restored_scale = self._restored_scale, None
+        if hasattr(trainer.strategy, "balancer") or any(isinstance(c, SelectiveTokenLoss) for c in trainer.callbacks):
+            return
+        self._mean.install(trainer, pl_module, "one batch of each step's samples", scale, who="StepTokenMean")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Put the module's hooks back."""
+        self._mean.remove()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running token count of the global token mean (FSDP2), so a resumed first step rounds as the
+        uninterrupted run's."""
+        return {"step_token_scale": self._mean.normaliser.scale if self._mean.installed else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Read back :meth:`state_dict`'s count for the next fit."""
+        self._restored_scale = state_dict.get("step_token_scale")
 
 
 def _gradients_are_local_until_the_last_backward(trainer: Trainer) -> bool:

@@ -257,7 +257,7 @@ def test_the_micro_batches_a_user_allows_are_the_ones_chosen_from_and_one_the_ba
     _fit(small_datamodule_kwargs, [other], steps=1)
     assert other.plan.micro_batches == [4] and other.plan.accumulation == 2
     record = Recorder()
-    with pytest.raises(ValueError, match=r"micro_batches=\[5, 3, 3\] is not allowed.*dividing each rank's batch of 8 samples: "
+    with pytest.raises(ValueError, match=r"micro_batches=\[5, 3, 3\] is not allowed.*dividing each rank's 8 samples a step: "
                                          r"\[1, 2, 4, 8\]"):
         _fit(small_datamodule_kwargs, [AutoFit(budget="8GiB", micro_batches=[5, 3, 3]), record], steps=2)
     assert record.samples == [] and record._samples == 0
@@ -386,6 +386,17 @@ def test_the_plan_command_keeps_the_configs_autofit_arguments_under_another_budg
     assert done.returncode == 0, done.stderr[-3000:]
     settings = _printed_config(done.stdout)
     assert settings["data"]["init_args"]["batch_size"] == 1 and settings["trainer"]["accumulate_grad_batches"] == 4
+    # the split batch keeps its token mean in the printed config too (a new user's trial: it did not)
+    assert {"class_path": "lightning_efficient.StepTokenMean", "init_args": {}} in settings["trainer"]["callbacks"]
+    # sizes the batch cannot take: one line from fit and plan, no traceback (a new user's trial: 39 lines)
+    autofit["init_args"]["micro_batches"] = [3]
+    config = _config(tmp_path / "bad.yaml", small_datamodule_kwargs, callbacks=[autofit])
+    for command, said in (("fit", "lightning-efficient: AutoFit: micro_batches=[3] is not allowed"),
+                          ("plan", "lightning-efficient plan: AutoFit: micro_batches=[3] is not allowed")):
+        done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", command, "--config", str(config)],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1].startswith(said), done.stderr[-1000:]
 
 
 @pytest.mark.parametrize(("option", "value", "said"), [("--budget", "banana", "budget='banana' is not allowed"),
@@ -636,6 +647,17 @@ def test_a_resume_with_another_global_batch_plans_again(small_datamodule_kwargs,
     assert resumed.plan.micro_batches == first.plan.micro_batches
     assert any("kept from the checkpoint's plan" in note for note in resumed.plan.notes)
     assert record.samples == [16, 16]
+
+
+def test_a_mid_epoch_resume_keeps_its_micro_batch_outside_a_new_micro_batches_list_and_says_so(small_datamodule_kwargs, tmp_path):
+    """A new user's trial: the note said the micro-batch was kept, not that it is outside the sizes now asked for."""
+    settings = {"budget": "1GiB", "activation_policies": ["keep"], "optimizer_options": ["32-bit"]}
+    first = AutoFit(**settings, micro_batches=[2])
+    _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2, root=str(tmp_path))
+    resumed = AutoFit(**settings, micro_batches=[4])
+    _fit(small_datamodule_kwargs, [resumed], steps=3, root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert first.plan.micro_batches == resumed.plan.micro_batches == [2]
+    assert any("micro-batch 2 kept from the checkpoint's plan, outside micro_batches=[4]" in note for note in resumed.plan.notes)
 
 
 def test_a_resume_from_an_epochs_end_with_another_budget_chooses_the_micro_batch_again(small_datamodule_kwargs, tmp_path):
