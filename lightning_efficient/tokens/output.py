@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -219,16 +219,18 @@ class NormalisedTokenLoss(dict):
     """
 
 
-def _flatten_output(output: dict) -> tuple[list[object], tuple[tuple[object, ...], dict[str, object]]]:
-    return list(output.values()), (tuple(output.keys()), dict(vars(output)))
+def _flatten_output(output: dict) -> tuple[list[object], tuple[tuple[object, ...], tuple[str, ...]]]:
+    """The output's values and then its attributes (a FusedTokenLoss's bias), as pytree children."""
+    attributes = vars(output)
+    return [*output.values(), *attributes.values()], (tuple(output.keys()), tuple(attributes))
 
 
-def _output_unflattener(cls: type[dict]):
-    def unflatten(values: list[object], context: tuple[tuple[object, ...], dict[str, object]]) -> dict:
-        keys, attributes = context
+def _output_unflattener(cls: type[dict]) -> Callable[[list[object], tuple[tuple[object, ...], tuple[str, ...]]], dict]:
+    def unflatten(children: list[object], context: tuple[tuple[object, ...], tuple[str, ...]]) -> dict:
+        keys, attribute_names = context
         output = cls.__new__(cls)  # (not __init__: the keys are as they were, a loss computed or deferred alike)
-        dict.update(output, zip(keys, values))
-        vars(output).update(attributes)
+        dict.update(output, zip(keys, children[: len(keys)]))
+        vars(output).update(zip(attribute_names, children[len(keys):]))
         return output
 
     return unflatten
@@ -237,8 +239,9 @@ def _output_unflattener(cls: type[dict]):
 # The outputs are pytree nodes, as dicts are: DistributedDataParallel passes the tensors of a forward's output through
 # its synchronising autograd function (under static_graph=True, the one that makes the first backward queue the
 # gradients' all-reduce) by flattening the output, and a dict subclass it does not know is one leaf of no tensor. A
-# new user's trial: plain Lightning's DDP(static_graph=True) with a TokenLosses output never synchronised the ranks'
-# gradients (0.3 apart every step). Tensors without autograd history (a FusedTokenLoss's head weight) pass as they are.
+# review: DDP(static_graph=True) with a TokenLosses output, with or without a plugin, never synchronised the ranks'
+# gradients (0.3 apart every step). Tensors without autograd history (a FusedTokenLoss's head weight and bias) pass
+# as they are.
 for _output_class in (TokenLosses, FusedTokenLoss, NormalisedTokenLoss):
     torch.utils._pytree.register_pytree_node(_output_class, _flatten_output, _output_unflattener(_output_class),
                                              serialized_type_name=f"lightning_efficient.{_output_class.__name__}")

@@ -161,7 +161,7 @@ def test_lightning_cli_builds_it_by_class_path_and_by_name(tmp_path):
 
     def build(strategy_yaml):
         config = tmp_path / "config.yaml"
-        config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n  strategy:" + strategy_yaml)
+        config.write_text("trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  strategy:" + strategy_yaml)  # (2 shares)
         return LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None).trainer.strategy
 
     strategy = build(
