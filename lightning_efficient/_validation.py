@@ -5,6 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 
+class SettingRefused(ValueError):
+    """A setting this run cannot take, found before the first step (by the fit's ranks, DataLoader or batch, not by the
+    constructor): the message names the setting, its value and what this run allows. The command line says it in one
+    line."""
+
+
 def require(condition: bool, name: str, value: Any, allowed: str) -> None:
     """Raise a ValueError naming ``name``, its ``value`` and what is ``allowed`` unless ``condition``.
 

@@ -21,7 +21,8 @@ from typing_extensions import override
 
 import lightning_efficient  # noqa: F401  (registers the package's strategies)
 from lightning_efficient._distributed import destroy_process_group_at_exit
-from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan, SettingRefused
+from lightning_efficient._validation import SettingRefused
+from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 

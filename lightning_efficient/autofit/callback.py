@@ -29,7 +29,7 @@ from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settin
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._step import first_samples_batch, prepared_as_in_the_loop
-from lightning_efficient._validation import require, require_int
+from lightning_efficient._validation import SettingRefused, require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.planner import BlockProfile
@@ -59,7 +59,6 @@ from lightning_efficient.autofit.model import (
     FitPlan,
     RankChoice,
     RankProfile,
-    SettingRefused,
     _counts,
     blocks_matter,
     divisors,
@@ -68,7 +67,7 @@ from lightning_efficient.autofit.model import (
     replan,
     search,
 )
-from lightning_efficient.autofit.token_mean import BatchTokenMean
+from lightning_efficient.autofit.token_mean import BatchTokenMean, StepTokenMean
 from lightning_efficient.balance.probe import is_out_of_memory
 from lightning_efficient.memory import (
     ParameterStorages,
@@ -358,7 +357,7 @@ class AutoFit(Callback):
     def _settings(self) -> dict[str, Any]:
         user = self._user_optimizer  # a plan priced for its states is not reused without it (nor it for another)
         return {"precision": self._precision, "budget": self.budget, "margin": self.margin, "search_micro_batch": self.search_micro_batch,
-                "micro_batches": self.micro_batches,
+                "micro_batches": None if self.micro_batches is None else sorted(set(self.micro_batches)),
                 "activation_policies": list(self.activation_policies), "optimizer_options": list(self.optimizer_options),
                 "blocks": self.blocks, "min_8bit_size": self.min_8bit_size,
                 "optimizer_as_set": None if user is None else {"bits": user.bits, "paged": user.paged, "offload": user.offload,
@@ -982,7 +981,8 @@ class AutoFit(Callback):
                 # batch) is built again, at the plan's micro-batch, when the loop starts
                 trainer.fit_loop._combined_loader = None
                 self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
-                if not any(isinstance(c, SelectiveTokenLoss) for c in trainer.callbacks):  # (whose own normaliser does it)
+                # (SelectiveTokenLoss's own normaliser does it; a StepTokenMean the user set does what this would)
+                if not any(isinstance(c, (SelectiveTokenLoss, StepTokenMean)) for c in trainer.callbacks):
                     self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_scale)
                 _warn_of_batch_statistics(pl_module, current, mine.micro_batch)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))

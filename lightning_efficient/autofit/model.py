@@ -225,9 +225,6 @@ class BudgetTooSmall(ValueError):
     """No configuration fits the budget; the message gives the smallest budget that would and its plan."""
 
 
-class SettingRefused(ValueError):
-    """An AutoFit setting this run cannot take, found before the first step (by the fit's DataLoader or batch): the
-    message names the setting, its value and what this run allows."""
 
 
 def _scaled(blocks: list[BlockProfile], factor: float) -> list[BlockProfile]:

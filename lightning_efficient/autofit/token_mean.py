@@ -73,8 +73,11 @@ class BatchTokenMean:
             output = original_step(*args, **kwargs)
             if not live["on"] or trainer.state.stage not in (None, RunningStage.TRAINING):  # (or a validation_step's call)
                 return output
+            accumulation = trainer.accumulate_grad_batches
+            if accumulation == 1:  # one micro-batch a step: its own mean is the step's (under FSDP2 too, as plain)
+                return output
             found = loss_sum_and_count(output)
-            accumulation, batch_idx = trainer.accumulate_grad_batches, step_batch_index(trainer, args, kwargs)
+            batch_idx = step_batch_index(trainer, args, kwargs)
             first = batch_idx % accumulation == 0
             if found is None:
                 if first:  # (a later micro-batch of this step counts from nothing, not from an earlier step's)
@@ -120,7 +123,7 @@ class BatchTokenMean:
         self._told = True
         rank_zero_info(
             f"{self._who}: training_step returns {type(output).__name__}, a loss over its micro-batch: where it is a mean over "
-            f"tokens whose count varies from sample to sample (padding, -100 labels), the plan's micro-batches weigh them "
+            f"tokens whose count varies from sample to sample (padding, -100 labels), the micro-batches weigh them "
             f"otherwise than {batch_words} (Lightning divides each micro-batch's own mean by the accumulation). Return "
             "lightning_efficient.TokenLosses(per_token_losses, mask) for the batch's token mean."
         )
@@ -156,15 +159,27 @@ class StepTokenMean(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Put the module's hooks back."""
         self._mean.remove()
+        self._restored_scale = None
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Put the module's hooks back: Lightning skips teardown when a fit raises (a review: the wrapper left behind
+        weighed the next fit's steps by this trainer's accumulation)."""
+        self.teardown(trainer, pl_module, "fit")
 
     def state_dict(self) -> dict[str, Any]:
         """The running token count of the global token mean (FSDP2), so a resumed first step rounds as the
-        uninterrupted run's."""
-        return {"step_token_scale": self._mean.normaliser.scale if self._mean.installed else None}
+        uninterrupted run's; nothing elsewhere (so a checkpoint does not ask for this callback on a resume without it)."""
+        scale = self._mean.normaliser.scale if self._mean.installed else None
+        return {} if scale is None else {"step_token_scale": scale}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Read back :meth:`state_dict`'s count for the next fit."""
-        self._restored_scale = state_dict.get("step_token_scale")
+        """Read back :meth:`state_dict`'s count: for this fit where it is loaded after ``on_fit_start``
+        (ModelParallelStrategy), else for the next."""
+        scale = state_dict.get("step_token_scale")
+        if self._mean.installed:
+            self._mean.normaliser.scale = scale
+        else:
+            self._restored_scale = scale
 
 
 def _gradients_are_local_until_the_last_backward(trainer: Trainer) -> bool:

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _set_num_threads_if_needed
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -58,7 +60,7 @@ from lightning_efficient._distributed import (
 from lightning_efficient._samples import batch_samples
 from lightning_efficient._step import refuse_a_step_that_draws_its_own_batches
 from lightning_efficient._torch import DeviceClock
-from lightning_efficient._validation import require, require_bool, require_int
+from lightning_efficient._validation import SettingRefused, require, require_bool, require_int
 from lightning_efficient.balance.datasets import check_same_dataset
 from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
@@ -335,7 +337,7 @@ class Balancer:
         """
         for name, value in (("shares", self.shares), ("max_micro_batch", self.max_micro_batch)):
             if isinstance(value, (list, tuple)) and len(value) != world:
-                raise ValueError(f"{name}={list(value)} has {len(value)} entries for {world} ranks: give one per rank")
+                raise SettingRefused(f"{self.name}: {name}={list(value)} has {len(value)} entries for {world} ranks: give one per rank")
 
     def initial_weights(self) -> list[float]:
         """The shares the first plan follows (equal under ``"auto"``)."""
@@ -834,6 +836,28 @@ def _setting(name: str) -> property:
     return property(get, set, doc=f"The balancer's ``{name}`` (settable: validated as by the constructor).")
 
 
+class _ChecksPerRankSettingsBeforeAFit:
+    """A launcher that checks the strategy's per-rank settings before it launches a fit."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            strategy = trainer.strategy
+            strategy.balancer.check_per_rank_settings(strategy.num_nodes * strategy.num_processes)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class _FitCheckedSubprocessScriptLauncher(_ChecksPerRankSettingsBeforeAFit, _SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, checking per-rank settings before a fit."""
+
+
+class _FitCheckedMultiProcessingLauncher(_ChecksPerRankSettingsBeforeAFit, _MultiProcessingLauncher):
+    """Lightning's multiprocessing (spawn) launcher, checking per-rank settings before a fit."""
+
+
+_FIT_CHECKED_LAUNCHERS: dict[type, type] = {_SubprocessScriptLauncher: _FitCheckedSubprocessScriptLauncher,
+                                            _MultiProcessingLauncher: _FitCheckedMultiProcessingLauncher}
+
+
 class BalancedStrategy:
     """Mixin routing a Lightning data-parallel strategy's hooks to its :class:`Balancer`.
 
@@ -856,10 +880,15 @@ class BalancedStrategy:
         return self.balancer.training_step(super().training_step, *args, **kwargs)
 
     def _configure_launcher(self) -> None:
-        """The strategy's launcher, once per-rank settings are checked against the number of ranks: a ``shares`` list of
-        the wrong length is refused here, in the Trainer's constructor, not by every rank after the launch."""
-        self.balancer.check_per_rank_settings(self.num_nodes * self.num_processes)
+        """The strategy's launcher, whose ``fit`` launches first check the per-rank settings against the number of
+        ranks: a ``shares`` list of the wrong length is refused once, before any process is launched, not by every rank
+        after the launch (validate, test and predict, which do not share batches, are not refused)."""
         super()._configure_launcher()  # type: ignore[misc]
+        checked = _FIT_CHECKED_LAUNCHERS.get(type(self._launcher))
+        if checked is not None:  # (a class of this module's, not a closure: ddp_spawn pickles the launcher)
+            launcher = checked.__new__(checked)
+            vars(launcher).update(vars(self._launcher))
+            self._launcher = launcher
 
     def setup_environment(self) -> None:
         """The strategy's environment, then the same intra-op thread count on every rank.

@@ -239,8 +239,9 @@ class RankStepTokenMean(_NotesBackward):
     batch a step, so that splitting the batch does not change the update.
 
     A step's micro-batches before its last contribute their token-loss sum times ``A / K`` (``A``: the accumulation
-    Lightning divides by; ``K``: a stand-in for the step's count, this rank's previous step's, or at a fit's first
-    step its first micro-batch's count times ``A``). At the last, before its backward, this rank's count ``T`` is
+    Lightning divides by; ``K``: a stand-in for the step's count, this rank's previous step's count per micro-batch
+    times ``A``, or at a fit's first step its first micro-batch's count times ``A``). At the last, before its backward,
+    this rank's count ``T`` is
     known: the gradients held are multiplied by ``K / T`` and the last micro-batch contributes its sum times
     ``A / T``. ``K`` sets only the gradients' scale before the last backward, so the previous step's count (which a
     step's seldom strays far from) is taken over a first micro-batch's (a padded row of one valid token made an
@@ -250,8 +251,8 @@ class RankStepTokenMean(_NotesBackward):
     """
 
     def __init__(self) -> None:
-        self._step: tuple[Tensor, Tensor] | None = None  # (tokens, K) of this rank's micro-batches so far
-        self._previous: Tensor | None = None  # this rank's previous step's count (the next step's K)
+        self._step: tuple[Tensor, Tensor, int] | None = None  # (tokens, K, micro-batches) of this rank's step so far
+        self._previous: Tensor | None = None  # this rank's previous step's count per micro-batch (times A: the next K)
         self._backward_ran = False  # whether a backward went through one of this step's losses before the last
 
     def reset(self) -> None:
@@ -280,17 +281,19 @@ class RankStepTokenMean(_NotesBackward):
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
         count = torch.as_tensor(local_count, device=device).to(torch.int64).reshape(())
         if first or self._step is None:
-            stand_in = self._previous if self._previous is not None else count.clamp_min(1) * accumulation
-            self._step = (count, stand_in.to(local_sum.dtype))
+            per_micro_batch = self._previous if self._previous is not None else count.clamp_min(1).to(torch.float32)
+            self._step = (count, (per_micro_batch * accumulation).to(local_sum.dtype), 1)
             self._backward_ran = False
         else:
-            self._step = (self._step[0] + count, self._step[1])
-        tokens, scale = self._step
+            self._step = (self._step[0] + count, self._step[1], self._step[2] + 1)
+        tokens, scale, micro_batches = self._step
         if last:
             backward_ran = self._backward_ran
             self.forget_step()
-            self._previous = tokens.clamp_min(1)
-            total = self._previous.to(local_sum.dtype)
+            total = tokens.clamp_min(1)
+            # per micro-batch: an epoch's short last step, or another accumulation next, keeps the scale
+            self._previous = total.to(torch.float32) / micro_batches  # (float32: every device has it)
+            total = total.to(local_sum.dtype)
             if backward_ran:  # (else nothing of this step is held: a first micro-batch, or a step no backward ran in)
                 _multiply_gradients(optimizers, scale / total)
             return local_sum * (accumulation / total)

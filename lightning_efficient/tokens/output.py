@@ -54,7 +54,52 @@ def loss_sum_and_count(output: object) -> tuple[Tensor, Tensor] | None:
     return None
 
 
-class TokenLosses(dict):
+def _carries_history(value: object) -> bool:
+    return isinstance(value, Tensor) and value.grad_fn is not None
+
+
+def _flatten_output(output: dict) -> tuple[list[object], tuple[tuple[object, ...], dict[object, object], dict[str, object]]]:
+    """The output's tensors with autograd history as pytree children; everything else (a FusedTokenLoss's head weight,
+    masks, labels, its attributes) stays in the context, so DDP copies only what its synchronising function needs."""
+    children = [value for value in output.values() if _carries_history(value)]
+    rest = {key: value for key, value in output.items() if not _carries_history(value)}
+    return children, (tuple(output.keys()), rest, dict(vars(output)))
+
+
+def _output_unflattener(cls: type[dict]) -> Callable[[list[object], tuple[tuple[object, ...], dict[object, object], dict[str, object]]], dict]:
+    def unflatten(children: list[object], context: tuple[tuple[object, ...], dict[object, object], dict[str, object]]) -> dict:
+        keys, rest, attributes = context
+        output = cls.__new__(cls)  # (not __init__: the keys are as they were, a loss computed or deferred alike)
+        given = iter(children)
+        dict.update(output, {key: rest[key] if key in rest else next(given) for key in keys})
+        vars(output).update(attributes)
+        return output
+
+    return unflatten
+
+
+def register_output_pytree(cls: type[dict]) -> None:
+    """Make a training-step output class a pytree node whose children are its tensors with autograd history.
+
+    DistributedDataParallel passes the tensors of a forward's output through its synchronising autograd function (under
+    static_graph=True, the one whose first backward queues the gradients' all-reduce) by flattening the output, and a
+    dict subclass it does not know is one leaf of no tensor. A review: DDP(static_graph=True) with a TokenLosses output,
+    with or without a plugin, never synchronised the ranks' gradients (0.3 apart every step). Subclasses register
+    themselves (torch looks a node up by its exact type)."""
+    if cls not in torch.utils._pytree.SUPPORTED_NODES:
+        torch.utils._pytree.register_pytree_node(cls, _flatten_output, _output_unflattener(cls),
+                                                 serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+
+
+class _PytreeOutput:
+    """A training-step output class registered as a pytree node, its subclasses too (:func:`register_output_pytree`)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        register_output_pytree(cls)
+
+
+class TokenLosses(_PytreeOutput, dict):
     """Unreduced per-token losses of one batch, as a ``training_step`` output.
 
     Keys: ``"token_losses"`` (float ``[batch, seq]``), ``"mask"`` (bool ``[batch, seq]``, true where
@@ -112,7 +157,7 @@ class TokenLosses(dict):
             return masked_mean(self["token_losses"], self["mask"])
 
 
-class FusedTokenLoss(dict):
+class FusedTokenLoss(_PytreeOutput, dict):
     """Hidden states, output head and labels, as a ``training_step`` output: the fused path.
 
     The per-token losses are computed by :func:`~lightning_efficient.tokens.linear_cross_entropy`,
@@ -207,7 +252,7 @@ class FusedTokenLoss(dict):
         )
 
 
-class NormalisedTokenLoss(dict):
+class NormalisedTokenLoss(_PytreeOutput, dict):
     """The step loss :class:`~lightning_efficient.tokens.SelectiveTokenLoss` returns in place of the
     module's ``training_step`` output.
 
@@ -217,31 +262,3 @@ class NormalisedTokenLoss(dict):
     A strategy that re-weights token losses itself (``hetero_ddp``) recognises it by type and
     leaves it as it is.
     """
-
-
-def _flatten_output(output: dict) -> tuple[list[object], tuple[tuple[object, ...], tuple[str, ...]]]:
-    """The output's values and then its attributes (a FusedTokenLoss's bias), as pytree children."""
-    attributes = vars(output)
-    return [*output.values(), *attributes.values()], (tuple(output.keys()), tuple(attributes))
-
-
-def _output_unflattener(cls: type[dict]) -> Callable[[list[object], tuple[tuple[object, ...], tuple[str, ...]]], dict]:
-    def unflatten(children: list[object], context: tuple[tuple[object, ...], tuple[str, ...]]) -> dict:
-        keys, attribute_names = context
-        output = cls.__new__(cls)  # (not __init__: the keys are as they were, a loss computed or deferred alike)
-        dict.update(output, zip(keys, children[: len(keys)]))
-        vars(output).update(zip(attribute_names, children[len(keys):]))
-        return output
-
-    return unflatten
-
-
-# The outputs are pytree nodes, as dicts are: DistributedDataParallel passes the tensors of a forward's output through
-# its synchronising autograd function (under static_graph=True, the one that makes the first backward queue the
-# gradients' all-reduce) by flattening the output, and a dict subclass it does not know is one leaf of no tensor. A
-# review: DDP(static_graph=True) with a TokenLosses output, with or without a plugin, never synchronised the ranks'
-# gradients (0.3 apart every step). Tensors without autograd history (a FusedTokenLoss's head weight and bias) pass
-# as they are.
-for _output_class in (TokenLosses, FusedTokenLoss, NormalisedTokenLoss):
-    torch.utils._pytree.register_pytree_node(_output_class, _flatten_output, _output_unflattener(_output_class),
-                                             serialized_type_name=f"lightning_efficient.{_output_class.__name__}")

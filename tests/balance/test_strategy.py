@@ -149,12 +149,19 @@ def test_impossible_settings_fail_before_the_first_step(tmp_path, mode, pattern)
     ({"shares": [1.0, 2.0, 3.0]}, r"shares=\[1.0, 2.0, 3.0\] has 3 entries for 2 ranks: give one per rank"),
     ({"max_micro_batch": [4]}, r"max_micro_batch=\[4\] has 1 entries for 2 ranks: give one per rank"),
 ])
-def test_per_rank_lists_of_the_wrong_length_are_refused_once_by_the_trainers_constructor(strategy_class, kwargs, pattern):
-    """Before any process is launched (a new user's trial: every rank raised it after the launch, one traceback each)."""
+def test_per_rank_lists_of_the_wrong_length_are_refused_once_before_a_fit_launches(strategy_class, kwargs, pattern):
+    """Before any process is launched (every rank raised it after the launch, one traceback each); a Trainer for
+    validation on another number of devices is not refused (a review)."""
     import lightning
+    from lightning.pytorch.demos.boring_classes import BoringModel
 
+    # (spawn for DDP: were the check missing, the processes are started by multiprocessing, not from pytest's argv)
+    spawn = {"start_method": "spawn"} if strategy_class is HeterogeneousDDPStrategy else {}
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy=strategy_class(global_batch_size=6, **spawn, **kwargs),
+                                logger=False)
     with pytest.raises(ValueError, match=pattern):
-        lightning.Trainer(accelerator="cpu", devices=2, strategy=strategy_class(global_batch_size=6, **kwargs), logger=False)
+        trainer.fit(BoringModel())
+    lightning.Trainer(accelerator="cpu", devices=1, strategy=strategy_class(global_batch_size=6, **kwargs), logger=False)
 
 
 @pytest.mark.parametrize(("kwargs", "pattern"), [
@@ -507,3 +514,18 @@ def test_an_accumulation_scheduler_keeps_each_step_the_mean_over_its_valid_token
         torch.testing.assert_close(found["final"][name], value, rtol=0, atol=1e-12)
     assert "GradientAccumulationScheduler sets the accumulation itself" in found["capped_error"]
     assert "take 2 micro-batches a step for the global batch of 4" in found["capped_error"]
+
+
+def test_the_command_line_says_a_per_rank_list_of_the_wrong_length_in_one_line(tmp_path):
+    """A new user's trial: ``lightning-efficient fit`` printed the refusal's whole traceback."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  max_steps: 1\n  logger: false\n  enable_checkpointing: false\n"
+        "  strategy:\n    class_path: lightning_efficient.HeterogeneousDDPStrategy\n"
+        "    init_args:\n      global_batch_size: 6\n      shares: [1.0, 2.0, 3.0]\n"
+        "model:\n  class_path: lightning.pytorch.demos.boring_classes.BoringModel\n")
+    done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "fit", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "lightning-efficient: hetero_ddp: shares=[1.0, 2.0, 3.0] has 3 entries for 2 ranks: give one per rank"), done.stderr[-1000:]

@@ -1,6 +1,6 @@
 """Run by test_static_graph.py: 2 CPU processes (gloo), ``DDPStrategy(static_graph=True)``, two steps of the tiny token
 model (``plain``: TokenLosses and no plugin; ``fused``: FusedTokenLoss and no plugin; ``selective``: TokenLosses under
-SelectiveTokenLoss(method="none")). Rank 0 saves every step's largest difference between the ranks' gradients.
+SelectiveTokenLoss(method="none"); ``subclass``: a subclass of TokenLosses). Rank 0 saves every step's largest difference between the ranks' gradients.
 
 Usage: python ddp_static_graph.py OUT.pt MODE
 """
@@ -13,7 +13,17 @@ import torch.distributed as dist
 from accumulation_model import Tiny
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_efficient import SelectiveTokenLoss
+from lightning_efficient import SelectiveTokenLoss, TokenLosses
+
+
+class MyLosses(TokenLosses):
+    """A user's own output class."""
+
+
+class SubclassTiny(Tiny):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        return MyLosses(out["token_losses"], out["mask"])
 
 
 class RankDifference(lightning.Callback):
@@ -37,6 +47,6 @@ if __name__ == "__main__":
         accelerator="cpu", devices=2, strategy=DDPStrategy(static_graph=True), precision="64-true", max_steps=2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[seen, *([SelectiveTokenLoss(method="none")] if mode == "selective" else [])])
-    trainer.fit(Tiny(fused=mode == "fused"))
+    trainer.fit(SubclassTiny() if mode == "subclass" else Tiny(fused=mode == "fused"))
     if dist.get_rank() == 0:
         torch.save(seen.differences, out)
