@@ -225,8 +225,6 @@ class BudgetTooSmall(ValueError):
     """No configuration fits the budget; the message gives the smallest budget that would and its plan."""
 
 
-
-
 def _scaled(blocks: list[BlockProfile], factor: float) -> list[BlockProfile]:
     return [BlockProfile(b.name, {k: int(v * factor) for k, v in b.held_bytes.items()},
                          {k: v * factor for k, v in b.cost_s.items()}) for b in blocks]
