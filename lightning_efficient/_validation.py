@@ -11,6 +11,17 @@ class SettingRefused(ValueError):
     line."""
 
 
+def _not_allowed(name: str, value: Any, allowed: str) -> str:
+    return f"{name}={value!r} is not allowed: expected {allowed}."
+
+
+def refuse_unless(condition: bool, who: str, name: str, value: Any, allowed: str) -> None:
+    """Raise :class:`SettingRefused` (``who``: the class refusing) naming the setting, its value and what this run
+    allows, unless ``condition``."""
+    if not condition:
+        raise SettingRefused(f"{who}: {_not_allowed(name, value, allowed)}")
+
+
 def require(condition: bool, name: str, value: Any, allowed: str) -> None:
     """Raise a ValueError naming ``name``, its ``value`` and what is ``allowed`` unless ``condition``.
 
@@ -24,7 +35,7 @@ def require(condition: bool, name: str, value: Any, allowed: str) -> None:
         ValueError: when ``condition`` is false.
     """
     if not condition:
-        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}.")
+        raise ValueError(_not_allowed(name, value, allowed))
 
 
 def require_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:

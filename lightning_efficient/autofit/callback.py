@@ -29,7 +29,7 @@ from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settin
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._step import first_samples_batch, prepared_as_in_the_loop
-from lightning_efficient._validation import SettingRefused, require, require_int
+from lightning_efficient._validation import refuse_unless, require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.planner import BlockProfile
@@ -67,7 +67,7 @@ from lightning_efficient.autofit.model import (
     replan,
     search,
 )
-from lightning_efficient.autofit.token_mean import BatchTokenMean, StepTokenMean
+from lightning_efficient.autofit.token_mean import BatchTokenMean, StepTokenMean, is_heterogeneous, token_mean_taken_elsewhere
 from lightning_efficient.balance.probe import is_out_of_memory
 from lightning_efficient.memory import (
     ParameterStorages,
@@ -84,7 +84,6 @@ from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.optim.sharded import has_sharded_params
 from lightning_efficient.optim.twins import eight_bit_classes, find_twin, is_stateless, paged_refusal
 from lightning_efficient.resumable import load_pending_position
-from lightning_efficient.tokens.callback import SelectiveTokenLoss
 
 CONFIRM_ROUNDS = 3
 """Readings of picks beyond the measured micro-batch sizes, at most, each time the pick is checked (after the search,
@@ -116,12 +115,6 @@ def _info_lines_left_out(prefix: str) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(printed)
-
-
-def _refuse_unless(condition: bool, name: str, value: Any, allowed: str) -> None:
-    """Raise :class:`SettingRefused` naming the setting, its value and what this run allows unless ``condition``."""
-    if not condition:
-        raise SettingRefused(f"AutoFit: {name}={value!r} is not allowed: expected {allowed}.")
 
 
 def _trains_a_step(trainer: Trainer) -> bool:
@@ -318,7 +311,8 @@ class AutoFit(Callback):
         self.budget = budget
         self.margin = float(margin)
         self.search_micro_batch = search_micro_batch
-        self.micro_batches = None if micro_batches is None else list(micro_batches)
+        self.micro_batches = None if micro_batches is None else list(micro_batches)  # as given (said back so)
+        self._micro_batch_sizes = None if micro_batches is None else sorted(set(micro_batches))
         self.activation_policies = tuple(policies)
         self.optimizer_options = tuple(options)
         self.blocks = blocks
@@ -357,7 +351,7 @@ class AutoFit(Callback):
     def _settings(self) -> dict[str, Any]:
         user = self._user_optimizer  # a plan priced for its states is not reused without it (nor it for another)
         return {"precision": self._precision, "budget": self.budget, "margin": self.margin, "search_micro_batch": self.search_micro_batch,
-                "micro_batches": None if self.micro_batches is None else sorted(set(self.micro_batches)),
+                "micro_batches": self._micro_batch_sizes,
                 "activation_policies": list(self.activation_policies), "optimizer_options": list(self.optimizer_options),
                 "blocks": self.blocks, "min_8bit_size": self.min_8bit_size,
                 "optimizer_as_set": None if user is None else {"bits": user.bits, "paged": user.paged, "offload": user.offload,
@@ -557,7 +551,7 @@ class AutoFit(Callback):
         return plan
 
     def _heterogeneous(self, trainer: Trainer) -> bool:
-        return hasattr(trainer.strategy, "balancer")
+        return is_heterogeneous(trainer.strategy)
 
     def _samples_per_step(self, trainer: Trainer, loader: Any = None) -> int:
         """The global batch the user set (before AutoFit changes anything)."""
@@ -573,11 +567,11 @@ class AutoFit(Callback):
 
     def _allowed_micro_batches(self, per_rank: int, samples: int, heterogeneous: bool) -> list[int] | None:
         """The user's ``micro_batches`` the search can take (None: every size it allows), refused where none is."""
-        if self.micro_batches is None:
+        if self._micro_batch_sizes is None:
             return None
         limit = samples if heterogeneous else per_rank
-        allowed = sorted({m for m in self.micro_batches if m <= limit and (heterogeneous or per_rank % m == 0)})
-        _refuse_unless(bool(allowed), "micro_batches", self.micro_batches,
+        allowed = [m for m in self._micro_batch_sizes if m <= limit and (heterogeneous or per_rank % m == 0)]
+        refuse_unless(bool(allowed), "AutoFit", "micro_batches", self.micro_batches,
                        f"sizes up to the global batch of {samples} samples" if heterogeneous
                        else f"sizes dividing each rank's {per_rank} samples a step: {divisors(per_rank)}")
         return allowed
@@ -607,7 +601,7 @@ class AutoFit(Callback):
         if heterogeneous:
             per_rank = samples
             searched = resizable and self.search_micro_batch
-            _refuse_unless(searched or self.micro_batches is None, "micro_batches", self.micro_batches,
+            refuse_unless(searched or self.micro_batches is None, "AutoFit", "micro_batches", self.micro_batches,
                            "None for this DataLoader, whose micro-batches cannot be sized (its own batch_sampler, or a "
                            "dataset not drawn by index)")
             if strategy.max_micro_batch is not None:
@@ -625,7 +619,7 @@ class AutoFit(Callback):
                        else "it batches with its own batch_sampler" if loader.batch_size is None
                        else "its dataset cannot be drawn by index")
                 # (every rank alike: nothing measured yet)
-                _refuse_unless(self.micro_batches is None, "micro_batches", self.micro_batches,
+                refuse_unless(self.micro_batches is None, "AutoFit", "micro_batches", self.micro_batches,
                                f"None for this DataLoader, whose micro-batch AutoFit cannot choose: {why}")
                 notes.append("micro-batch kept at the DataLoader's: " + why)
         self._micro_searched = searched
@@ -981,8 +975,8 @@ class AutoFit(Callback):
                 # batch) is built again, at the plan's micro-batch, when the loop starts
                 trainer.fit_loop._combined_loader = None
                 self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
-                # (SelectiveTokenLoss's own normaliser does it; a StepTokenMean the user set does what this would)
-                if not any(isinstance(c, (SelectiveTokenLoss, StepTokenMean)) for c in trainer.callbacks):
+                # (a StepTokenMean the user set does what this would)
+                if not token_mean_taken_elsewhere(trainer) and not any(isinstance(c, StepTokenMean) for c in trainer.callbacks):
                     self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_scale)
                 _warn_of_batch_statistics(pl_module, current, mine.micro_batch)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))

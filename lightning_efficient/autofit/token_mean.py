@@ -149,10 +149,8 @@ class StepTokenMean(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Wrap the module's hooks for this fit (nothing under a heterogeneous strategy or beside SelectiveTokenLoss)."""
-        from lightning_efficient.tokens.callback import SelectiveTokenLoss
-
         scale, self._restored_scale = self._restored_scale, None
-        if hasattr(trainer.strategy, "balancer") or any(isinstance(c, SelectiveTokenLoss) for c in trainer.callbacks):
+        if is_heterogeneous(trainer.strategy) or token_mean_taken_elsewhere(trainer):
             return
         self._mean.install(trainer, pl_module, "one batch of each step's samples", scale, who="StepTokenMean")
 
@@ -180,6 +178,18 @@ class StepTokenMean(Callback):
             self._mean.normaliser.scale = scale
         else:
             self._restored_scale = scale
+
+
+def is_heterogeneous(strategy: Any) -> bool:
+    """Whether ``strategy`` is one of the heterogeneous strategies (which share each global batch by speed)."""
+    return hasattr(strategy, "balancer")
+
+
+def token_mean_taken_elsewhere(trainer: Trainer) -> bool:
+    """Whether a ``SelectiveTokenLoss`` among the trainer's callbacks makes each step's token mean itself."""
+    from lightning_efficient.tokens.callback import SelectiveTokenLoss
+
+    return any(isinstance(c, SelectiveTokenLoss) for c in trainer.callbacks)
 
 
 def _gradients_are_local_until_the_last_backward(trainer: Trainer) -> bool:

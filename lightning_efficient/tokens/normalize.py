@@ -220,16 +220,10 @@ class StepTokenNormaliser(_NotesBackward):
         factor, self.scale = self.scale / total, float(total)
         if factor == 1.0:
             return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads or not backward_ran:
-            # no backward ran this step (StochasticWeightAveraging's batch-norm epoch, which skips it): the gradients
-            # held, if any, are an earlier step's, which plain Lightning's optimizer steps with as they are
-            return
-        if all(type(g) is Tensor for g in grads):
-            torch._foreach_mul_(grads, factor)
-        else:  # DTensor gradients (FSDP2): one at a time
-            for grad in grads:
-                grad.mul_(factor)
+        # (where no backward ran this step, StochasticWeightAveraging's batch-norm epoch, the gradients held, if any, are
+        # an earlier step's, which plain Lightning's optimizer steps with as they are)
+        if backward_ran:
+            _multiply_gradients([optimizer], factor)
 
 
 class RankStepTokenMean(_NotesBackward):
@@ -301,9 +295,9 @@ class RankStepTokenMean(_NotesBackward):
         return self._watched(loss)
 
 
-def _multiply_gradients(optimizers: Iterable[torch.optim.Optimizer], factor: Tensor) -> None:
-    """Multiply every gradient the optimizers hold by the 0-dim ``factor``: one fused multiply per device and dtype
-    (the factor cast once for each), DTensor gradients (FSDP2) one at a time."""
+def _multiply_gradients(optimizers: Iterable[torch.optim.Optimizer], factor: Tensor | float) -> None:
+    """Multiply every gradient the optimizers hold by ``factor`` (a number, or a 0-dim tensor, cast once for each
+    device and dtype): one fused multiply per device and dtype, DTensor gradients (FSDP2) one at a time."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -311,7 +305,7 @@ def _multiply_gradients(optimizers: Iterable[torch.optim.Optimizer], factor: Ten
                 if p.grad is not None:
                     groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for (device, dtype), grads in groups.items():
-        cast = factor.to(device=device, dtype=dtype)
+        cast = factor.to(device=device, dtype=dtype) if isinstance(factor, Tensor) else factor
         plain = [g for g in grads if type(g) is Tensor]
         if plain:
             torch._foreach_mul_(plain, cast)
