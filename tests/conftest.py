@@ -22,6 +22,7 @@ SERIAL = (
     "activations/test_callback.py::test_auto_budget_infeasible_on_one_rank_fails_on_every_rank_with_the_numbers",
     "autofit/test_callback.py",
     "autofit/test_distributed.py",
+    "autofit/test_unfreeze.py",
     "balance/test_fsdp.py",
     "balance/test_identical_ranks.py",
     "balance/test_probe.py",

@@ -204,6 +204,23 @@ def _keep_still_fits(plan: FitPlan, profiles: list[RankProfile], margin: float) 
     return True
 
 
+def trainable_parameters(module: torch.nn.Module) -> tuple[int, int]:
+    """How many parameter tensors of ``module``, and how many elements, train now (``requires_grad``): whose gradients
+    and optimizer states a plan holds."""
+    training = [p for p in module.parameters() if p.requires_grad]
+    return len(training), sum(p.numel() for p in training)
+
+
+def _measuring_batches(strategy: Any, loader: Any) -> Any:
+    """``size -> batch`` for measuring steps: the first ``size`` samples of ``loader``'s dataset, or, where its samples
+    cannot be drawn by index, its first batch whatever the size (its samplers left as they were)."""
+    if can_resize(loader):
+        return lambda size: first_samples_batch(strategy, loader, size)
+    with samplers_left_as_they_were(loader):
+        first = prepared_as_in_the_loop(strategy, next(iter(loader)))
+    return lambda size: first
+
+
 def _users_loader(trainer: Trainer) -> Any:
     """The training DataLoader the fit's ``train_dataloader()`` returns, for AutoFit to read, with the random streams
     a draw in it moves put back (a review: a split drawn there moved Python's and NumPy's streams on)."""
@@ -236,7 +253,9 @@ class AutoFit(Callback):
     and prints the plan as a table with the predicted peak and tokens/s; after ``report_after_steps``
     optimizer steps it prints the measured figures beside the predictions, and if a measured peak is
     above its prediction it plans the block policies again with the margin widened by the difference,
-    and says so. The plan is saved in checkpoints; a resume with the same settings reuses it.
+    and says so. Where the parameters that train change (a ``BaseFinetuning`` callback unfreezing layers), it
+    measures again and plans the block policies again before that step. The plan is saved in checkpoints; a
+    resume with the same settings reuses it.
 
     What it sets: the micro-batch through the module's or datamodule's ``batch_size`` attribute (as
     Lightning's batch-size finder does) and ``trainer.accumulate_grad_batches`` so the global batch stays
@@ -346,6 +365,8 @@ class AutoFit(Callback):
         self._built_again = False  # the training DataLoader built before the plan was built again in on_fit_start
         self._last_build = StreamsAtTheLastBuild()
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
+        self._trainable_planned: tuple[int, int] | None = None  # trainable_parameters() the plan was made for
+        self._plans_by_trainable: dict[tuple[int, int], FitPlan] = {}  # this fit's plans, by what trained when made
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -437,7 +458,8 @@ class AutoFit(Callback):
         return {"settings": self._settings(), "plan": None if self._plan is None else self._plan.to_dict(),
                 "measured": self._measured,
                 # a resumed first step scales its token sums as the uninterrupted run's (the same rounding)
-                "step_token_scale": self._token_mean.normaliser.scale if self._token_mean.installed else None}
+                "step_token_scale": self._token_mean.normaliser.scale if self._token_mean.installed else None,
+                "trainable": None if self._trainable_planned is None else list(self._trainable_planned)}
 
     # -- planning -------------------------------------------------------------------------------
     @override
@@ -446,6 +468,7 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._plan = None  # a fit refused below shows no earlier fit's plan
+        self._trainable_planned, self._plans_by_trainable = None, {}
         self.planning_peak_bytes = 0
         self._measured, self._step_times, self._step_started = None, [], None
         self._measured_against = []
@@ -507,6 +530,10 @@ class AutoFit(Callback):
         self.planning_s = time.perf_counter() - started
         self.planning_peak_bytes = planning.read()
         self._plan = plan
+        # (a reused plan was made for the parameters that trained then: a BaseFinetuning callback may unfreeze after this)
+        saved_trainable = (restored or {}).get("trainable") if reused else None
+        self._trainable_planned = tuple(saved_trainable) if saved_trainable else trainable_parameters(pl_module)
+        self._plans_by_trainable[self._trainable_planned] = plan
         rank_zero_info(plan_table(plan) + f"\n  {'reused' if reused else 'planned'} in {self.planning_s:.2f} s"
                        + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
@@ -637,35 +664,15 @@ class AutoFit(Callback):
             sizes = (batch_size, batch_size)
             micro_batches = [batch_size]
             ladder = ()
-        if resizable:
-            first = None
-        else:
-            with samplers_left_as_they_were(loader):
-                first = prepared_as_in_the_loop(strategy, next(iter(loader)))
-
-        def batches(size: int) -> Any:
-            return first_samples_batch(strategy, loader, size) if first is None else first
-
+        batches = _measuring_batches(strategy, loader)
         blocks, fixed, policies = self._blocks(pl_module, notes)
         options = self._optimizer_specs(trainer, pl_module, notes)
-        rank = trainer.global_rank
-        profile, failure = None, None
-        exclude = ParameterStorages(pl_module).track()
-        try:
-            budget = rank_budget(self.budget, rank, world, pl_module.device, max(1, trainer.num_devices))
-            # the blocks the user fixed policies for are profiled now (their peak depends on them); the others once the
-            # search shows that their policies matter
-            measured = measure_rank(strategy, batches, sizes, meter=self._meter, options=options, exclude=exclude,
-                                    blocks=blocks if fixed is not None else [], policies=policies, budget_bytes=budget,
-                                    usable_bytes=int(budget * (1.0 - self.margin)),
-                                    fixed_policies=fixed, ladder=ladder)
-            measured.unmeasured_bytes = _ddp_bucket_bytes(strategy)
-            profile = measured.to_dict()
-        except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
-            failure = error
-        finally:
-            exclude.stop()
-        profiles = [RankProfile.from_dict(p) for p in gather_or_raise_together(profile, failure, "AutoFit could not measure")]
+        # the blocks the user fixed policies for are profiled now (their peak depends on them); the others once the
+        # search shows that their policies matter
+        profiles = self._every_ranks_profile(
+            trainer, batches, sizes, options=options, blocks=blocks if fixed is not None else [], policies=policies,
+            fixed=fixed, budget=lambda: rank_budget(self.budget, trainer.global_rank, world, pl_module.device, max(1, trainer.num_devices)),
+            margin=self.margin, ladder=ladder)
         if blocks and fixed is None:
             unprofiled = _Unprofiled(batches, blocks, policies)
             # every rank decides alike (from the gathered profiles); profiled now on a resume (its micro-batch must be kept,
@@ -745,6 +752,27 @@ class AutoFit(Callback):
                      "memory while measuring)" for rank, p in enumerate(self._profiles) if p.out_of_memory_at is not None)
         plan.notes.extend(notes)
         return plan
+
+    def _every_ranks_profile(self, trainer: Trainer, batches: Any, sizes: tuple[int, int], *, options: list[OptimizerSpec],
+                             blocks: list, policies: tuple[str, ...], fixed: list[str] | None, budget: Any, margin: float,
+                             ladder: tuple[int, ...] = (), failing: str = "AutoFit could not measure") -> list[RankProfile]:
+        """Every rank's :func:`~lightning_efficient.autofit.measure.measure_rank` (``budget``: this rank's, read inside, so
+        that a bad one raises on every rank together), gathered; a failure on any rank raises on every rank."""
+        strategy = trainer.strategy
+        profile, failure = None, None
+        exclude = ParameterStorages(strategy.lightning_module).track()
+        try:
+            mine = budget()
+            measured = measure_rank(strategy, batches, sizes, meter=self._meter, options=options, exclude=exclude, blocks=blocks,
+                                    policies=policies, budget_bytes=mine, usable_bytes=int(mine * (1.0 - margin)),
+                                    fixed_policies=fixed, ladder=ladder)
+            measured.unmeasured_bytes = _ddp_bucket_bytes(strategy)
+            profile = measured.to_dict()
+        except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
+            failure = error
+        finally:
+            exclude.stop()
+        return [RankProfile.from_dict(p) for p in gather_or_raise_together(profile, failure, failing)]
 
     def _with_blocks(self, profiles: list[RankProfile], strategy: Any, unprofiled: _Unprofiled, *,
                      mid_fit: bool = False) -> list[RankProfile] | None:
@@ -1100,6 +1128,11 @@ class AutoFit(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # at a step's first micro-batch (whose gradients Lightning sets to None next: measuring loses none)
+        if self._trainable_planned is not None and self._plan is not None and batch_idx % trainer.accumulate_grad_batches == 0:
+            trainable = trainable_parameters(pl_module)
+            if trainable != self._trainable_planned:
+                self._plan_for_what_trains_now(trainer, pl_module, trainable)
         self._scheduler_frequencies.before_batch(trainer, batch_idx)
         self._resumed_step_saved.before_batch(trainer)
         if self._step_started is None:
@@ -1193,6 +1226,76 @@ class AutoFit(Callback):
         rank_zero_info(f"{missed}; block policies planned again with margin {margin:.2f}:\n" + plan_table(again))
         self._switch_policies(list(again.ranks[trainer.global_rank].policies), trainer, pl_module)
         self._plan = again
+        if self._trainable_planned is not None:
+            self._plans_by_trainable[self._trainable_planned] = again
+
+    def _plan_for_what_trains_now(self, trainer: Trainer, pl_module: LightningModule, trainable: tuple[int, int]) -> None:
+        """Measure the run again and choose the block policies again: the parameters that train changed since the plan
+        was made (a ``BaseFinetuning`` callback unfroze layers, whose gradients, optimizer states and saved activations
+        the plan did not hold; or froze some). Every rank runs it before the same step (what trains changes on every
+        rank alike). As for a re-plan after a measured peak, the micro-batch and the optimizer states stay (changing them
+        mid-fit would change the data order and the states); where no block policies fit, those predicted to peak the
+        least are taken and a warning gives the figures. The measured figures are read again after
+        ``report_after_steps`` steps."""
+        plan = self._plan
+        assert plan is not None and self._meter is not None and self._trainable_planned is not None
+        planned, self._trainable_planned = self._trainable_planned, trainable
+        known = self._plans_by_trainable.get(trainable)
+        if known is not None:  # planned for these parameters earlier in this fit (a set frozen and unfrozen in turn)
+            self._plan = known
+            if self._user_activations is None:
+                self._switch_policies(list(known.ranks[trainer.global_rank].policies), trainer, pl_module)
+            return
+        changed = (f"AutoFit: {trainable[1]:,} parameters train now ({trainable[0]} tensors), {planned[1]:,} when the plan "
+                   f"was made ({planned[0]} tensors)")
+        strategy, rank = trainer.strategy, trainer.global_rank
+        notes: list[str] = []
+        blocks, fixed, policies = self._blocks(pl_module, notes)
+        # measured with every block kept, as before the first step (AutoFit's own policies are put back or changed below)
+        mine = self._activations if self._user_activations is None and self._activations in trainer.callbacks else None
+        if mine is not None:
+            mine._undo()
+        micro = plan.ranks[rank].micro_batch
+        optimizer = OptimizerSpec(plan.optimizer, lambda: list(strategy.optimizers), own=True)  # (its states as they are)
+        older = older_collections()
+        if pl_module.device.type != "cuda":
+            self._code_pages.snapshot()
+        try:
+            with random_streams_restored(pl_module.device), automatic_collection_paused():
+                profiles = self._every_ranks_profile(
+                    trainer, _measuring_batches(strategy, _users_loader(trainer)), (micro, micro), options=[optimizer],
+                    blocks=blocks, policies=policies, fixed=fixed, budget=lambda: plan.budgets[rank], margin=plan.margin,
+                    failing="AutoFit could not measure again")
+        finally:
+            self._release_what_measuring_left(older, pl_module.device)
+        self._profiles, self._unprofiled = profiles, None
+        try:
+            again = replan(plan, profiles, margin=plan.margin, policies=policies)
+            missed = ""
+        except BudgetTooSmall:
+            again = replan(plan, profiles, margin=plan.margin, policies=policies, leanest=True)
+            missed = "; ".join(f"rank {r}: {c.peak_bytes / 2**20:,.1f} MiB predicted, {b * (1 - plan.margin) / 2**20:,.1f} MiB usable"
+                               for r, (c, b) in enumerate(zip(again.ranks, again.budgets)) if c.peak_bytes > b * (1 - plan.margin))
+        # (the blocks were profiled now where there are any)
+        again.notes = [*(n for n in plan.notes if n != NOT_PROFILED or not blocks), *(n for n in notes if n not in plan.notes),
+                       f"measured and planned again at step {trainer.global_step}: {trainable[1]:,} parameters train, "
+                       f"{planned[1]:,} when planned (micro-batch and optimizer states kept)"]
+        if missed:
+            rank_zero_warn(f"{changed}. Measured again: no block policies fit at micro-batch(es) {plan.micro_batches} and "
+                           f"optimizer states {plan.optimizer} ({missed}); the fit goes on with the block policies predicted "
+                           f"to peak the least. For a plan that fits, give a larger budget, or fit with these parameters "
+                           f"trainable from the start for AutoFit to choose the micro-batch and optimizer states for them.")
+        rank_zero_info(f"{changed}: measured again at the plan's micro-batch; "
+                       + ("block policies planned again:" if self._user_activations is None else "block policies kept as set:")
+                       + "\n" + plan_table(again))
+        self._plan = self._plans_by_trainable[trainable] = again
+        if self._user_activations is None:
+            self._switch_policies(list(again.ranks[rank].policies), trainer, pl_module)
+        # (no gradients left on FSDP2's parameters, as after measuring before the first step; Lightning sets them to None
+        # before this step's backward in any case)
+        pl_module.zero_grad(set_to_none=True)
+        self._measured, self._step_times, self._step_started = None, [], None  # read again for this plan
+        self._meter.reset()
 
     def _switch_policies(self, policies: list[str], trainer: Trainer, pl_module: LightningModule) -> None:
         """This rank's blocks under ``policies`` from the next step on (mid-fit)."""

@@ -414,20 +414,31 @@ def blocks_matter(profiles: list[RankProfile], *, samples_per_step: int, heterog
     return kept.step_s > unlimited.step_s
 
 
-def replan(plan: FitPlan, profiles: list[RankProfile], *, margin: float, policies: tuple[str, ...]) -> FitPlan:
+def _leanest_choice(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...], margin: float) -> RankChoice:
+    """:func:`_leanest`, called as :func:`choose_rank` is (``margin`` unused: the least peak whatever the budget)."""
+    return _leanest(profile, micro, option, policies)
+
+
+def replan(plan: FitPlan, profiles: list[RankProfile], *, margin: float, policies: tuple[str, ...], leanest: bool = False) -> FitPlan:
     """``plan`` with the block policies chosen again for ``margin`` (what AutoFit does when a measured peak
-    is above its prediction): every rank keeps its micro-batch (its cap under the heterogeneous strategies)
-    and the plan's optimizer option. A pure function of every rank's profile: each rank computes the same plan.
+    is above its prediction, or when the parameters that train changed): every rank keeps its micro-batch (its cap
+    under the heterogeneous strategies) and the plan's optimizer option. ``leanest``: every rank's block policies
+    predicted to peak the least, whatever its budget (where none fit). A pure function of every rank's profile: each
+    rank computes the same plan.
 
     Raises:
-        BudgetTooSmall: when a rank's leanest block policies at its micro-batch miss its budget less ``margin``.
+        BudgetTooSmall: when a rank's leanest block policies at its micro-batch miss its budget less ``margin`` (not
+            with ``leanest``).
     """
     index = [o.name for o in profiles[0].options].index(plan.optimizer)
     options = [p.options[index] for p in profiles]
+    choose = _leanest_choice if leanest else choose_rank
     if plan.accumulation is None:
-        again = _pick(_heterogeneous(profiles, options, [[m] for m in plan.micro_batches], plan.samples_per_step, margin, policies))
+        again = _pick(_heterogeneous(profiles, options, [[m] for m in plan.micro_batches], plan.samples_per_step, margin, policies,
+                                     choose))
     else:
-        again = _pick(_uniform(profiles, options, plan.micro_batches[:1], plan.samples_per_step // len(profiles), margin, policies))
+        again = _pick(_uniform(profiles, options, plan.micro_batches[:1], plan.samples_per_step // len(profiles), margin, policies,
+                               choose))
     if again is None:
         raise BudgetTooSmall(f"AutoFit: with margin {margin:g} no block policies fit every rank's budget at micro-batches "
                              f"{plan.micro_batches} and optimizer states {plan.optimizer}")
@@ -471,13 +482,13 @@ def _tokens_per_s(profiles: list[RankProfile], samples: int, step_s: float) -> f
     return samples * tokens / max(step_s, 1e-12)
 
 
-def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> list[FitPlan]:
+def _uniform(profiles, options, micro_batches, per_rank, margin, policies, choose=choose_rank) -> list[FitPlan]:
     plans: list[FitPlan] = []
     for micro in micro_batches:
         if per_rank % micro:
             continue
         steps = per_rank // micro
-        chosen = [choose_rank(p, micro, o, policies, margin) for p, o in zip(profiles, options)]
+        chosen = [choose(p, micro, o, policies, margin) for p, o in zip(profiles, options)]
         if any(c is None for c in chosen):
             continue
         for c, o in zip(chosen, options):
@@ -489,12 +500,12 @@ def _uniform(profiles, options, micro_batches, per_rank, margin, policies) -> li
     return plans
 
 
-def _heterogeneous(profiles, options, micro_batches, samples, margin, policies) -> list[FitPlan]:
+def _heterogeneous(profiles, options, micro_batches, samples, margin, policies, choose=choose_rank) -> list[FitPlan]:
     """Each rank's fastest configuration among its own ``micro_batches[rank]`` (the largest cap among those within
     :data:`CLOSE` of the fastest), shares by speed: one plan, or none when a rank fits nothing."""
     chosen: list[RankChoice] = []
     for profile, option, allowed in zip(profiles, options, micro_batches):
-        fits = [c for c in (choose_rank(profile, micro, option, policies, margin) for micro in allowed) if c is not None]
+        fits = [c for c in (choose(profile, micro, option, policies, margin) for micro in allowed) if c is not None]
         if not fits:
             return []
         best = max(c.micro_batch / c.micro_step_s for c in fits)
