@@ -1,5 +1,5 @@
-"""Small torch helpers shared across the plugins: storage identity, device sync and timing, seeded orders, random
-streams put back."""
+"""Small torch helpers shared across the plugins: storage identity, what trains, device sync and timing, seeded orders,
+random streams put back."""
 
 from __future__ import annotations
 
@@ -16,6 +16,13 @@ from torch import Tensor
 def storage_key(tensor: Tensor) -> tuple[str, int]:
     """Identity of the storage behind ``tensor``: two views of one storage share it."""
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
+def trainable_parameters(module: torch.nn.Module) -> tuple[int, int]:
+    """How many parameter tensors of ``module``, and how many elements, train now (``requires_grad``): whose gradients,
+    optimizer states and saved activations a memory plan holds (a ``BaseFinetuning`` callback changes them mid-fit)."""
+    training = [p for p in module.parameters() if p.requires_grad]
+    return len(training), sum(p.numel() for p in training)
 
 
 def synchronize(device: torch.device | str | None) -> None:

@@ -5,6 +5,7 @@ from benchmarks.cases import (  # noqa: F401
     autofit,
     balance,
     demo,
+    finetune,
     optim,
     scale,
     tokens,

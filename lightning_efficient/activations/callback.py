@@ -14,6 +14,7 @@ from typing_extensions import override
 from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._samples import batch_samples
 from lightning_efficient._step import restored_run_state, step_loss
+from lightning_efficient._torch import trainable_parameters
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
@@ -113,6 +114,7 @@ class ActivationMemory(Callback):
         self._block_list: list[tuple[str, torch.nn.Module]] = []
         self._plan: list[str] | None = None
         self._rank_plans: list[dict[str, Any]] | None = None  # each rank's auto plan and its figures
+        self._trainable_planned: tuple[int, int] | None = None  # trainable_parameters() when auto profiled the blocks
         self._restored: dict[str, Any] | None = None
         self._disk: DiskOffload | None = None
         self._host: HostOffload | None = None
@@ -134,6 +136,7 @@ class ActivationMemory(Callback):
                 "parameters ready twice or never; use reentrant=False."
             )
         self._plan, self._rank_plans, self._plan_summary, self._profiles = None, None, None, []
+        self._trainable_planned = None
         self._closed_disk = None
         self._block_list = find_blocks(pl_module, self.blocks)
         self._take_over_transformers_checkpointing(pl_module)
@@ -192,6 +195,9 @@ class ActivationMemory(Callback):
                            "planning again on the first batch.")
             return None
         mine = plans[trainer.global_rank]
+        # (what trained when it was profiled: where other parameters train at a step, the blocks are profiled again)
+        self._trainable_planned = tuple(restored["trainable"]) if restored.get("trainable") else (
+            trainable_parameters(trainer.lightning_module))
         if mine.get("held_bytes") is not None:
             self._plan_summary = Plan(list(mine["policies"]), mine["held_bytes"], mine["cost_s"], mine["baseline_bytes"])
         self._rank_plans = [dict(p) for p in plans]
@@ -201,8 +207,20 @@ class ActivationMemory(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._plan is None and self.policy == ["auto"]:
+        if self.policy != ["auto"]:
+            return
+        # at a step's first micro-batch (whose gradients Lightning sets to None next: profiling loses none)
+        if self._plan is not None and self._trainable_planned is not None and batch_idx % trainer.accumulate_grad_batches == 0:
+            trainable = trainable_parameters(pl_module)
+            if trainable != self._trainable_planned:
+                # a BaseFinetuning callback unfroze blocks (which saved nothing for backward when profiled), or froze some
+                rank_zero_info(f"ActivationMemory: {trainable[1]:,} parameters train now, {self._trainable_planned[1]:,} "
+                               "when the blocks were profiled: profiling them again.")
+                self._unwrap_blocks()
+                self._plan = None
+        if self._plan is None:
             self._plan_automatically(trainer, pl_module, batch, batch_idx)
+            self._trainable_planned = trainable_parameters(pl_module)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -394,21 +412,26 @@ class ActivationMemory(Callback):
             "budget": self.budget,
             "auto_policies": list(self.auto_policies),
             "plans_by_rank": self._rank_plans,
+            "trainable": None if self._trainable_planned is None else list(self._trainable_planned),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict)
 
-    def _undo(self) -> None:
-        """Unwrap every block, stop disk offload (threads, files, directory), restore ``use_cache``."""
+    def _unwrap_blocks(self) -> None:
+        """Unwrap every block and restore the ``use_cache`` recomputing them turned off."""
         for _, block in self._block_list:
             unwrap_block(block)
-        if self._exclude is not None:
-            self._exclude.stop()
         for config in self._use_cache_off:
             config.use_cache = True
         self._use_cache_off = []
+
+    def _undo(self) -> None:
+        """Unwrap every block, stop disk offload (threads, files, directory), restore ``use_cache``."""
+        self._unwrap_blocks()
+        if self._exclude is not None:
+            self._exclude.stop()
         for module in self._transformers_checkpointing_off:
             module.gradient_checkpointing = True
         self._transformers_checkpointing_off = []

@@ -29,6 +29,7 @@ from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settin
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._step import first_samples_batch, prepared_as_in_the_loop
+from lightning_efficient._torch import trainable_parameters
 from lightning_efficient._validation import refuse_unless, require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
@@ -202,13 +203,6 @@ def _keep_still_fits(plan: FitPlan, profiles: list[RankProfile], margin: float) 
     except BudgetTooSmall:
         return False
     return True
-
-
-def trainable_parameters(module: torch.nn.Module) -> tuple[int, int]:
-    """How many parameter tensors of ``module``, and how many elements, train now (``requires_grad``): whose gradients
-    and optimizer states a plan holds."""
-    training = [p for p in module.parameters() if p.requires_grad]
-    return len(training), sum(p.numel() for p in training)
 
 
 def _measuring_batches(strategy: Any, loader: Any) -> Any:
@@ -1249,8 +1243,7 @@ class AutoFit(Callback):
         changed = (f"AutoFit: {trainable[1]:,} parameters train now ({trainable[0]} tensors), {planned[1]:,} when the plan "
                    f"was made ({planned[0]} tensors)")
         strategy, rank = trainer.strategy, trainer.global_rank
-        notes: list[str] = []
-        blocks, fixed, policies = self._blocks(pl_module, notes)
+        blocks, fixed, policies = self._blocks(pl_module, [])  # (the plan's notes say already whose they are)
         # measured with every block kept, as before the first step (AutoFit's own policies are put back or changed below)
         mine = self._activations if self._user_activations is None and self._activations in trainer.callbacks else None
         if mine is not None:
@@ -1277,7 +1270,7 @@ class AutoFit(Callback):
             missed = "; ".join(f"rank {r}: {c.peak_bytes / 2**20:,.1f} MiB predicted, {b * (1 - plan.margin) / 2**20:,.1f} MiB usable"
                                for r, (c, b) in enumerate(zip(again.ranks, again.budgets)) if c.peak_bytes > b * (1 - plan.margin))
         # (the blocks were profiled now where there are any)
-        again.notes = [*(n for n in plan.notes if n != NOT_PROFILED or not blocks), *(n for n in notes if n not in plan.notes),
+        again.notes = [*(n for n in plan.notes if n != NOT_PROFILED or not blocks),
                        f"measured and planned again at step {trainer.global_step}: {trainable[1]:,} parameters train, "
                        f"{planned[1]:,} when planned (micro-batch and optimizer states kept)"]
         if missed:

@@ -14,9 +14,10 @@ import lightning
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-from test_unfreeze import MODEL, FinetunedGPT, PlanPerEpoch, Unfreeze
+from test_unfreeze import PlanPerEpoch
 
 from lightning_efficient import AutoFit, CorpusDataModule, HeterogeneousDDPStrategy
+from tests.finetuning import MODEL, FinetunedGPT, Unfreeze
 
 
 class ShardedGPT(FinetunedGPT):

@@ -9,46 +9,14 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT
+from lightning_efficient import ActivationMemory, AutoFit
 from lightning_efficient.autofit.model import replan
 from tests.ddp import run_script
+from tests.finetuning import Unfreeze, assert_trained_alike, finetune
 
 MiB = 2**20
-#: long rows: the unfrozen blocks' activations (about 17 MiB each at 8 samples) are well above an RSS reading's spread
-MODEL = {"vocab_size": 512, "n_layers": 4, "d_model": 128, "n_heads": 2, "seq_len": 256, "tie_embeddings": False}
-
-
-class FinetunedGPT(DemoGPT):
-    """The demo GPT with an optimizer over what trains when the fit starts, as a finetuning set-up builds it."""
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
-
-
-class Unfreeze(BaseFinetuning):
-    """The embeddings and blocks frozen at the start, trained from epoch ``at``; ``refreeze_at``: frozen again there,
-    and trained again the epoch after (a set frozen and unfrozen in turn)."""
-
-    def __init__(self, at: int = 1, refreeze_at: int | None = None) -> None:
-        super().__init__()
-        self.at, self.refreeze_at = at, refreeze_at
-
-    @staticmethod
-    def backbone(pl_module):
-        return [pl_module.tok_emb, pl_module.pos_emb, pl_module.blocks]
-
-    def freeze_before_training(self, pl_module):
-        self.freeze(self.backbone(pl_module))
-
-    def finetune_function(self, pl_module, current_epoch, optimizer):
-        if current_epoch == self.at:
-            self.unfreeze_and_add_param_group(self.backbone(pl_module), optimizer)
-        elif current_epoch == self.refreeze_at:
-            self.freeze(self.backbone(pl_module), train_bn=True)
-        elif self.refreeze_at is not None and current_epoch == self.refreeze_at + 1:
-            self.make_trainable(self.backbone(pl_module))
 
 
 class PlanPerEpoch(lightning.Callback):
@@ -65,26 +33,9 @@ class PlanPerEpoch(lightning.Callback):
         self.applied.append(None if memory is None else list(memory.plan))
 
 
-def _finetune(data_kwargs, callbacks, *, epochs=2, unfreeze_at=1, refreeze_at=None, root=None, ckpt_path=None):
-    lightning.seed_everything(0)
-    model = FinetunedGPT(**MODEL)
-    data = CorpusDataModule(**{**data_kwargs, "batch_size": 8, "seq_len": MODEL["seq_len"]})
-    trainer = lightning.Trainer(accelerator="cpu", max_epochs=epochs, limit_train_batches=3, limit_val_batches=0, logger=False,
-                                enable_checkpointing=root is not None, default_root_dir=root, enable_progress_bar=False,
-                                enable_model_summary=False,
-                                callbacks=[Unfreeze(unfreeze_at, refreeze_at), *callbacks])
-    trainer.fit(model, data, ckpt_path=ckpt_path)
-    return trainer, model
-
-
-def _assert_trained_alike(model, reference, atol=0.0):
-    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=atol, msg=name)
-
-
 @pytest.fixture(scope="module")
 def plain(small_datamodule_kwargs):
-    return _finetune(small_datamodule_kwargs, [])[1]
+    return finetune(small_datamodule_kwargs, [])[1]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +43,7 @@ def unbounded(small_datamodule_kwargs):
     """A budget every plan fits: the AutoFit, its plans before and after the unfreeze, the fit's module."""
     fit = AutoFit(budget="8GiB", search_micro_batch=False, optimizer_options=["32-bit"], report_after_steps=1)
     seen = PlanPerEpoch(fit)
-    _, model = _finetune(small_datamodule_kwargs, [fit, seen])
+    _, model = finetune(small_datamodule_kwargs, [fit, seen])
     return fit, seen, model
 
 
@@ -111,7 +62,7 @@ def test_layers_unfrozen_while_the_fit_runs_are_measured_and_planned_for_and_the
     assert abs(figures["autofit_measured_peak_bytes"] / after.ranks[0].peak_bytes - 1) < 0.25
     assert figures["autofit_measured_peak_bytes"] > 2 * before.ranks[0].peak_bytes
     # measuring left nothing behind: the same parameters as plain Lightning's fit, to the bit
-    _assert_trained_alike(model, plain)
+    assert_trained_alike(model, plain)
     assert fit.state_dict()["trainable"] == [sum(1 for _ in model.parameters()), sum(p.numel() for p in model.parameters())]
 
 
@@ -126,7 +77,7 @@ def test_a_budget_every_frozen_block_kept_fits_gets_block_policies_when_the_bloc
     fit = AutoFit(budget=budget, search_micro_batch=False, optimizer_options=["32-bit"], activation_policies=["keep", "checkpoint"],
                   report_after_steps=1)
     seen = PlanPerEpoch(fit)
-    _, model = _finetune(small_datamodule_kwargs, [fit, seen])
+    _, model = finetune(small_datamodule_kwargs, [fit, seen])
     before, after = seen.plans
     assert all(p == "keep" for p in before.ranks[0].policies) and seen.applied[0] in (None, ["keep"] * 4)
     assert any(p != "keep" for p in after.ranks[0].policies)
@@ -134,13 +85,13 @@ def test_a_budget_every_frozen_block_kept_fits_gets_block_policies_when_the_bloc
     assert after.ranks[0].peak_bytes <= budget * 0.9
     assert fit.memory_figures()["autofit_measured_peak_bytes"] <= budget
     # recomputing a block gives the same numbers on CPU
-    _assert_trained_alike(model, plain, atol=1e-6)
+    assert_trained_alike(model, plain, atol=1e-6)
 
 
 def test_a_set_frozen_and_unfrozen_in_turn_is_measured_once(small_datamodule_kwargs, lightning_caplog):
     fit = AutoFit(budget="8GiB", search_micro_batch=False, optimizer_options=["32-bit"], activation_policies=["keep"])
     seen = PlanPerEpoch(fit)
-    _finetune(small_datamodule_kwargs, [fit, seen], epochs=4, refreeze_at=2)
+    finetune(small_datamodule_kwargs, [fit, seen], epochs=4, refreeze_at=2)
     frozen, unfrozen, frozen_again, unfrozen_again = seen.plans
     assert frozen_again is frozen and unfrozen_again is unfrozen and unfrozen is not frozen
     assert lightning_caplog.text.count("parameters train now") == 1
@@ -149,12 +100,12 @@ def test_a_set_frozen_and_unfrozen_in_turn_is_measured_once(small_datamodule_kwa
 def test_a_resume_measures_again_where_its_plan_was_made_for_other_parameters_than_train(small_datamodule_kwargs, tmp_path,
                                                                                        lightning_caplog):
     keep_every_epoch = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-    _finetune(small_datamodule_kwargs, [AutoFit(budget="8GiB", search_micro_batch=False), keep_every_epoch], root=tmp_path)
+    finetune(small_datamodule_kwargs, [AutoFit(budget="8GiB", search_micro_batch=False), keep_every_epoch], root=tmp_path)
     # epoch 0's checkpoint holds the plan made for the frozen backbone, epoch 1's the one made after the unfreeze; resumed
     # where nothing unfreezes, the backbone stays frozen (BaseFinetuning freezes it again on a resume, in plain Lightning too)
     for checkpoint, measured_again in (("epoch=0.ckpt", False), ("epoch=1.ckpt", True)):
         lightning_caplog.clear()
-        _finetune(small_datamodule_kwargs, [AutoFit(budget="8GiB", search_micro_batch=False)], epochs=3, unfreeze_at=5,
+        finetune(small_datamodule_kwargs, [AutoFit(budget="8GiB", search_micro_batch=False)], epochs=3, unfreeze_at=5,
                   ckpt_path=str(tmp_path / checkpoint))
         assert "the checkpoint's plan is reused" in lightning_caplog.text
         assert ("65,792 parameters train now" in lightning_caplog.text) == measured_again, checkpoint
