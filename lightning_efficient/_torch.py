@@ -4,9 +4,11 @@ random streams put back."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import time
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -18,11 +20,33 @@ def storage_key(tensor: Tensor) -> tuple[str, int]:
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
 
-def trainable_parameters(module: torch.nn.Module) -> tuple[int, int]:
-    """How many parameter tensors of ``module``, and how many elements, train now (``requires_grad``): whose gradients,
-    optimizer states and saved activations a memory plan holds (a ``BaseFinetuning`` callback changes them mid-fit)."""
-    training = [p for p in module.parameters() if p.requires_grad]
-    return len(training), sum(p.numel() for p in training)
+class Trainable(NamedTuple):
+    """Which parameters of a module train (``requires_grad``): what a memory plan's gradients, optimizer states and
+    saved activations were measured for. Two sets of the same size are told apart by their names' digest."""
+
+    tensors: int
+    elements: int
+    names_digest: str
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> Trainable:
+        """What trains in ``module`` now."""
+        training = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        digest = hashlib.sha1("\n".join(name for name, _ in training).encode()).hexdigest()
+        return cls(len(training), sum(p.numel() for _, p in training), digest)
+
+    @classmethod
+    def saved(cls, value: Any) -> Trainable | None:
+        """The set a checkpoint recorded (``list(trainable)``), or None where it recorded none or another form."""
+        return cls(*value) if isinstance(value, (list, tuple)) and len(value) == 3 else None
+
+    def changed_at_step_start(self, module: torch.nn.Module, batch_idx: int, accumulation: int) -> Trainable | None:
+        """What trains now where it is not this set and ``batch_idx`` starts an optimizer step (its first micro-batch,
+        whose gradients Lightning sets to None next: measuring there loses none); else None."""
+        if batch_idx % accumulation:
+            return None
+        now = Trainable.of(module)
+        return None if now == self else now
 
 
 def synchronize(device: torch.device | str | None) -> None:

@@ -15,6 +15,7 @@ import gc
 import os
 import resource
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -263,14 +264,19 @@ def device_peak_bytes(device: torch.device) -> int:
     return peak_rss_bytes()
 
 
+def _meters_of(device: torch.device) -> list[PeakMemory]:
+    """The open :class:`PeakMemory` meters reading ``device``'s peak (an indexed device)."""
+    return [m for m in list(_OPEN_METERS) if (m.device.type == "cuda") == (device.type == "cuda")
+            and (device.type != "cuda" or m.device == device)]
+
+
 def reset_peak(device: torch.device) -> bool:
     """Reset the device's peak (CUDA's peak allocation, else the process's peak RSS: Linux ``clear_refs``), first
     handing the peak it drops to every open :class:`PeakMemory` of that device, so that one reader's reset does not
     shorten another's window (AutoFit measuring inside a MemoryReport's training window, a benchmark's meter around
     AutoFit's planning); False where the peak RSS cannot be reset."""
     device = _indexed(device)
-    watching = [m for m in list(_OPEN_METERS) if (m.device.type == "cuda") == (device.type == "cuda")
-                and (device.type != "cuda" or m.device == device)]
+    watching = _meters_of(device)
     if watching:
         dropped = device_peak_bytes(device)
         for meter in watching:
@@ -284,6 +290,47 @@ def reset_peak(device: torch.device) -> bool:
         return True
     except OSError:
         return False
+
+
+_SECONDS_OUTSIDE_TRAINING = [0.0]
+
+
+def seconds_outside_training() -> float:
+    """The seconds this process has spent inside :func:`outside_training` so far (a step clock subtracts what passed
+    between its readings)."""
+    return _SECONDS_OUTSIDE_TRAINING[0]
+
+
+def _pack_as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def outside_training(device: torch.device) -> Iterator[None]:
+    """Leave what runs inside out of what the fit's meters count.
+
+    For work between training steps that is not training (AutoFit measuring again, ActivationMemory profiling again,
+    at a step's start mid-fit):
+
+    * every :class:`PeakMemory` open on ``device`` keeps the peak it had before and goes on from after it (a meter reset
+      inside reads from its own reset, less what ran before that reset);
+    * a saved-tensor count open around it (:class:`SavedTensorCounter`, :class:`MemoryReport`'s) does not see what
+      is saved inside: it is packed by hooks that keep the tensor as it is (counters opened inside count as usual);
+    * the seconds inside are added to :func:`seconds_outside_training`, which step clocks subtract.
+    """
+    device = _indexed(device)
+    watching = _meters_of(device)
+    before = {meter: (max(device_peak_bytes(device), meter.dropped_peak_bytes), meter.resets) for meter in watching}
+    started = time.perf_counter()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack_as_is, _pack_as_is):
+            yield
+    finally:
+        _SECONDS_OUTSIDE_TRAINING[0] += time.perf_counter() - started
+        reset_peak(device)
+        for meter, (peak, resets) in before.items():
+            if meter.resets == resets:  # (a meter reset inside keeps what it read since its reset)
+                meter.dropped_peak_bytes = peak
 
 
 def reset_peak_rss() -> bool:
@@ -409,6 +456,7 @@ class PeakMemory:
         self.device = _indexed(device)
         self.start_rss_bytes = start_rss_bytes
         self.dropped_peak_bytes = 0  # the highest peak another reset dropped since this meter's own reset
+        self.resets = 0  # how many times this meter was reset
 
     def reset(self, release: bool = True) -> None:
         """Start a new peak from what is held now (``release``: with freed memory handed back first; on CPU where
@@ -420,6 +468,7 @@ class PeakMemory:
             warnings.warn("PeakMemory: this system cannot reset the peak RSS (/proc/self/clear_refs): each reading is "
                           "the process's peak so far, not the peak since the reset", stacklevel=2)
         self.dropped_peak_bytes = 0
+        self.resets += 1
         _OPEN_METERS.add(self)
 
     def read(self) -> int:

@@ -28,6 +28,7 @@ from lightning_efficient.memory import (
     optimizer_state_bytes,
     parameter_bytes,
     peak_rss_bytes,
+    seconds_outside_training,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
 
@@ -166,6 +167,7 @@ class MemoryReport(Callback):
         self._tokens: list[int] = []
         self._samples: list[int] = []
         self._step_start = 0.0
+        self._outside_at_start = 0.0
         self._counter: SavedTensorCounter | None = None
         self._weights: ParameterStorages | None = None
         self._sampling = False
@@ -249,6 +251,7 @@ class MemoryReport(Callback):
             self._counter.__enter__()
         self._sync(pl_module)
         self._step_start = time.perf_counter()
+        self._outside_at_start = seconds_outside_training()
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
@@ -260,7 +263,9 @@ class MemoryReport(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._sync(pl_module)
-        self._step_times.append(time.perf_counter() - self._step_start)
+        # (less what callbacks after this one did at the step's start that is not training: AutoFit measuring again)
+        outside = seconds_outside_training() - self._outside_at_start
+        self._step_times.append(time.perf_counter() - self._step_start - outside)
         self._count_tokens(outputs, batch)
         if not self._sampling:
             return

@@ -44,15 +44,17 @@ class Unfreeze(BaseFinetuning):
             self.make_trainable(self.backbone(pl_module))
 
 
-def finetune(data_kwargs, callbacks, *, epochs=2, unfreeze_at=1, refreeze_at=None, root=None, ckpt_path=None):
-    """The finetuning fit (``Unfreeze``) with ``callbacks``, on one CPU device: its trainer and module."""
+def finetune(data_kwargs, callbacks, *, epochs=2, unfreeze_at=1, refreeze_at=None, root=None, ckpt_path=None, accumulate=1,
+             model_class=None):
+    """The finetuning fit (``Unfreeze``; ``unfreeze_at=None``: without it) with ``callbacks``, on one CPU device: its
+    trainer and module."""
     lightning.seed_everything(0)
-    model = FinetunedGPT(**MODEL)
+    model = (model_class or FinetunedGPT)(**MODEL)
     data = CorpusDataModule(**{**data_kwargs, "batch_size": 8, "seq_len": MODEL["seq_len"]})
     trainer = lightning.Trainer(accelerator="cpu", max_epochs=epochs, limit_train_batches=3, limit_val_batches=0, logger=False,
                                 enable_checkpointing=root is not None, default_root_dir=root, enable_progress_bar=False,
-                                enable_model_summary=False,
-                                callbacks=[Unfreeze(unfreeze_at, refreeze_at), *callbacks])
+                                enable_model_summary=False, accumulate_grad_batches=accumulate,
+                                callbacks=[*([] if unfreeze_at is None else [Unfreeze(unfreeze_at, refreeze_at)]), *callbacks])
     trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer, model
 

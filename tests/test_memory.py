@@ -89,6 +89,31 @@ def test_a_meter_reads_the_peak_since_its_own_reset_though_another_reset_the_pro
     assert outer.read() < 48 * 2**20
 
 
+
+def test_work_outside_training_is_left_out_of_the_meters_the_saved_tensor_counts_and_the_step_clocks_open_around_it():
+    release_free_memory()
+    outer = PeakMemory(torch.device("cpu"), start_rss_bytes=current_rss_bytes())
+    outer.reset(release=False)
+    kept = torch.ones(32 * 2**20 // 4)  # 32 MiB the window holds: in its peak
+    weight = torch.ones(256, 256, requires_grad=True)
+    seconds = memory.seconds_outside_training()
+    with SavedTensorCounter() as counted:
+        (weight * 2).sum().backward()  # saves nothing of its own (a scalar factor)
+        (weight * weight).sum().backward()  # saves the weight twice: one storage
+        before = counted.bytes
+        with memory.outside_training(torch.device("cpu")):
+            held = torch.ones(96 * 2**20 // 4)  # 96 MiB touched inside, then freed
+            (weight.exp() * weight).sum().backward()  # saved inside: not counted by the counter open around
+            del held
+            inside = PeakMemory(torch.device("cpu"), start_rss_bytes=current_rss_bytes())
+            inside.reset(release=False)  # a meter opened inside reads from its own reset
+    assert counted.bytes == before == 256 * 256 * 4
+    assert 30 * 2**20 <= outer.read() < 80 * 2**20  # the 32 MiB, not the 96 MiB inside
+    assert inside.read() < 48 * 2**20
+    assert memory.seconds_outside_training() > seconds
+    del kept
+
+
 _MKL_BUFFERS = """
 import ctypes, json, torch
 from lightning_efficient.memory import release_free_memory

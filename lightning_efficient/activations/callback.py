@@ -14,14 +14,14 @@ from typing_extensions import override
 from lightning_efficient._distributed import gather_or_raise_together
 from lightning_efficient._samples import batch_samples
 from lightning_efficient._step import restored_run_state, step_loss
-from lightning_efficient._torch import trainable_parameters
+from lightning_efficient._torch import Trainable
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
 from lightning_efficient.activations.planner import BlockProfile, Plan, parse_budget, plan_blocks
 from lightning_efficient.activations.policies import POLICIES, unwrap_block, wrap_block
 from lightning_efficient.activations.profile import profile_blocks
-from lightning_efficient.memory import ParameterStorages, SavedTensorCounter
+from lightning_efficient.memory import ParameterStorages, SavedTensorCounter, outside_training
 
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
 _RECOMPUTED = ("checkpoint", "selective")
@@ -114,7 +114,7 @@ class ActivationMemory(Callback):
         self._block_list: list[tuple[str, torch.nn.Module]] = []
         self._plan: list[str] | None = None
         self._rank_plans: list[dict[str, Any]] | None = None  # each rank's auto plan and its figures
-        self._trainable_planned: tuple[int, int] | None = None  # trainable_parameters() when auto profiled the blocks
+        self._trainable_planned: Trainable | None = None  # what trained when auto profiled the blocks
         self._restored: dict[str, Any] | None = None
         self._disk: DiskOffload | None = None
         self._host: HostOffload | None = None
@@ -196,8 +196,7 @@ class ActivationMemory(Callback):
             return None
         mine = plans[trainer.global_rank]
         # (what trained when it was profiled: where other parameters train at a step, the blocks are profiled again)
-        self._trainable_planned = tuple(restored["trainable"]) if restored.get("trainable") else (
-            trainable_parameters(trainer.lightning_module))
+        self._trainable_planned = Trainable.saved(restored.get("trainable")) or Trainable.of(trainer.lightning_module)
         if mine.get("held_bytes") is not None:
             self._plan_summary = Plan(list(mine["policies"]), mine["held_bytes"], mine["cost_s"], mine["baseline_bytes"])
         self._rank_plans = [dict(p) for p in plans]
@@ -209,18 +208,19 @@ class ActivationMemory(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.policy != ["auto"]:
             return
-        # at a step's first micro-batch (whose gradients Lightning sets to None next: profiling loses none)
-        if self._plan is not None and self._trainable_planned is not None and batch_idx % trainer.accumulate_grad_batches == 0:
-            trainable = trainable_parameters(pl_module)
-            if trainable != self._trainable_planned:
-                # a BaseFinetuning callback unfroze blocks (which saved nothing for backward when profiled), or froze some
-                rank_zero_info(f"ActivationMemory: {trainable[1]:,} parameters train now, {self._trainable_planned[1]:,} "
-                               "when the blocks were profiled: profiling them again.")
+        if self._plan is not None and self._trainable_planned is not None:
+            trainable = self._trainable_planned.changed_at_step_start(pl_module, batch_idx, trainer.accumulate_grad_batches)
+            if trainable is not None:
+                # a BaseFinetuning callback unfroze blocks (which saved nothing for backward when profiled), or froze some;
+                # every rank must change what trains at the same step (it does): every rank profiles there, together
+                rank_zero_info(f"ActivationMemory: {trainable.elements:,} parameters train now, "
+                               f"{self._trainable_planned.elements:,} when the blocks were profiled: profiling them again.")
                 self._unwrap_blocks()
                 self._plan = None
         if self._plan is None:
-            self._plan_automatically(trainer, pl_module, batch, batch_idx)
-            self._trainable_planned = trainable_parameters(pl_module)
+            with outside_training(pl_module.device):  # (not this step's work for a MemoryReport's counts)
+                self._plan_automatically(trainer, pl_module, batch, batch_idx)
+            self._trainable_planned = Trainable.of(pl_module)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -21,6 +21,7 @@ from lightning.pytorch.loops.utilities import _is_max_limit_reached
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
@@ -29,7 +30,7 @@ from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settin
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._step import first_samples_batch, prepared_as_in_the_loop
-from lightning_efficient._torch import trainable_parameters
+from lightning_efficient._torch import Trainable
 from lightning_efficient._validation import refuse_unless, require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
@@ -78,6 +79,7 @@ from lightning_efficient.memory import (
     fit_start_rss_bytes,
     is_fsdp2,
     older_collections,
+    outside_training,
     release_free_memory,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
@@ -203,6 +205,17 @@ def _keep_still_fits(plan: FitPlan, profiles: list[RankProfile], margin: float) 
     except BudgetTooSmall:
         return False
     return True
+
+
+def _warn_if_ddp_leaves_them_unsynchronised(trainer: Trainer, planned: Trainable, now: Trainable) -> None:
+    """Warn where more parameters train under torch's DDP than before: DDP synchronises the gradients of
+    those that required them when it wrapped the module, and no others (plain Lightning's too: a new test's backbone,
+    unfrozen at epoch 1, was 6e-4 apart on two ranks after three steps)."""
+    if now.elements > planned.elements and isinstance(getattr(trainer.strategy, "model", None), DistributedDataParallel):
+        rank_zero_warn("AutoFit: more parameters train now than before, under DDP: torch's "
+                       "DistributedDataParallel averages the gradients only of the parameters that trained when it wrapped the "
+                       "module, so the ranks' copies of the others drift apart (in plain Lightning too). Unfreeze them before "
+                       "the fit, or use FSDP2 (ModelParallelStrategy), whose ranks stay in step.")
 
 
 def _measuring_batches(strategy: Any, loader: Any) -> Any:
@@ -359,8 +372,7 @@ class AutoFit(Callback):
         self._built_again = False  # the training DataLoader built before the plan was built again in on_fit_start
         self._last_build = StreamsAtTheLastBuild()
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
-        self._trainable_planned: tuple[int, int] | None = None  # trainable_parameters() the plan was made for
-        self._plans_by_trainable: dict[tuple[int, int], FitPlan] = {}  # this fit's plans, by what trained when made
+        self._trainable_planned: Trainable | None = None  # what trained when the plan was made
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -462,7 +474,7 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._plan = None  # a fit refused below shows no earlier fit's plan
-        self._trainable_planned, self._plans_by_trainable = None, {}
+        self._trainable_planned = None
         self.planning_peak_bytes = 0
         self._measured, self._step_times, self._step_started = None, [], None
         self._measured_against = []
@@ -525,9 +537,7 @@ class AutoFit(Callback):
         self.planning_peak_bytes = planning.read()
         self._plan = plan
         # (a reused plan was made for the parameters that trained then: a BaseFinetuning callback may unfreeze after this)
-        saved_trainable = (restored or {}).get("trainable") if reused else None
-        self._trainable_planned = tuple(saved_trainable) if saved_trainable else trainable_parameters(pl_module)
-        self._plans_by_trainable[self._trainable_planned] = plan
+        self._trainable_planned = (Trainable.saved((restored or {}).get("trainable")) if reused else None) or Trainable.of(pl_module)
         rank_zero_info(plan_table(plan) + f"\n  {'reused' if reused else 'planned'} in {self.planning_s:.2f} s"
                        + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
@@ -568,6 +578,11 @@ class AutoFit(Callback):
             return None
         if len(plan.ranks) != trainer.world_size:
             rank_zero_info(f"AutoFit: the checkpoint's plan is for {len(plan.ranks)} ranks, not {trainer.world_size}; planning again.")
+            return None
+        then, now = Trainable.saved(restored.get("trainable")), Trainable.of(trainer.lightning_module)
+        if then is not None and then != now:  # (a BaseFinetuning callback's unfrozen layers, frozen again by its resume)
+            rank_zero_info(f"AutoFit: the checkpoint's plan was made while {then.elements:,} parameters trained, "
+                           f"{now.elements:,} now; planning again.")
             return None
         return plan
 
@@ -1122,10 +1137,9 @@ class AutoFit(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        # at a step's first micro-batch (whose gradients Lightning sets to None next: measuring loses none)
-        if self._trainable_planned is not None and self._plan is not None and batch_idx % trainer.accumulate_grad_batches == 0:
-            trainable = trainable_parameters(pl_module)
-            if trainable != self._trainable_planned:
+        if self._trainable_planned is not None and self._plan is not None:
+            trainable = self._trainable_planned.changed_at_step_start(pl_module, batch_idx, trainer.accumulate_grad_batches)
+            if trainable is not None:
                 self._plan_for_what_trains_now(trainer, pl_module, trainable)
         self._scheduler_frequencies.before_batch(trainer, batch_idx)
         self._resumed_step_saved.before_batch(trainer)
@@ -1180,13 +1194,12 @@ class AutoFit(Callback):
             older = older_collections()
             if pl_module.device.type != "cuda":
                 self._code_pages.snapshot()
-            try:
-                with random_streams_restored(pl_module.device), automatic_collection_paused():
-                    profiled = self._with_blocks(self._profiles, trainer.strategy, unprofiled, mid_fit=True)
-            finally:
-                self._code_pages.release_touched()
-                collect_garbage_made_since(older)
-                release_free_memory(pl_module.device)
+            with outside_training(pl_module.device):
+                try:
+                    with random_streams_restored(pl_module.device), automatic_collection_paused():
+                        profiled = self._with_blocks(self._profiles, trainer.strategy, unprofiled, mid_fit=True)
+                finally:
+                    self._release_what_measuring_left(older, pl_module.device)
             if profiled is None:
                 return
             self._profiles = profiled
@@ -1220,28 +1233,25 @@ class AutoFit(Callback):
         rank_zero_info(f"{missed}; block policies planned again with margin {margin:.2f}:\n" + plan_table(again))
         self._switch_policies(list(again.ranks[trainer.global_rank].policies), trainer, pl_module)
         self._plan = again
-        if self._trainable_planned is not None:
-            self._plans_by_trainable[self._trainable_planned] = again
 
-    def _plan_for_what_trains_now(self, trainer: Trainer, pl_module: LightningModule, trainable: tuple[int, int]) -> None:
+    def _plan_for_what_trains_now(self, trainer: Trainer, pl_module: LightningModule, trainable: Trainable) -> None:
         """Measure the run again and choose the block policies again: the parameters that train changed since the plan
         was made (a ``BaseFinetuning`` callback unfroze layers, whose gradients, optimizer states and saved activations
-        the plan did not hold; or froze some). Every rank runs it before the same step (what trains changes on every
-        rank alike). As for a re-plan after a measured peak, the micro-batch and the optimizer states stay (changing them
-        mid-fit would change the data order and the states); where no block policies fit, those predicted to peak the
-        least are taken and a warning gives the figures. The measured figures are read again after
-        ``report_after_steps`` steps."""
+        the plan did not hold; or froze some). Every rank must change what trains at the same step (a
+        ``BaseFinetuning`` callback does): every rank measures there, together. As for a re-plan after a measured peak,
+        the micro-batch and the optimizer states stay (changing them mid-fit would change the data order and the
+        states); where no block policies fit on a rank, that rank takes those predicted to peak the least and a warning
+        gives the figures; where measuring fails (out of memory), the plan stays, with a warning. A set trained before in
+        this fit is measured again too (the optimizer may hold states it did not then). The measured figures are read
+        again after
+        ``report_after_steps`` steps; what measuring holds and takes is left out of the fit's meters
+        (:func:`~lightning_efficient.memory.outside_training`)."""
         plan = self._plan
         assert plan is not None and self._meter is not None and self._trainable_planned is not None
         planned, self._trainable_planned = self._trainable_planned, trainable
-        known = self._plans_by_trainable.get(trainable)
-        if known is not None:  # planned for these parameters earlier in this fit (a set frozen and unfrozen in turn)
-            self._plan = known
-            if self._user_activations is None:
-                self._switch_policies(list(known.ranks[trainer.global_rank].policies), trainer, pl_module)
-            return
-        changed = (f"AutoFit: {trainable[1]:,} parameters train now ({trainable[0]} tensors), {planned[1]:,} when the plan "
-                   f"was made ({planned[0]} tensors)")
+        changed = (f"AutoFit: {trainable.elements:,} parameters train now ({trainable.tensors} tensors), "
+                   f"{planned.elements:,} when the plan was made ({planned.tensors} tensors)")
+        _warn_if_ddp_leaves_them_unsynchronised(trainer, planned, trainable)
         strategy, rank = trainer.strategy, trainer.global_rank
         blocks, fixed, policies = self._blocks(pl_module, [])  # (the plan's notes say already whose they are)
         # measured with every block kept, as before the first step (AutoFit's own policies are put back or changed below)
@@ -1254,14 +1264,23 @@ class AutoFit(Callback):
         if pl_module.device.type != "cuda":
             self._code_pages.snapshot()
         try:
-            with random_streams_restored(pl_module.device), automatic_collection_paused():
-                profiles = self._every_ranks_profile(
-                    trainer, _measuring_batches(strategy, _users_loader(trainer)), (micro, micro), options=[optimizer],
-                    blocks=blocks, policies=policies, fixed=fixed, budget=lambda: plan.budgets[rank], margin=plan.margin,
-                    failing="AutoFit could not measure again")
-        finally:
-            self._release_what_measuring_left(older, pl_module.device)
-        self._profiles, self._unprofiled = profiles, None
+            with outside_training(pl_module.device), random_streams_restored(pl_module.device), automatic_collection_paused():
+                try:
+                    profiles = self._every_ranks_profile(
+                        trainer, _measuring_batches(strategy, _users_loader(trainer)), (micro, micro), options=[optimizer],
+                        blocks=blocks, policies=policies, fixed=fixed, budget=lambda: plan.budgets[rank], margin=plan.margin,
+                        failing="AutoFit could not measure again")
+                finally:
+                    self._release_what_measuring_left(older, pl_module.device)
+        except RuntimeError as error:  # every rank gets it (gathered, naming each rank's error): each keeps the plan
+            if not is_out_of_memory(error):
+                raise
+            free_what_running_out_left(pl_module.device)
+            rank_zero_warn(f"{changed}. Measuring them ran out of memory ({error}); the plan stays as it was, which was "
+                           "not measured for these parameters. For a plan that fits, fit with them trainable from the start "
+                           "or give a larger budget.")
+            self._take_plan(plan, self._profiles, trainer, pl_module)
+            return
         try:
             again = replan(plan, profiles, margin=plan.margin, policies=policies)
             missed = ""
@@ -1271,23 +1290,33 @@ class AutoFit(Callback):
                                for r, (c, b) in enumerate(zip(again.ranks, again.budgets)) if c.peak_bytes > b * (1 - plan.margin))
         # (the blocks were profiled now where there are any)
         again.notes = [*(n for n in plan.notes if n != NOT_PROFILED or not blocks),
-                       f"measured and planned again at step {trainer.global_step}: {trainable[1]:,} parameters train, "
-                       f"{planned[1]:,} when planned (micro-batch and optimizer states kept)"]
+                       f"measured and planned again at step {trainer.global_step}: {trainable.elements:,} parameters train, "
+                       f"{planned.elements:,} when planned (micro-batch and optimizer states kept)"]
         if missed:
+            then = ("the fit goes on with the block policies predicted to peak the least" if self._user_activations is None
+                    else "the fit goes on with your ActivationMemory's block policies")
             rank_zero_warn(f"{changed}. Measured again: no block policies fit at micro-batch(es) {plan.micro_batches} and "
-                           f"optimizer states {plan.optimizer} ({missed}); the fit goes on with the block policies predicted "
-                           f"to peak the least. For a plan that fits, give a larger budget, or fit with these parameters "
-                           f"trainable from the start for AutoFit to choose the micro-batch and optimizer states for them.")
+                           f"optimizer states {plan.optimizer} ({missed}); {then}. For a plan that fits, give a larger "
+                           "budget, or fit with these parameters trainable from the start for AutoFit to choose the "
+                           "micro-batch and optimizer states for them.")
         rank_zero_info(f"{changed}: measured again at the plan's micro-batch; "
                        + ("block policies planned again:" if self._user_activations is None else "block policies kept as set:")
                        + "\n" + plan_table(again))
-        self._plan = self._plans_by_trainable[trainable] = again
-        if self._user_activations is None:
-            self._switch_policies(list(again.ranks[rank].policies), trainer, pl_module)
+        self._take_plan(again, profiles, trainer, pl_module)
         # (no gradients left on FSDP2's parameters, as after measuring before the first step; Lightning sets them to None
         # before this step's backward in any case)
         pl_module.zero_grad(set_to_none=True)
-        self._measured, self._step_times, self._step_started = None, [], None  # read again for this plan
+
+    def _take_plan(self, plan: FitPlan, profiles: list[RankProfile], trainer: Trainer, pl_module: LightningModule) -> None:
+        """``plan`` (made from ``profiles``) from this step on: this rank's block policies applied where AutoFit sets
+        them, the measured figures read again for it after ``report_after_steps`` steps."""
+        assert self._meter is not None
+        self._plan, self._profiles, self._unprofiled = plan, profiles, None
+        policies = list(plan.ranks[trainer.global_rank].policies)
+        if self._user_activations is None and (self._activations is None or self._activations.plan != policies
+                                               or self._activations not in trainer.callbacks):
+            self._switch_policies(policies, trainer, pl_module)
+        self._measured, self._step_times, self._step_started, self._measured_against = None, [], None, []
         self._meter.reset()
 
     def _switch_policies(self, policies: list[str], trainer: Trainer, pl_module: LightningModule) -> None:

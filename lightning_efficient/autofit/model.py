@@ -414,17 +414,17 @@ def blocks_matter(profiles: list[RankProfile], *, samples_per_step: int, heterog
     return kept.step_s > unlimited.step_s
 
 
-def _leanest_choice(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...], margin: float) -> RankChoice:
-    """:func:`_leanest`, called as :func:`choose_rank` is (``margin`` unused: the least peak whatever the budget)."""
-    return _leanest(profile, micro, option, policies)
+def _fitting_or_leanest(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...], margin: float) -> RankChoice:
+    """:func:`choose_rank`'s choice, or where nothing fits the budget less ``margin``, :func:`_leanest`'s (the least peak)."""
+    return choose_rank(profile, micro, option, policies, margin) or _leanest(profile, micro, option, policies)
 
 
 def replan(plan: FitPlan, profiles: list[RankProfile], *, margin: float, policies: tuple[str, ...], leanest: bool = False) -> FitPlan:
     """``plan`` with the block policies chosen again for ``margin`` (what AutoFit does when a measured peak
     is above its prediction, or when the parameters that train changed): every rank keeps its micro-batch (its cap
-    under the heterogeneous strategies) and the plan's optimizer option. ``leanest``: every rank's block policies
-    predicted to peak the least, whatever its budget (where none fit). A pure function of every rank's profile: each
-    rank computes the same plan.
+    under the heterogeneous strategies) and the plan's optimizer option. ``leanest``: a rank where no block policies fit
+    takes those predicted to peak the least (the others choose as without it). A pure function of every rank's
+    profile: each rank computes the same plan.
 
     Raises:
         BudgetTooSmall: when a rank's leanest block policies at its micro-batch miss its budget less ``margin`` (not
@@ -432,7 +432,7 @@ def replan(plan: FitPlan, profiles: list[RankProfile], *, margin: float, policie
     """
     index = [o.name for o in profiles[0].options].index(plan.optimizer)
     options = [p.options[index] for p in profiles]
-    choose = _leanest_choice if leanest else choose_rank
+    choose = _fitting_or_leanest if leanest else choose_rank
     if plan.accumulation is None:
         again = _pick(_heterogeneous(profiles, options, [[m] for m in plan.micro_batches], plan.samples_per_step, margin, policies,
                                      choose))

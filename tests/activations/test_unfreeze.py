@@ -5,8 +5,10 @@ before the next step, against plain Lightning's same fit."""
 from __future__ import annotations
 
 import lightning
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_efficient import ActivationMemory
+from lightning_efficient._torch import Trainable
 from tests.finetuning import assert_trained_alike, finetune
 
 MiB = 2**20
@@ -37,6 +39,21 @@ def test_auto_profiles_the_blocks_again_when_they_unfreeze_and_keeps_its_budget_
     # unfrozen, they were profiled again and the plan keeps the budget
     assert all(p.held_bytes["keep"] > 8 * MiB for p in profiles)
     assert summary.baseline_bytes > budget >= summary.held_bytes and "checkpoint" in unfrozen
-    assert memory.state_dict()["trainable"] == [sum(1 for _ in model.parameters()), sum(p.numel() for p in model.parameters())]
+    assert memory.state_dict()["trainable"] == list(Trainable.of(model))
     # recomputing a block gives the same numbers on CPU
     assert_trained_alike(model, plain, atol=1e-6)
+
+
+def test_a_restored_auto_plan_made_for_other_parameters_than_train_is_profiled_again(small_datamodule_kwargs, tmp_path,
+                                                                                     lightning_caplog):
+    keep_every_epoch = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    budget = 24 * MiB
+    finetune(small_datamodule_kwargs, [ActivationMemory(policy="auto", budget=budget), keep_every_epoch], root=tmp_path)
+    # epoch 0's plan was profiled with the backbone frozen, epoch 1's after the unfreeze; resumed where nothing unfreezes,
+    # the backbone stays frozen (BaseFinetuning freezes it again on a resume)
+    for checkpoint, profiled_again in (("epoch=0.ckpt", False), ("epoch=1.ckpt", True)):
+        lightning_caplog.clear()
+        finetune(small_datamodule_kwargs, [ActivationMemory(policy="auto", budget=budget)], epochs=3, unfreeze_at=5,
+                 ckpt_path=str(tmp_path / checkpoint))
+        assert "the checkpoint's auto plan is restored" in lightning_caplog.text
+        assert ("profiling them again" in lightning_caplog.text) == profiled_again, checkpoint
