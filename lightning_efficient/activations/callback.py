@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_efficient._distributed import gather_or_raise_together
+from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._samples import batch_samples
 from lightning_efficient._step import restored_run_state, step_loss
 from lightning_efficient._torch import Trainable
@@ -115,6 +115,7 @@ class ActivationMemory(Callback):
         self._plan: list[str] | None = None
         self._rank_plans: list[dict[str, Any]] | None = None  # each rank's auto plan and its figures
         self._trainable_planned: Trainable | None = None  # what trained when auto profiled the blocks
+        self._auto_plans: dict[Trainable, dict[str, Any]] = {}  # this fit's auto plans, by what trained when profiled
         self._restored: dict[str, Any] | None = None
         self._disk: DiskOffload | None = None
         self._host: HostOffload | None = None
@@ -136,7 +137,7 @@ class ActivationMemory(Callback):
                 "parameters ready twice or never; use reentrant=False."
             )
         self._plan, self._rank_plans, self._plan_summary, self._profiles = None, None, None, []
-        self._trainable_planned = None
+        self._trainable_planned, self._auto_plans = None, {}
         self._closed_disk = None
         self._block_list = find_blocks(pl_module, self.blocks)
         self._take_over_transformers_checkpointing(pl_module)
@@ -213,14 +214,25 @@ class ActivationMemory(Callback):
             if trainable is not None:
                 # a BaseFinetuning callback unfroze blocks (which saved nothing for backward when profiled), or froze some;
                 # every rank must change what trains at the same step (it does): every rank profiles there, together
-                rank_zero_info(f"ActivationMemory: {trainable.elements:,} parameters train now, "
-                               f"{self._trainable_planned.elements:,} when the blocks were profiled: profiling them again.")
+                changed = (f"ActivationMemory: {trainable.elements:,} parameters train now, "
+                           f"{self._trainable_planned.elements:,} when the blocks were profiled")
                 self._unwrap_blocks()
                 self._plan = None
+                known = self._auto_plans.get(trainable)
+                if all(gather_objects(known is not None)):  # (every rank alike: where one would profile, every rank does)
+                    assert known is not None
+                    rank_zero_info(f"{changed}: profiled for these earlier in this fit, that plan is taken back.")
+                    self._profiles, self._plan_summary, self._rank_plans = known["profiles"], known["summary"], known["rank_plans"]
+                    self._apply(list(known["policies"]), pl_module)
+                    self._trainable_planned = trainable
+                    return
+                rank_zero_info(f"{changed}: profiling them again.")
         if self._plan is None:
             with outside_training(pl_module.device):  # (not this step's work for a MemoryReport's counts)
                 self._plan_automatically(trainer, pl_module, batch, batch_idx)
             self._trainable_planned = Trainable.of(pl_module)
+            self._auto_plans[self._trainable_planned] = {"policies": list(self._plan), "summary": self._plan_summary,
+                                                         "rank_plans": self._rank_plans, "profiles": self._profiles}
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

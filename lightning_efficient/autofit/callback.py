@@ -79,6 +79,7 @@ from lightning_efficient.memory import (
     fit_start_rss_bytes,
     is_fsdp2,
     older_collections,
+    optimizer_state_bytes,
     outside_training,
     release_free_memory,
 )
@@ -205,6 +206,15 @@ def _keep_still_fits(plan: FitPlan, profiles: list[RankProfile], margin: float) 
     except BudgetTooSmall:
         return False
     return True
+
+
+_MEASURED_AGAIN = "measured and planned again at step"
+"""How the note of a plan made mid-fit for other trainable parameters starts."""
+
+
+def _held_state_bytes(trainer: Trainer) -> int:
+    """The bytes the fit's optimizers hold in states now (this rank's)."""
+    return sum(optimizer_state_bytes(o) for o in trainer.strategy.optimizers)
 
 
 def _warn_if_ddp_leaves_them_unsynchronised(trainer: Trainer, planned: Trainable, now: Trainable) -> None:
@@ -373,6 +383,8 @@ class AutoFit(Callback):
         self._last_build = StreamsAtTheLastBuild()
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
         self._trainable_planned: Trainable | None = None  # what trained when the plan was made
+        # this fit's plans and the profiles they were made from, by what trained and the optimizer state bytes held then
+        self._plans_by_what_trains: dict[tuple[Trainable, int], tuple[FitPlan, list[RankProfile]]] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -474,7 +486,7 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._plan = None  # a fit refused below shows no earlier fit's plan
-        self._trainable_planned = None
+        self._trainable_planned, self._plans_by_what_trains = None, {}
         self.planning_peak_bytes = 0
         self._measured, self._step_times, self._step_started = None, [], None
         self._measured_against = []
@@ -538,6 +550,7 @@ class AutoFit(Callback):
         self._plan = plan
         # (a reused plan was made for the parameters that trained then: a BaseFinetuning callback may unfreeze after this)
         self._trainable_planned = (Trainable.saved((restored or {}).get("trainable")) if reused else None) or Trainable.of(pl_module)
+        self._plans_by_what_trains[(self._trainable_planned, _held_state_bytes(trainer))] = (plan, self._profiles)
         rank_zero_info(plan_table(plan) + f"\n  {'reused' if reused else 'planned'} in {self.planning_s:.2f} s"
                        + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
@@ -1241,9 +1254,10 @@ class AutoFit(Callback):
         ``BaseFinetuning`` callback does): every rank measures there, together. As for a re-plan after a measured peak,
         the micro-batch and the optimizer states stay (changing them mid-fit would change the data order and the
         states); where no block policies fit on a rank, that rank takes those predicted to peak the least and a warning
-        gives the figures; where measuring fails (out of memory), the plan stays, with a warning. A set trained before in
-        this fit is measured again too (the optimizer may hold states it did not then). The measured figures are read
-        again after
+        gives the figures; where measuring fails (out of memory), the plan stays, with a warning. A set planned for
+        earlier in this fit, with the optimizer holding as many state bytes as then, takes that plan back unmeasured (a
+        set frozen and unfrozen in turn); where the optimizer holds more (states of parameters trained since), it is
+        measured again. The measured figures are read again after
         ``report_after_steps`` steps; what measuring holds and takes is left out of the fit's meters
         (:func:`~lightning_efficient.memory.outside_training`)."""
         plan = self._plan
@@ -1252,6 +1266,14 @@ class AutoFit(Callback):
         changed = (f"AutoFit: {trainable.elements:,} parameters train now ({trainable.tensors} tensors), "
                    f"{planned.elements:,} when the plan was made ({planned.tensors} tensors)")
         _warn_if_ddp_leaves_them_unsynchronised(trainer, planned, trainable)
+        key = (trainable, _held_state_bytes(trainer))
+        known = self._plans_by_what_trains.get(key)
+        if all(gather_objects(known is not None)):  # (every rank alike: where one would measure, every rank does)
+            assert known is not None
+            rank_zero_info(f"{changed}: planned for these, with the optimizer's states as they are, earlier in this fit; "
+                           "that plan is taken back:\n" + plan_table(known[0]))
+            self._take_plan(known[0], known[1], trainer, pl_module)
+            return
         strategy, rank = trainer.strategy, trainer.global_rank
         blocks, fixed, policies = self._blocks(pl_module, [])  # (the plan's notes say already whose they are)
         # measured with every block kept, as before the first step (AutoFit's own policies are put back or changed below)
@@ -1263,14 +1285,17 @@ class AutoFit(Callback):
         older = older_collections()
         if pl_module.device.type != "cuda":
             self._code_pages.snapshot()
+        measuring = PeakMemory(pl_module.device, self._start_rss)
         try:
             with outside_training(pl_module.device), random_streams_restored(pl_module.device), automatic_collection_paused():
+                measuring.reset(release=False)
                 try:
                     profiles = self._every_ranks_profile(
                         trainer, _measuring_batches(strategy, _users_loader(trainer)), (micro, micro), options=[optimizer],
                         blocks=blocks, policies=policies, fixed=fixed, budget=lambda: plan.budgets[rank], margin=plan.margin,
                         failing="AutoFit could not measure again")
                 finally:
+                    measured_peak = measuring.read()
                     self._release_what_measuring_left(older, pl_module.device)
         except RuntimeError as error:  # every rank gets it (gathered, naming each rank's error): each keeps the plan
             if not is_out_of_memory(error):
@@ -1288,9 +1313,12 @@ class AutoFit(Callback):
             again = replan(plan, profiles, margin=plan.margin, policies=policies, leanest=True)
             missed = "; ".join(f"rank {r}: {c.peak_bytes / 2**20:,.1f} MiB predicted, {b * (1 - plan.margin) / 2**20:,.1f} MiB usable"
                                for r, (c, b) in enumerate(zip(again.ranks, again.budgets)) if c.peak_bytes > b * (1 - plan.margin))
-        # (the blocks were profiled now where there are any)
-        again.notes = [*(n for n in plan.notes if n != NOT_PROFILED or not blocks),
-                       f"measured and planned again at step {trainer.global_step}: {trainable.elements:,} parameters train, "
+        if self._user_activations is not None and self._user_activations.plan is not None:
+            for choice in again.ranks:  # (measured as they are: the user's, the same on every rank)
+                choice.policies = list(self._user_activations.plan)
+        # (the blocks were profiled now where there are any; an earlier change's note is this one's now)
+        again.notes = [*(n for n in plan.notes if (n != NOT_PROFILED or not blocks) and not n.startswith(_MEASURED_AGAIN)),
+                       f"{_MEASURED_AGAIN} {trainer.global_step}: {trainable.elements:,} parameters train, "
                        f"{planned.elements:,} when planned (micro-batch and optimizer states kept)"]
         if missed:
             then = ("the fit goes on with the block policies predicted to peak the least" if self._user_activations is None
@@ -1299,9 +1327,14 @@ class AutoFit(Callback):
                            f"optimizer states {plan.optimizer} ({missed}); {then}. For a plan that fits, give a larger "
                            "budget, or fit with these parameters trainable from the start for AutoFit to choose the "
                            "micro-batch and optimizer states for them.")
-        rank_zero_info(f"{changed}: measured again at the plan's micro-batch; "
-                       + ("block policies planned again:" if self._user_activations is None else "block policies kept as set:")
-                       + "\n" + plan_table(again))
+        budget = plan.budgets[rank]
+        above = ("" if measured_peak <= budget else ", above the budget: measuring holds every block's activations at the "
+                 "plan's micro-batch (on CPU also a copy of the run's state); on a GPU of the budget's size such a reading "
+                 "runs out of memory, and the plan stays")
+        rank_zero_info(f"{changed}: measured again at the plan's micro-batch (peak while measuring {measured_peak / 2**20:,.1f} "
+                       f"MiB{above}); " + ("block policies planned again:" if self._user_activations is None
+                                          else "block policies kept as set:") + "\n" + plan_table(again))
+        self._plans_by_what_trains[key] = (again, profiles)
         self._take_plan(again, profiles, trainer, pl_module)
         # (no gradients left on FSDP2's parameters, as after measuring before the first step; Lightning sets them to None
         # before this step's backward in any case)
@@ -1312,9 +1345,10 @@ class AutoFit(Callback):
         them, the measured figures read again for it after ``report_after_steps`` steps."""
         assert self._meter is not None
         self._plan, self._profiles, self._unprofiled = plan, profiles, None
-        policies = list(plan.ranks[trainer.global_rank].policies)
-        if self._user_activations is None and (self._activations is None or self._activations.plan != policies
-                                               or self._activations not in trainer.callbacks):
+        # (none: the blocks were not profiled, every one kept)
+        policies = list(plan.ranks[trainer.global_rank].policies) or ["keep"]
+        applied = self._activations.plan if self._activations is not None and self._activations in trainer.callbacks else None
+        if self._user_activations is None and applied != (policies * len(applied) if applied and len(policies) == 1 else policies):
             self._switch_policies(policies, trainer, pl_module)
         self._measured, self._step_times, self._step_started, self._measured_against = None, [], None, []
         self._meter.reset()

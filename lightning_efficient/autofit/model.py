@@ -546,7 +546,7 @@ def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) ->
         f"AutoFit plan: optimizer states {plan.optimizer}, global batch {plan.samples_per_step}"
         + ((f", micro-batch {plan.ranks[0].micro_batch} x {plan.accumulation} accumulated" if plan.accumulation > 1
             else f", micro-batch {plan.ranks[0].micro_batch} (no accumulation)") if plan.accumulation is not None else ", caps per rank, shares by speed")
-        + f", margin {plan.margin:g}; predicted {plan.tokens_per_s:,.0f} tokens/s, {plan.step_s * 1e3:,.1f} ms/step",
+        + f", margin {plan.margin:.3g}; predicted {plan.tokens_per_s:,.0f} tokens/s, {plan.step_s * 1e3:,.1f} ms/step",
         # under the heterogeneous strategies a rank's micro-batch is at most its cap (its share may take less)
         f"  {'rank':<5} {'budget MiB':>11} {'micro' if plan.accumulation is not None else 'cap':>6}  {'blocks':<28} {'peak MiB':>10} {'ms/step':>9}"
         + (f" {'measured MiB':>13} {'measured ms':>12}" if measured else ""),

@@ -68,7 +68,8 @@ def test_layers_unfrozen_while_the_fit_runs_are_measured_and_planned_for_and_the
     assert fit.state_dict()["trainable"] == list(Trainable.of(model)) and Trainable.of(model).tensors == len(list(model.parameters()))
 
 
-def test_a_budget_every_frozen_block_kept_fits_gets_block_policies_when_the_blocks_unfreeze(small_datamodule_kwargs, plain, unbounded):
+def _between_kept_and_leanest(unbounded) -> int:
+    """A budget half-way between every unfrozen block kept and the leanest block policies (at margin 0.1)."""
     profiles = unbounded[0].profiles  # measured after the unfreeze, blocks profiled
     after = unbounded[1].plans[1]
     every_block_kept = after.ranks[0].peak_bytes
@@ -76,7 +77,11 @@ def test_a_budget_every_frozen_block_kept_fits_gets_block_policies_when_the_bloc
     leanest = replan(after, [replace(p, budget_bytes=1) for p in profiles], margin=0.1, policies=("keep", "checkpoint"),
                      leanest=True).ranks[0].peak_bytes
     assert every_block_kept - leanest > 40 * MiB  # room for a budget between them far from either
-    budget = int((every_block_kept + leanest) / 2 / 0.9)
+    return int((every_block_kept + leanest) / 2 / 0.9)
+
+
+def test_a_budget_every_frozen_block_kept_fits_gets_block_policies_when_the_blocks_unfreeze(small_datamodule_kwargs, plain, unbounded):
+    budget = _between_kept_and_leanest(unbounded)
     # (on CPU, moving a block to disk or recomputing part of it saves less RSS than the saved-tensor bytes planned from)
     fit = AutoFit(budget=budget, search_micro_batch=False, optimizer_options=["32-bit"], activation_policies=["keep", "checkpoint"],
                   report_after_steps=1)
@@ -235,3 +240,45 @@ def test_under_data_parallelism_every_rank_plans_again_alike_and_trains_as_plain
         for name, value in rank["plain"].items():
             torch.testing.assert_close(rank["autofit"][name], value, rtol=0, atol=0, msg=name)
     assert ranks[0]["plans"] == ranks[1]["plans"]  # every rank's plan alike, from every rank's measured figures
+
+
+class Alternate(lightning.Callback):
+    """The first block trains on even steps only (interleaved training): what trains changes at every step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.blocks[0].requires_grad_(trainer.global_step % 2 == 0)
+
+
+@pytest.mark.parametrize("plugin", ["autofit", "activation_memory"])
+def test_a_set_that_changes_at_every_step_is_measured_a_few_times_then_its_plans_taken_back(small_datamodule_kwargs,
+                                                                                             lightning_caplog, plugin):
+    _, reference = finetune(small_datamodule_kwargs, [Alternate()], unfreeze_at=None, epochs=3)
+    lightning_caplog.clear()
+    callback = (AutoFit(budget="8GiB", search_micro_batch=False, optimizer_options=["32-bit"], activation_policies=["keep"])
+                if plugin == "autofit" else ActivationMemory(policy="auto", budget=24 * MiB, auto_policies=["keep", "checkpoint"]))
+    _, model = finetune(small_datamodule_kwargs, [Alternate(), callback], unfreeze_at=None, epochs=3)
+    text = lightning_caplog.text
+    measured = text.count("measured again at the plan's micro-batch" if plugin == "autofit" else "profiling them again")
+    # 9 steps, 8 changes: measured until the optimizer's states stop growing (AutoFit) or once per set (ActivationMemory)
+    assert 1 <= measured <= 3 and measured + text.count("that plan is taken back") == 8
+    assert_trained_alike(model, reference, atol=1e-6)
+
+
+class StatelessGPT(FinetunedGPT):
+    """Plain SGD: the optimizer holds no state, so a set frozen again finds it as it was."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_a_first_plan_taken_back_after_block_policies_keeps_every_block_again(small_datamodule_kwargs, unbounded,
+                                                                              lightning_caplog):
+    """The first plan keeps every block unprofiled (no policies); taken back after the unfreeze's block policies, the
+    ActivationMemory AutoFit added keeps every block (a new user's trial: it was handed no policy and raised)."""
+    fit = AutoFit(budget=_between_kept_and_leanest(unbounded), search_micro_batch=False, activation_policies=["keep", "checkpoint"])
+    seen = PlanPerEpoch(fit)
+    finetune(small_datamodule_kwargs, [fit, seen], epochs=3, refreeze_at=2, model_class=StatelessGPT)
+    frozen, unfrozen, frozen_again = seen.plans
+    assert frozen.ranks[0].policies == [] and any(p != "keep" for p in unfrozen.ranks[0].policies)
+    assert frozen_again is frozen and "that plan is taken back" in lightning_caplog.text
+    assert seen.applied[1] == unfrozen.ranks[0].policies and seen.applied[2] == ["keep"] * 4
