@@ -1304,7 +1304,7 @@ class AutoFit(Callback):
             rank_zero_warn(f"{changed}. Measuring them ran out of memory ({error}); the plan stays as it was, which was "
                            "not measured for these parameters. For a plan that fits, fit with them trainable from the start "
                            "or give a larger budget.")
-            self._take_plan(plan, self._profiles, trainer, pl_module)
+            self._take_plan(plan, self._profiles, trainer, pl_module, unwrapped=mine is not None)
             return
         try:
             again = replan(plan, profiles, margin=plan.margin, policies=policies)
@@ -1335,19 +1335,22 @@ class AutoFit(Callback):
                        f"MiB{above}); " + ("block policies planned again:" if self._user_activations is None
                                           else "block policies kept as set:") + "\n" + plan_table(again))
         self._plans_by_what_trains[key] = (again, profiles)
-        self._take_plan(again, profiles, trainer, pl_module)
+        self._take_plan(again, profiles, trainer, pl_module, unwrapped=mine is not None)
         # (no gradients left on FSDP2's parameters, as after measuring before the first step; Lightning sets them to None
         # before this step's backward in any case)
         pl_module.zero_grad(set_to_none=True)
 
-    def _take_plan(self, plan: FitPlan, profiles: list[RankProfile], trainer: Trainer, pl_module: LightningModule) -> None:
+    def _take_plan(self, plan: FitPlan, profiles: list[RankProfile], trainer: Trainer, pl_module: LightningModule, *,
+                   unwrapped: bool = False) -> None:
         """``plan`` (made from ``profiles``) from this step on: this rank's block policies applied where AutoFit sets
-        them, the measured figures read again for it after ``report_after_steps`` steps."""
+        them (``unwrapped``: AutoFit's ActivationMemory unwrapped its blocks, which are wrapped again whatever the
+        policies), the measured figures read again for it after ``report_after_steps`` steps."""
         assert self._meter is not None
         self._plan, self._profiles, self._unprofiled = plan, profiles, None
         # (none: the blocks were not profiled, every one kept)
         policies = list(plan.ranks[trainer.global_rank].policies) or ["keep"]
-        applied = self._activations.plan if self._activations is not None and self._activations in trainer.callbacks else None
+        applied = (self._activations.plan if self._activations is not None and self._activations in trainer.callbacks
+                   and not unwrapped else None)
         if self._user_activations is None and applied != (policies * len(applied) if applied and len(policies) == 1 else policies):
             self._switch_policies(policies, trainer, pl_module)
         self._measured, self._step_times, self._step_started, self._measured_against = None, [], None, []

@@ -28,11 +28,13 @@ class PlanPerEpoch(lightning.Callback):
         self.fit = fit
         self.plans: list = []
         self.applied: list = []
+        self.wrapped: list = []  # whether each block runs a policy's forward (not its own: keep)
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.plans.append(self.fit.plan)
         memory = next((c for c in trainer.callbacks if isinstance(c, ActivationMemory)), None)
         self.applied.append(None if memory is None else list(memory.plan))
+        self.wrapped.append(["forward" in vars(block) for block in pl_module.blocks])
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +177,8 @@ class OutOfMemoryWhenMeasured(FinetunedGPT):
     """Runs out of device memory when its step runs outside the training loop from epoch 1 on: AutoFit measuring with
     every block kept after the unfreeze (a stand-in for a GPU's error; the CPU has none at these sizes)."""
 
+    from_epoch = 1
+
     def on_train_batch_start(self, batch, batch_idx):
         self.in_loop = True
 
@@ -182,7 +186,7 @@ class OutOfMemoryWhenMeasured(FinetunedGPT):
         self.in_loop = False
 
     def training_step(self, batch, batch_idx):
-        if self.current_epoch >= 1 and not getattr(self, "in_loop", False):
+        if self.current_epoch >= self.from_epoch and not getattr(self, "in_loop", False):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's stand-in)")
         return super().training_step(batch, batch_idx)
 
@@ -282,3 +286,35 @@ def test_a_first_plan_taken_back_after_block_policies_keeps_every_block_again(sm
     assert frozen.ranks[0].policies == [] and any(p != "keep" for p in unfrozen.ranks[0].policies)
     assert frozen_again is frozen and "that plan is taken back" in lightning_caplog.text
     assert seen.applied[1] == unfrozen.ranks[0].policies and seen.applied[2] == ["keep"] * 4
+
+
+class BlocksThenEmbeddings(BaseFinetuning):
+    """The blocks unfrozen at epoch 1, the embeddings at epoch 2 (gradual unfreezing)."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(Unfreeze.backbone(pl_module))
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group([pl_module.blocks], optimizer)
+        elif current_epoch == 2:
+            self.unfreeze_and_add_param_group([pl_module.tok_emb, pl_module.pos_emb], optimizer)
+
+
+class OutOfMemoryWhenMeasuredFromEpoch2(OutOfMemoryWhenMeasured):
+    from_epoch = 2
+
+
+def test_block_policies_kept_after_measuring_ran_out_of_memory_wrap_the_blocks_again(small_datamodule_kwargs, unbounded):
+    """Measuring unwraps AutoFit's blocks (every block kept); the plan kept after it ran out of memory wraps them again
+    (a review: compared with the policies last applied, they were left unwrapped)."""
+    fit = AutoFit(budget=_between_kept_and_leanest(unbounded), search_micro_batch=False, optimizer_options=["32-bit"],
+                  activation_policies=["keep", "checkpoint"])
+    seen = PlanPerEpoch(fit)
+    with pytest.warns(UserWarning, match="Measuring them ran out of memory"):
+        finetune(small_datamodule_kwargs, [BlocksThenEmbeddings(), fit, seen], epochs=3, unfreeze_at=None,
+                 model_class=OutOfMemoryWhenMeasuredFromEpoch2)
+    _, blocks, embeddings = seen.plans
+    assert embeddings is blocks and any(p != "keep" for p in blocks.ranks[0].policies)
+    for plan, wrapped in zip(seen.plans[1:], seen.wrapped[1:]):
+        assert wrapped == [p != "keep" for p in plan.ranks[0].policies]
