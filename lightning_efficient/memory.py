@@ -302,7 +302,9 @@ def seconds_outside_training() -> float:
 
 
 def _pack_as_is(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+    # (detached: the tensor itself, an operation's output, would hold its own grad_fn in a reference cycle that a forward
+    # ended by an error, never reaching backward, leaves behind)
+    return tensor.detach()
 
 
 @contextlib.contextmanager
@@ -312,22 +314,23 @@ def outside_training(device: torch.device) -> Iterator[None]:
     For work between training steps that is not training (AutoFit measuring again, ActivationMemory profiling again,
     at a step's start mid-fit):
 
-    * every :class:`PeakMemory` open on ``device`` keeps the peak it had before and goes on from after it (a meter reset
-      inside reads from its own reset, less what ran before that reset);
+    * every :class:`PeakMemory` open on ``device``, and on the host (where measuring copies the run's state), keeps the
+      peak it had before and goes on from after it (a meter reset inside reads from its own reset);
     * a saved-tensor count open around it (:class:`SavedTensorCounter`, :class:`MemoryReport`'s) does not see what
       is saved inside: it is packed by hooks that keep the tensor as it is (counters opened inside count as usual);
     * the seconds inside are added to :func:`seconds_outside_training`, which step clocks subtract.
     """
-    device = _indexed(device)
-    watching = _meters_of(device)
-    before = {meter: (max(device_peak_bytes(device), meter.dropped_peak_bytes), meter.resets) for meter in watching}
+    devices = list(dict.fromkeys([_indexed(device), torch.device("cpu")]))
+    before = {meter: (max(device_peak_bytes(watched), meter.dropped_peak_bytes), meter.resets)
+              for watched in devices for meter in _meters_of(watched)}
     started = time.perf_counter()
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack_as_is, _pack_as_is):
             yield
     finally:
         _SECONDS_OUTSIDE_TRAINING[0] += time.perf_counter() - started
-        reset_peak(device)
+        for watched in devices:
+            reset_peak(watched)
         for meter, (peak, resets) in before.items():
             if meter.resets == resets:  # (a meter reset inside keeps what it read since its reset)
                 meter.dropped_peak_bytes = peak

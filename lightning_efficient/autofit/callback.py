@@ -217,15 +217,19 @@ def _held_state_bytes(trainer: Trainer) -> int:
     return sum(optimizer_state_bytes(o) for o in trainer.strategy.optimizers)
 
 
-def _warn_if_ddp_leaves_them_unsynchronised(trainer: Trainer, planned: Trainable, now: Trainable) -> None:
-    """Warn where more parameters train under torch's DDP than before: DDP synchronises the gradients of
-    those that required them when it wrapped the module, and no others (plain Lightning's too: a new test's backbone,
-    unfrozen at epoch 1, was 6e-4 apart on two ranks after three steps)."""
-    if now.elements > planned.elements and isinstance(getattr(trainer.strategy, "model", None), DistributedDataParallel):
-        rank_zero_warn("AutoFit: more parameters train now than before, under DDP: torch's "
-                       "DistributedDataParallel averages the gradients only of the parameters that trained when it wrapped the "
-                       "module, so the ranks' copies of the others drift apart (in plain Lightning too). Unfreeze them before "
-                       "the fit, or use FSDP2 (ModelParallelStrategy), whose ranks stay in step.")
+def _warn_if_ddp_leaves_them_unsynchronised(trainer: Trainer, module: LightningModule, wrapped: frozenset[str]) -> None:
+    """Warn where parameters train under torch's DDP that did not when the fit started (``wrapped``): DDP synchronises
+    the gradients of those that required them when it wrapped the module, and no others (plain Lightning's too: a new
+    test's backbone, unfrozen at epoch 1, was 6e-4 apart on two ranks after three steps)."""
+    if not isinstance(getattr(trainer.strategy, "model", None), DistributedDataParallel):
+        return
+    later = [name for name, p in module.named_parameters() if p.requires_grad and name not in wrapped]
+    if later:
+        rank_zero_warn(f"AutoFit: {len(later)} parameter tensor(s) train now that did not when DDP wrapped the module "
+                       f"({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}): torch's DistributedDataParallel averages "
+                       "the gradients only of the parameters that trained then, so the ranks' copies of these drift apart (in "
+                       "plain Lightning too). Unfreeze them before the fit, or use FSDP2 (ModelParallelStrategy), whose ranks "
+                       "stay in step.")
 
 
 def _measuring_batches(strategy: Any, loader: Any) -> Any:
@@ -383,8 +387,11 @@ class AutoFit(Callback):
         self._last_build = StreamsAtTheLastBuild()
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
         self._trainable_planned: Trainable | None = None  # what trained when the plan was made
-        # this fit's plans and the profiles they were made from, by what trained and the optimizer state bytes held then
-        self._plans_by_what_trains: dict[tuple[Trainable, int], tuple[FitPlan, list[RankProfile]]] = {}
+        # this fit's plans, the profiles they were made from and their blocks left unprofiled, by what trained and the
+        # optimizer state bytes held when each was made; the key of the plan in force
+        self._plans_by_what_trains: dict[tuple[Trainable, int], tuple[FitPlan, list[RankProfile], _Unprofiled | None]] = {}
+        self._plan_key: tuple[Trainable, int] | None = None
+        self._trained_when_wrapped: frozenset[str] = frozenset()  # the parameters that trained when the fit started
 
     # -- set-up ---------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -486,7 +493,8 @@ class AutoFit(Callback):
         if pl_module.automatic_optimization is False:
             raise ValueError("AutoFit measures training steps with automatic optimization; this module uses manual optimization")
         self._plan = None  # a fit refused below shows no earlier fit's plan
-        self._trainable_planned, self._plans_by_what_trains = None, {}
+        self._trainable_planned, self._plans_by_what_trains, self._plan_key = None, {}, None
+        self._trained_when_wrapped = frozenset(name for name, p in pl_module.named_parameters() if p.requires_grad)
         self.planning_peak_bytes = 0
         self._measured, self._step_times, self._step_started = None, [], None
         self._measured_against = []
@@ -550,7 +558,8 @@ class AutoFit(Callback):
         self._plan = plan
         # (a reused plan was made for the parameters that trained then: a BaseFinetuning callback may unfreeze after this)
         self._trainable_planned = (Trainable.saved((restored or {}).get("trainable")) if reused else None) or Trainable.of(pl_module)
-        self._plans_by_what_trains[(self._trainable_planned, _held_state_bytes(trainer))] = (plan, self._profiles)
+        self._plan_key = (self._trainable_planned, _held_state_bytes(trainer))
+        self._plans_by_what_trains[self._plan_key] = (plan, self._profiles, self._unprofiled)
         rank_zero_info(plan_table(plan) + f"\n  {'reused' if reused else 'planned'} in {self.planning_s:.2f} s"
                        + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
@@ -1246,6 +1255,8 @@ class AutoFit(Callback):
         rank_zero_info(f"{missed}; block policies planned again with margin {margin:.2f}:\n" + plan_table(again))
         self._switch_policies(list(again.ranks[trainer.global_rank].policies), trainer, pl_module)
         self._plan = again
+        if self._plan_key is not None:  # (taken back for these parameters, it is this plan now)
+            self._plans_by_what_trains[self._plan_key] = (again, self._profiles, self._unprofiled)
 
     def _plan_for_what_trains_now(self, trainer: Trainer, pl_module: LightningModule, trainable: Trainable) -> None:
         """Measure the run again and choose the block policies again: the parameters that train changed since the plan
@@ -1265,14 +1276,15 @@ class AutoFit(Callback):
         planned, self._trainable_planned = self._trainable_planned, trainable
         changed = (f"AutoFit: {trainable.elements:,} parameters train now ({trainable.tensors} tensors), "
                    f"{planned.elements:,} when the plan was made ({planned.tensors} tensors)")
-        _warn_if_ddp_leaves_them_unsynchronised(trainer, planned, trainable)
+        _warn_if_ddp_leaves_them_unsynchronised(trainer, pl_module, self._trained_when_wrapped)
         key = (trainable, _held_state_bytes(trainer))
         known = self._plans_by_what_trains.get(key)
         if all(gather_objects(known is not None)):  # (every rank alike: where one would measure, every rank does)
             assert known is not None
             rank_zero_info(f"{changed}: planned for these, with the optimizer's states as they are, earlier in this fit; "
                            "that plan is taken back:\n" + plan_table(known[0]))
-            self._take_plan(known[0], known[1], trainer, pl_module)
+            self._plan_key = key
+            self._take_plan(*known, trainer, pl_module)
             return
         strategy, rank = trainer.strategy, trainer.global_rank
         blocks, fixed, policies = self._blocks(pl_module, [])  # (the plan's notes say already whose they are)
@@ -1286,26 +1298,31 @@ class AutoFit(Callback):
         if pl_module.device.type != "cuda":
             self._code_pages.snapshot()
         measuring = PeakMemory(pl_module.device, self._start_rss)
-        try:
-            with outside_training(pl_module.device), random_streams_restored(pl_module.device), automatic_collection_paused():
-                measuring.reset(release=False)
-                try:
-                    profiles = self._every_ranks_profile(
-                        trainer, _measuring_batches(strategy, _users_loader(trainer)), (micro, micro), options=[optimizer],
-                        blocks=blocks, policies=policies, fixed=fixed, budget=lambda: plan.budgets[rank], margin=plan.margin,
-                        failing="AutoFit could not measure again")
-                finally:
-                    measured_peak = measuring.read()
-                    self._release_what_measuring_left(older, pl_module.device)
-        except RuntimeError as error:  # every rank gets it (gathered, naming each rank's error): each keeps the plan
-            if not is_out_of_memory(error):
-                raise
-            free_what_running_out_left(pl_module.device)
-            rank_zero_warn(f"{changed}. Measuring them ran out of memory ({error}); the plan stays as it was, which was "
+        profiles, ran_out = None, None
+        with outside_training(pl_module.device), random_streams_restored(pl_module.device), automatic_collection_paused():
+            measuring.reset(release=False)
+            try:
+                profiles = self._every_ranks_profile(
+                    trainer, _measuring_batches(strategy, _users_loader(trainer)), (micro, micro), options=[optimizer],
+                    blocks=blocks, policies=policies, fixed=fixed, budget=lambda: plan.budgets[rank], margin=plan.margin,
+                    failing="AutoFit could not measure again")
+            except RuntimeError as error:  # every rank gets it (gathered, naming each rank's error): each keeps the plan
+                if not is_out_of_memory(error):
+                    raise
+                ran_out = str(error)  # (the error, its traceback and the step's tensors it holds are dropped here)
+            finally:
+                measured_peak = measuring.read()
+            if ran_out is not None:
+                free_what_running_out_left(pl_module.device)
+            self._release_what_measuring_left(older, pl_module.device)
+        if ran_out is not None:
+            pl_module.zero_grad(set_to_none=True)
+            rank_zero_warn(f"{changed}. Measuring them ran out of memory ({ran_out}); the plan stays as it was, which was "
                            "not measured for these parameters. For a plan that fits, fit with them trainable from the start "
                            "or give a larger budget.")
-            self._take_plan(plan, self._profiles, trainer, pl_module, unwrapped=mine is not None)
+            self._take_plan(plan, self._profiles, self._unprofiled, trainer, pl_module, unwrapped=mine is not None)
             return
+        assert profiles is not None
         try:
             again = replan(plan, profiles, margin=plan.margin, policies=policies)
             missed = ""
@@ -1334,19 +1351,20 @@ class AutoFit(Callback):
         rank_zero_info(f"{changed}: measured again at the plan's micro-batch (peak while measuring {measured_peak / 2**20:,.1f} "
                        f"MiB{above}); " + ("block policies planned again:" if self._user_activations is None
                                           else "block policies kept as set:") + "\n" + plan_table(again))
-        self._plans_by_what_trains[key] = (again, profiles)
-        self._take_plan(again, profiles, trainer, pl_module, unwrapped=mine is not None)
+        self._plans_by_what_trains[key], self._plan_key = (again, profiles, None), key
+        self._take_plan(again, profiles, None, trainer, pl_module, unwrapped=mine is not None)
         # (no gradients left on FSDP2's parameters, as after measuring before the first step; Lightning sets them to None
         # before this step's backward in any case)
         pl_module.zero_grad(set_to_none=True)
 
-    def _take_plan(self, plan: FitPlan, profiles: list[RankProfile], trainer: Trainer, pl_module: LightningModule, *,
-                   unwrapped: bool = False) -> None:
-        """``plan`` (made from ``profiles``) from this step on: this rank's block policies applied where AutoFit sets
-        them (``unwrapped``: AutoFit's ActivationMemory unwrapped its blocks, which are wrapped again whatever the
-        policies), the measured figures read again for it after ``report_after_steps`` steps."""
+    def _take_plan(self, plan: FitPlan, profiles: list[RankProfile], unprofiled: _Unprofiled | None, trainer: Trainer,
+                   pl_module: LightningModule, *, unwrapped: bool = False) -> None:
+        """``plan`` (made from ``profiles``, with ``unprofiled`` blocks for a re-plan to profile) from this step on: this
+        rank's block policies applied where AutoFit sets them (``unwrapped``: AutoFit's ActivationMemory unwrapped its
+        blocks, which are wrapped again whatever the policies), the measured figures read again for it after
+        ``report_after_steps`` steps."""
         assert self._meter is not None
-        self._plan, self._profiles, self._unprofiled = plan, profiles, None
+        self._plan, self._profiles, self._unprofiled = plan, profiles, unprofiled
         # (none: the blocks were not profiled, every one kept)
         policies = list(plan.ranks[trainer.global_rank].policies) or ["keep"]
         applied = (self._activations.plan if self._activations is not None and self._activations in trainer.callbacks
