@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -15,6 +16,27 @@ class ResetPeakRSSAfterWarmup(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int):
         if i == 0:
             reset_peak_rss()
+
+
+class OptimizerStepClock:
+    """Each optimizer step's seconds, from the end of the previous one (the first from its first micro-batch's start),
+    as AutoFit times them: call :meth:`batch_started` and :meth:`batch_ended` from the callback hooks of those names."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+
+    def batch_started(self) -> None:
+        """At a micro-batch's start: the first one starts the clock."""
+        if self._started is None:
+            self._started = time.perf_counter()
+
+    def batch_ended(self, trainer: Trainer) -> float | None:
+        """At a micro-batch's end: the seconds of the optimizer step it ended (None inside an accumulation window)."""
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return None
+        now = time.perf_counter()
+        seconds, self._started = now - self._started, now
+        return seconds
 
 
 def measured_fit(

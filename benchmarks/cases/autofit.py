@@ -174,6 +174,7 @@ def _meter(warmup: int, eight_bit: bool):
     """
     from lightning.pytorch import Callback
 
+    from benchmarks.common import OptimizerStepClock  # (Lightning is imported in a worker only)
     from lightning_efficient.memory import PeakMemory, fit_start_rss_bytes
     from lightning_efficient.optim._bnb import bitsandbytes
 
@@ -184,7 +185,7 @@ def _meter(warmup: int, eight_bit: bool):
             self.peak = 0
             self.step_s: list[float] = []
             self._meter: PeakMemory | None = None
-            self._started: float | None = None
+            self._clock = OptimizerStepClock()
 
         def setup(self, trainer, pl_module, stage) -> None:
             if eight_bit:
@@ -200,15 +201,12 @@ def _meter(warmup: int, eight_bit: bool):
             self._meter.reset()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if self._started is None:
-                self._started = time.perf_counter()
+            self._clock.batch_started()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if trainer.fit_loop.epoch_loop._should_accumulate():
-                return
-            now = time.perf_counter()
-            self.step_s.append(now - self._started)
-            self._started = now
+            seconds = self._clock.batch_ended(trainer)
+            if seconds is not None:
+                self.step_s.append(seconds)
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.peak = self._meter.read()

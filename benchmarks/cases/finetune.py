@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +73,7 @@ def _callbacks(frozen: bool) -> list:
     from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import BaseFinetuning
 
+    from benchmarks.common import OptimizerStepClock  # (Lightning is imported in a worker only)
     from lightning_efficient.memory import PeakMemory, fit_start_rss_bytes
     from lightning_efficient.optim._bnb import bitsandbytes
 
@@ -92,7 +92,7 @@ def _callbacks(frozen: bool) -> list:
             self.step_s: list[list[float]] = []
             self.peak: list[int] = []
             self._meter: PeakMemory | None = None
-            self._started: float | None = None
+            self._clock = OptimizerStepClock()
             self.start_rss = 0
 
         def setup(self, trainer, pl_module, stage) -> None:
@@ -104,15 +104,13 @@ def _callbacks(frozen: bool) -> list:
             self._meter = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if self._started is None:
-                self._started = time.perf_counter()
+            self._clock.batch_started()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if trainer.fit_loop.epoch_loop._should_accumulate():
+            seconds = self._clock.batch_ended(trainer)
+            if seconds is None:
                 return
-            now = time.perf_counter()
-            self.step_s[-1].append(now - self._started)
-            self._started = now
+            self.step_s[-1].append(seconds)
             if self._meter is None:
                 self._meter = PeakMemory(pl_module.device, self.start_rss)
                 self._meter.reset()

@@ -1310,11 +1310,11 @@ class AutoFit(Callback):
                 if not is_out_of_memory(error):
                     raise
                 ran_out = str(error)  # (the error, its traceback and the step's tensors it holds are dropped here)
-            finally:
+            finally:  # (after a caught error is dropped: what it held is freed too)
                 measured_peak = measuring.read()
-            if ran_out is not None:
-                free_what_running_out_left(pl_module.device)
-            self._release_what_measuring_left(older, pl_module.device)
+                if ran_out is not None:
+                    free_what_running_out_left(pl_module.device)
+                self._release_what_measuring_left(older, pl_module.device)
         if ran_out is not None:
             pl_module.zero_grad(set_to_none=True)
             rank_zero_warn(f"{changed}. Measuring them ran out of memory ({ran_out}); the plan stays as it was, which was "
