@@ -4,6 +4,7 @@ backbone): measured and planned again before the next step, against plain Lightn
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,10 +61,10 @@ def test_layers_unfrozen_while_the_fit_runs_are_measured_and_planned_for_and_the
     unfrozen = sum(p.numel() for m in Unfreeze.backbone(model) for p in m.parameters())
     assert after.ranks[0].peak_bytes - before.ranks[0].peak_bytes >= 3 * 4 * unfrozen
     # the measured figures are read again for the plan made after the unfreeze, and it predicts them (the first plan
-    # was a third of them; RSS readings inside a test process spread by about 10%)
+    # was a third of them; RSS readings inside a test process spread by 10%, on CI once 27%)
     figures = fit.memory_figures()
     assert figures["autofit_predicted_peak_bytes"] == after.ranks[0].peak_bytes
-    assert abs(figures["autofit_measured_peak_bytes"] / after.ranks[0].peak_bytes - 1) < 0.25
+    assert abs(math.log(figures["autofit_measured_peak_bytes"] / after.ranks[0].peak_bytes)) < 0.4
     assert figures["autofit_measured_peak_bytes"] > 2 * before.ranks[0].peak_bytes
     # measuring left nothing behind: the same parameters as plain Lightning's fit, to the bit
     assert_trained_alike(model, plain)
@@ -122,9 +123,14 @@ def test_a_set_frozen_and_unfrozen_in_turn_is_measured_at_each_change_and_each_p
     assert lightning_caplog.text.count("measured again at the plan's micro-batch") == 3
     # each epoch's measured peak is read against its own plan (a review: with the plan made for a set reused unmeasured,
     # the unfrozen epoch's peak was read against the frozen plan's prediction, and a false miss planned again)
-    for plan, figures in zip(seen.plans, seen.figures):
-        assert figures["autofit_predicted_peak_bytes"] == plan.ranks[0].peak_bytes
-        assert abs(figures["autofit_measured_peak_bytes"] / plan.ranks[0].peak_bytes - 1) < 0.25
+    # (on CPU the measured peak is the process's resident memory: after the optimizer has grown and shrunk, the
+    # allocator's pages put it up to ~30% off; the other set's prediction is 2.8x away, which this still tells apart)
+    predicted = [plan.ranks[0].peak_bytes for plan in seen.plans]
+    for epoch, figures in enumerate(seen.figures):
+        assert figures["autofit_predicted_peak_bytes"] == predicted[epoch]
+        measured = figures["autofit_measured_peak_bytes"]
+        other = predicted[epoch + 1] if epoch % 2 == 0 else predicted[epoch - 1]
+        assert abs(math.log(measured / predicted[epoch])) < min(0.4, abs(math.log(measured / other)))
     assert "planned again with margin" not in lightning_caplog.text and "fit again with" not in lightning_caplog.text
 
 
