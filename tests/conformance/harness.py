@@ -9,7 +9,9 @@ Axes (each value meets every plugin at least once, see :func:`cases`): precision
 epoch end, mid-epoch), scheduler, loop (plain, accumulation, clipping, validation), a fit that raises
 then a second fit, and strategy (one device, ddp, hetero_ddp, a resume on a different number of
 processes, fsdp: FSDP2 through Lightning's ``ModelParallelStrategy`` with ``fully_shard`` per block).
-After them, :data:`STREAMING_CASES`: SelectiveTokenLoss's streaming threshold on the fused head.
+After them, :data:`STREAMING_CASES`: SelectiveTokenLoss's streaming threshold on the fused head; then
+:data:`AUTOFIT_CASES`; then :data:`UNFREEZE_CASES`: a ``BaseFinetuning`` callback that unfreezes the embedding and
+the first block at epoch 1, under AutoFit and ``ActivationMemory(policy="auto")``, which plan again when it does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
@@ -371,7 +374,7 @@ def cases() -> list[Case]:
         for plugin in PLUGINS:
             if _allowed(plugin, strategy):
                 add(best_row({"plugin": plugin, "strategy": strategy}))
-    return out + list(STREAMING_CASES) + list(AUTOFIT_CASES)
+    return out + list(STREAMING_CASES) + list(AUTOFIT_CASES) + list(UNFREEZE_CASES)
 
 
 # The streaming threshold on the fused head, after every other cell (so none of those changes), picked by
@@ -403,6 +406,32 @@ AUTOFIT_CASES = (
     Case(AUTOFIT, "bf16-true", "epoch", "lambda", "accumulate", strategy="hetero_ddp"),
     Case(AUTOFIT, "bf16-mixed", "mid", "onecycle", "clip", strategy="fsdp"),
 )
+
+
+# A finetuning unfreeze (loop "unfreeze": :class:`UnfreezeAtEpochOne` beside the plugin, and beside plain Lightning in
+# the reference), after the AutoFit cells (so no other cell changes), picked by hand: AutoFit measures and plans again
+# when the parameters that train change, ActivationMemory(policy="auto") profiles again; one device, a raised fit, a
+# resume mid-epoch 1 (after the unfreeze: BaseFinetuning freezes again when the fit starts and unfreezes at the epoch's
+# start) and at the end of epoch 0 (before it)
+UNFREEZE = "unfreeze"
+UNFREEZE_CASES = (
+    Case(AUTOFIT, "32-true", "mid", "sequential", UNFREEZE, raises=True),
+    Case(AUTOFIT, "bf16-mixed", "epoch", "onecycle", UNFREEZE),
+    Case("activations", "32-true", "mid", "lambda", UNFREEZE, raises=True, activation_policy="auto"),
+    Case("activations", "bf16-mixed", "epoch", "chained", UNFREEZE, activation_policy="auto"),
+)
+
+
+class UnfreezeAtEpochOne(BaseFinetuning):
+    """Trains the head, the norm and the second block in epoch 0, and everything from epoch 1 (the embedding and the
+    first block were in the optimizer from the start: ``configure_optimizers`` takes every parameter)."""
+
+    def freeze_before_training(self, pl_module: LightningModule) -> None:
+        self.freeze([pl_module.embed, pl_module.blocks[0]], train_bn=True)
+
+    def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 1:
+            self.make_trainable([pl_module.embed, pl_module.blocks[0]])
 
 
 def autofit_searches_micro_batch(case: Case) -> bool:
@@ -570,6 +599,8 @@ def make_trainer(case: Case, world: int, callbacks: list[Callback]) -> Trainer:
         from lightning.pytorch.plugins import MixedPrecision
 
         precision = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    if case.loop == UNFREEZE:
+        callbacks = [UnfreezeAtEpochOne(), *callbacks]
     return Trainer(
         accelerator="cpu", devices=world, strategy=_strategy(case, world), **precision,
         max_epochs=EPOCHS, accumulate_grad_batches=accumulate,
@@ -633,7 +664,14 @@ def _one_fit(case: Case, world: int, module: TinyLM, extra: list[Callback], work
     except Exception as exc:  # noqa: BLE001 (a "raise" case's raise, a refusal or a crash: reported against the cell)
         error = f"{type(exc).__name__}: {exc}"
     return {"steps": recorder.steps, "micro": recorder.micro, "params": _params(module), "error": error,
-            "callbacks": callbacks}
+            "callbacks": callbacks, "trainable_sets_planned": _trainable_sets_planned(callbacks)}
+
+
+def _trainable_sets_planned(callbacks: list[Callback]) -> int:
+    """How many sets of trainable parameters AutoFit or ActivationMemory(policy="auto") planned for in the fit (each
+    keeps its plans by the set they were made for: a finetuning unfreeze adds one)."""
+    plans = [getattr(c, "_plans_by_what_trains", None) or getattr(c, "_auto_plans", None) for c in callbacks]
+    return max((len(p) for p in plans if p), default=0)
 
 
 def fit(case: Case, workdir: Path, world: int = 1, resume_world: int | None = None) -> dict[str, Any]:

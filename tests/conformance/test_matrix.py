@@ -232,6 +232,9 @@ def check(case: Case, trace: dict[str, Any], ref: dict[str, Any]) -> None:
             problems += _each_epoch_once(stitched, f"resumed at step {start}")
     if case.plugin == harness.STREAMING:
         problems += streaming_problems(case, trace, ref)
+    if case.loop == harness.UNFREEZE and trace["main"]["trainable_sets_planned"] != 2:
+        problems.append(f"the plugin planned for {trace['main']['trainable_sets_planned']} sets of trainable parameters in "
+                        "the fit, not 2 (frozen, then unfrozen at epoch 1)")
     assert not problems, f"{case.name}:\n  " + "\n  ".join(problems)
 
 
@@ -398,10 +401,14 @@ def test_the_cases_cover_every_value_of_every_axis_with_every_plugin() -> None:
 
 
 def test_the_streaming_cells_come_after_the_others_and_cover_what_streaming_must_meet() -> None:
-    streaming = [c for c in CASES if c.plugin == harness.STREAMING]
-    autofit = [c for c in CASES if c.plugin == harness.AUTOFIT]
-    assert autofit == list(harness.AUTOFIT_CASES) == CASES[-len(autofit):]  # every other cell as it was
-    assert streaming == list(harness.STREAMING_CASES) == CASES[-len(streaming) - len(autofit):-len(autofit)]
+    unfreeze = [c for c in CASES if c.loop == harness.UNFREEZE]
+    assert unfreeze == list(harness.UNFREEZE_CASES) == CASES[-len(unfreeze):]  # every other cell as it was
+    cases = CASES[:-len(unfreeze)]
+    streaming = [c for c in cases if c.plugin == harness.STREAMING]
+    autofit = [c for c in cases if c.plugin == harness.AUTOFIT]
+    assert autofit == list(harness.AUTOFIT_CASES) == cases[-len(autofit):]
+    assert streaming == list(harness.STREAMING_CASES) == cases[-len(streaming) - len(autofit):-len(autofit)]
+    assert {c.plugin for c in unfreeze} == {harness.AUTOFIT, "activations"} and {c.resume for c in unfreeze} == {"mid", "epoch"}
     assert {c.precision for c in streaming if c.strategy == "single"} >= {"32-true", "bf16-mixed"}
     assert {c.strategy for c in streaming} >= {"single", "ddp", "hetero_ddp"}
     assert any(c.loop == "accumulate" for c in streaming) and any(c.resume == "mid" for c in streaming)
