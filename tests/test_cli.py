@@ -176,6 +176,22 @@ def test_a_value_one_of_the_packages_classes_refuses_is_said_in_one_line_and_a_u
         assert "lightning-efficient: " not in raised.stderr
 
 
+def test_a_fraction_for_autofits_budget_in_a_config_is_refused_in_one_line(tmp_path):
+    # a new user's trial: `budget: 0.5` (as ActivationMemory takes) printed 74 lines of jsonargparse's type check
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False,
+                    "callbacks": [{"class_path": "lightning_efficient.AutoFit", "init_args": {"budget": 0.5}}]},
+        "model": {"class_path": "lightning_efficient.DemoGPT"},
+        "data": {"class_path": "lightning_efficient.CorpusDataModule", "init_args": {"data_path": str(tmp_path)}},
+    }))
+    refused = _cli(["fit", "--config", config], cwd=tmp_path)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "lightning-efficient: AutoFit: budget=0.5 is not allowed: expected bytes (an int > 0), a size string like '6GiB', "
+        "'auto', or a list of those (one per rank) (not a fraction: AutoFit's budget is memory)")
+
+
 def test_a_strategy_value_the_strategy_refuses_is_said_in_one_line_too(tmp_path):
     # trainer.strategy is a union (a name or a Strategy): jsonargparse chains only the first type's mismatch ("Expected
     # a <class 'str'>"), and the refusal came with 60 lines of traceback

@@ -24,7 +24,10 @@ def validate_budget(budget: Any) -> None:
     if budget == "auto":
         return
     if isinstance(budget, (float, bool)) or not isinstance(budget, (int, str)):
-        raise ValueError(f"budget={budget!r} is not allowed: expected {message}")
+        # (a float is taken, to be refused here in one line, not by a config parser's type check: ActivationMemory's
+        # budget may be a fraction, and a user writes 0.5 here too)
+        fraction = " (not a fraction: AutoFit's budget is memory)" if isinstance(budget, float) and 0 < budget < 1 else ""
+        raise ValueError(f"budget={budget!r} is not allowed: expected {message}{fraction}")
     try:
         nbytes = parse_budget(budget)
     except ValueError:

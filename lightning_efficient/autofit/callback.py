@@ -316,7 +316,7 @@ class AutoFit(Callback):
 
     def __init__(
         self,
-        budget: int | str | list[int | str],
+        budget: int | float | str | list[int | float | str],
         margin: float = 0.10,
         search_micro_batch: bool = True,
         micro_batches: list[int] | None = None,
@@ -1243,6 +1243,11 @@ class AutoFit(Callback):
         try:
             again = replan(plan, self._profiles, margin=margin, policies=policies)
         except ValueError:
+            if not above_usable:  # a wider margin than the plan's own is what no block plan meets: the plan fits
+                rank_zero_info(f"{missed}; with margin {margin:.2f} no block plan fits at this micro-batch and precision, and "
+                               f"it is within the budget less the margin ({plan.margin:.2f}) on every rank: the fit goes "
+                               "on as planned.")
+                return
             rank_zero_warn(f"{missed}, and with margin {margin:.2f} no block plan fits at this micro-batch and precision "
                            f"(AutoFit changes only block policies mid-fit): the fit goes on as planned; for a plan that "
                            f"fits, fit again with AutoFit(margin={margin:.2f}){_WIDER_MARGIN}.")

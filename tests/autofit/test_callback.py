@@ -511,6 +511,36 @@ def test_a_measured_peak_above_a_reused_plans_prediction_but_within_the_budget_g
     assert "\n  reused in " in lightning_caplog.text and lightning_caplog.text.count("planned in") == 1  # the first fit's
 
 
+class PredictOneMiB(lightning.Callback):
+    """Before AutoFit compares: the plan's prediction set to 1 MiB and its budget to the peak read at ``at_step`` over
+    0.85: the peak is then 85% of the budget above its prediction (no margin that wide leaves room for a plan), and
+    within the budget less the margin."""
+
+    def __init__(self, fit, at_step):
+        self.fit, self.at_step = fit, at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at_step and self.fit.measured is None:
+            measured = self.fit._meter.read()
+            self.fit.plan.ranks[0].peak_bytes, self.fit.plan.budgets[0] = MiB, int(measured / 0.85)
+            self.fit.profiles[0].budget_bytes = self.fit.plan.budgets[0]  # (what the re-plan reads)
+
+
+def test_a_measured_peak_far_above_its_prediction_but_within_the_budget_goes_on_without_advice_no_margin_can_meet(
+        small_datamodule_kwargs, lightning_caplog):
+    # a new user's trial: a peak of 28.8 MiB within a 42.9 MiB budget less the margin, 15% of the budget above its
+    # prediction, warned "for a plan that fits, fit again with AutoFit(margin=0.61)"; fitting again with it read
+    # 35.3 MiB, within the budget again, and warned "fit again with AutoFit(margin=0.56)"
+    fit = AutoFit(budget="512MB", optimizer_options=["32-bit"], report_after_steps=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*AutoFit.*")
+        _fit(small_datamodule_kwargs, [PredictOneMiB(fit, at_step=2), fit], steps=4)
+    assert fit.measured[0]["peak_bytes"] <= fit.plan.budgets[0] * (1 - fit.plan.margin)
+    assert "no block plan fits at this micro-batch and precision, and it is within the budget less the margin (0.10) " \
+           "on every rank: the fit goes on as planned" in lightning_caplog.text
+    assert "fit again with AutoFit(margin=" not in lightning_caplog.text
+
+
 def test_a_measured_peak_above_its_prediction_replans_the_block_policies_with_a_wider_margin(small_datamodule_kwargs, lightning_caplog):
     lightning.seed_everything(0)
     model = DemoGPT(vocab_size=512, n_layers=4, d_model=256, n_heads=2, seq_len=256)
