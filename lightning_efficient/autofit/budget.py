@@ -12,6 +12,9 @@ AUTO_RESERVE = 0.05
 """Under ``budget="auto"``, the fraction of the device's memory left to everything outside the fit."""
 
 
+NOT_A_FRACTION = " (not a fraction: AutoFit's budget is memory)"
+
+
 def validate_budget(budget: Any) -> None:
     """Raise a ValueError naming ``budget`` unless it is bytes, a size string, ``"auto"`` or a list of bytes/size strings."""
     message = "bytes (an int > 0), a size string like '6GiB', 'auto', or a list of those (one per rank)"
@@ -26,14 +29,15 @@ def validate_budget(budget: Any) -> None:
     if isinstance(budget, (float, bool)) or not isinstance(budget, (int, str)):
         # (a float is taken, to be refused here in one line, not by a config parser's type check: ActivationMemory's
         # budget may be a fraction, and a user writes 0.5 here too)
-        fraction = " (not a fraction: AutoFit's budget is memory)" if isinstance(budget, float) and 0 < budget < 1 else ""
+        fraction = NOT_A_FRACTION if isinstance(budget, float) and 0 < budget <= 1 else \
+            f" (write a float as an int of bytes or a size string, e.g. '{budget:g}B')" if isinstance(budget, float) else ""
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}{fraction}")
     try:
         nbytes = parse_budget(budget)
     except ValueError:
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}") from None
     if nbytes < 1:  # a fraction ("0.5"): of no baseline here
-        raise ValueError(f"budget={budget!r} is not allowed: expected {message} (not a fraction)")
+        raise ValueError(f"budget={budget!r} is not allowed: expected {message}{NOT_A_FRACTION}")
 
 
 def auto_budget(device: torch.device, local_ranks: int = 1) -> int:

@@ -235,6 +235,13 @@ def check(case: Case, trace: dict[str, Any], ref: dict[str, Any]) -> None:
     if case.loop == harness.UNFREEZE and trace["main"]["trainable_sets_planned"] != 2:
         problems.append(f"the plugin planned for {trace['main']['trainable_sets_planned']} sets of trainable parameters in "
                         "the fit, not 2 (frozen, then unfrozen at epoch 1)")
+    if case.loop == harness.UNFREEZE and case.resume == "epoch" and "resumed" in trace:
+        # resumed before the unfreeze: planned for the unfrozen set too (ActivationMemory keeps the plans it profiled,
+        # not the checkpoint's it restored; AutoFit both)
+        expected = 2 if case.plugin == harness.AUTOFIT else 1
+        if trace["resumed"].get("trainable_sets_planned") != expected:
+            problems.append(f"the resumed fit planned for {trace['resumed'].get('trainable_sets_planned')} sets of trainable "
+                            f"parameters, not {expected}")
     assert not problems, f"{case.name}:\n  " + "\n  ".join(problems)
 
 
