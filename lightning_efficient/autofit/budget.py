@@ -29,9 +29,10 @@ def validate_budget(budget: Any) -> None:
     if isinstance(budget, (float, bool)) or not isinstance(budget, (int, str)):
         # (a float is taken, to be refused here in one line, not by a config parser's type check: ActivationMemory's
         # budget may be a fraction, and a user writes 0.5 here too)
-        fraction = NOT_A_FRACTION if isinstance(budget, float) and 0 < budget <= 1 else \
-            f" (write a float as an int of bytes or a size string, e.g. '{budget:g}B')" if isinstance(budget, float) else ""
-        raise ValueError(f"budget={budget!r} is not allowed: expected {message}{fraction}")
+        hint = ""
+        if isinstance(budget, float):
+            hint = NOT_A_FRACTION if 0 < budget <= 1 else f" (write a float as an int of bytes or a size string, e.g. '{budget:g}B')"
+        raise ValueError(f"budget={budget!r} is not allowed: expected {message}{hint}")
     try:
         nbytes = parse_budget(budget)
     except ValueError:

@@ -207,6 +207,18 @@ def _nothing_left(raised: dict[str, Any]) -> list[str]:
     return problems
 
 
+def unfreeze_problems(case: Case, trace: dict[str, Any]) -> list[str]:
+    """The unfreeze cells' own check: the plugin planned for both sets of trainable parameters (frozen, then unfrozen
+    at epoch 1), and a fit resumed before the unfreeze planned for the unfrozen set too (ActivationMemory keeps the
+    plans it profiled, not the checkpoint's it restored; AutoFit both)."""
+    expected = {"main": 2}
+    if case.resume == "epoch" and "resumed" in trace:
+        expected["resumed"] = 2 if case.plugin == harness.AUTOFIT else 1
+    return [f"the {'resumed ' if part == 'resumed' else ''}fit planned for {trace[part].get('trainable_sets_planned')} sets "
+            f"of trainable parameters, not {count}" for part, count in expected.items()
+            if trace[part].get("trainable_sets_planned") != count]
+
+
 def check(case: Case, trace: dict[str, Any], ref: dict[str, Any]) -> None:
     if case.name in harness.REFUSED:
         assert "error" in trace, f"{case.name} should be refused before the first step"
@@ -232,16 +244,8 @@ def check(case: Case, trace: dict[str, Any], ref: dict[str, Any]) -> None:
             problems += _each_epoch_once(stitched, f"resumed at step {start}")
     if case.plugin == harness.STREAMING:
         problems += streaming_problems(case, trace, ref)
-    if case.loop == harness.UNFREEZE and trace["main"]["trainable_sets_planned"] != 2:
-        problems.append(f"the plugin planned for {trace['main']['trainable_sets_planned']} sets of trainable parameters in "
-                        "the fit, not 2 (frozen, then unfrozen at epoch 1)")
-    if case.loop == harness.UNFREEZE and case.resume == "epoch" and "resumed" in trace:
-        # resumed before the unfreeze: planned for the unfrozen set too (ActivationMemory keeps the plans it profiled,
-        # not the checkpoint's it restored; AutoFit both)
-        expected = 2 if case.plugin == harness.AUTOFIT else 1
-        if trace["resumed"].get("trainable_sets_planned") != expected:
-            problems.append(f"the resumed fit planned for {trace['resumed'].get('trainable_sets_planned')} sets of trainable "
-                            f"parameters, not {expected}")
+    if case.loop == harness.UNFREEZE:
+        problems += unfreeze_problems(case, trace)
     assert not problems, f"{case.name}:\n  " + "\n  ".join(problems)
 
 
@@ -407,7 +411,7 @@ def test_the_cases_cover_every_value_of_every_axis_with_every_plugin() -> None:
     assert harness.cases() == CASES  # deterministic
 
 
-def test_the_streaming_cells_come_after_the_others_and_cover_what_streaming_must_meet() -> None:
+def test_the_hand_picked_cells_come_after_the_others_and_cover_what_they_must_meet() -> None:
     unfreeze = [c for c in CASES if c.loop == harness.UNFREEZE]
     assert unfreeze == list(harness.UNFREEZE_CASES) == CASES[-len(unfreeze):]  # every other cell as it was
     cases = CASES[:-len(unfreeze)]
