@@ -1207,6 +1207,12 @@ class AutoFit(Callback):
                   f"({plan.budgets[worst] / 2**20:,.1f} MiB)")
         margin = min(0.95, plan.margin + over)
         above_usable = any(m["peak_bytes"] > b * (1 - plan.margin) for m, b in zip(measured, plan.budgets))
+        above_budget = any(m["peak_bytes"] > b for m, b in zip(measured, plan.budgets))
+        # the margin is for what a prediction misses: a plan measured within its budget fits, and the next fit needs a
+        # margin as wide as this miss (not this one's widened by it, which grew at every fit taking the advice)
+        advised = min(0.95, max(plan.margin, math.ceil(over * 100) / 100 + 0.01))
+        took_the_miss = (f"; it is within the budget on every rank (above it less the margin, {plan.margin:.2f}): the "
+                         "margin took the miss, and the fit goes on as planned")
         if unprofiled is not None and self._profiles:
             if _keep_still_fits(plan, self._profiles, margin):
                 rank_zero_info(f"{missed}; with margin {margin:.2f} every block kept still fits: the plan stays as it is.")
@@ -1232,11 +1238,14 @@ class AutoFit(Callback):
                 rank_zero_info(f"{missed}; it is within the budget less the margin ({plan.margin:.2f}) on every rank: "
                                "the fit goes on as planned.")
                 return
+            if not above_budget:
+                rank_zero_info(f"{missed}{took_the_miss}.")
+                return
             why = ("the plan was reused from the checkpoint, not measured, so there is no block profile to plan them "
                    "from" if not self._profiles else "the block policies are your ActivationMemory's"
                    if self._user_activations is not None else "no blocks were found to change")
             rank_zero_warn(f"{missed}. AutoFit changes only block policies mid-fit, and {why}: the fit goes on as "
-                           f"planned; for a plan that fits, fit again with AutoFit(margin={margin:.3f}){_WIDER_MARGIN}.")
+                           f"planned; for a plan that fits, fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}.")
             return
         # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the
         # states); each rank's block policies are chosen again for the wider margin
@@ -1249,9 +1258,13 @@ class AutoFit(Callback):
                                f"it is within the budget less the margin ({plan.margin:.2f}) on every rank: the fit goes "
                                "on as planned.")
                 return
+            if not above_budget:
+                rank_zero_info(f"{missed}; with margin {margin:.2f} no block plan fits at this micro-batch and precision"
+                               f"{took_the_miss}.")
+                return
             rank_zero_warn(f"{missed}, and with margin {margin:.2f} no block plan fits at this micro-batch and precision "
                            f"(AutoFit changes only block policies mid-fit): the fit goes on as planned; for a plan that "
-                           f"fits, fit again with AutoFit(margin={margin:.2f}){_WIDER_MARGIN}.")
+                           f"fits, fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}.")
             return
         if [r.policies for r in again.ranks] == [r.policies for r in plan.ranks]:
             rank_zero_info(f"{missed}; with margin {margin:.2f} the block policies stay as they are.")
