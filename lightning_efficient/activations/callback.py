@@ -126,6 +126,7 @@ class ActivationMemory(Callback):
         self._closed_disk: DiskOffload | None = None  # the last fit's disk offload, closed: its byte counts
         self._warned_cpu_offload = False
         self._exclude: ParameterStorages | None = None
+        self._policies_chosen_by: str | None = None  # who set ``policy`` when not the user (AutoFit's plan)
 
     # -- wiring ------------------------------------------------------------------------------
     @override
@@ -166,8 +167,9 @@ class ActivationMemory(Callback):
                 if plan is not None:
                     self._apply(plan, pl_module)
         elif restored is not None and restored.get("plan") is not None and restored["plan"] != self._plan:
-            rank_zero_info(f"ActivationMemory: the checkpoint's plan ({_counts(restored['plan'])}) is not restored: "
-                           f"policy={self._policy_text()} set now wins.")
+            now = (f"{self._policies_chosen_by}'s plan sets the policies now" if self._policies_chosen_by is not None
+                   else f"policy={self._policy_text()} set now wins")
+            rank_zero_info(f"ActivationMemory: the checkpoint's plan ({_counts(restored['plan'])}) is not restored: {now}.")
 
     def _policy_text(self) -> str:
         return repr(self.policy[0] if len(self.policy) == 1 else self.policy)
@@ -202,7 +204,7 @@ class ActivationMemory(Callback):
             self._plan_summary = Plan(list(mine["policies"]), mine["held_bytes"], mine["cost_s"], mine["baseline_bytes"])
         self._rank_plans = [dict(p) for p in plans]
         rank_zero_info(f"ActivationMemory: the checkpoint's auto plan is restored ({_counts(saved)}, budget={self.budget!r}); "
-                       "not profiled again.")
+                       "not profiled again while the parameters that train are those it was profiled with.")
         return list(mine["policies"])
 
     @override

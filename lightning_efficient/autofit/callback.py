@@ -458,7 +458,7 @@ class AutoFit(Callback):
         user's) and dropping its state. :meth:`_apply` sets its policies in ``on_fit_start``."""
         if self._user_activations is not None or any(isinstance(c, ActivationMemory) for c in trainer.callbacks):
             return
-        candidate = self._activations or ActivationMemory(policy="keep", blocks=self.blocks)
+        candidate = self._activations or self._own_activations(["keep"])
         if candidate.state_key not in states:
             return
         self._activations = candidate
@@ -1044,7 +1044,7 @@ class AutoFit(Callback):
         if self._user_activations is None and ((mine.policies and any(p != "keep" for p in mine.policies)) or self._activations):
             policies = list(mine.policies) or ["keep"]
             if self._activations is None:
-                self._activations = ActivationMemory(policy=policies, blocks=self.blocks)
+                self._activations = self._own_activations(policies)
             self._activations.policy = policies
             callbacks = trainer.callbacks
             if self._activations not in callbacks:  # Lightning calls its on_fit_start next, in this same loop
@@ -1393,12 +1393,19 @@ class AutoFit(Callback):
         self._measured, self._step_times, self._step_started, self._measured_against = None, [], None, []
         self._meter.reset()
 
+    def _own_activations(self, policies: list[str]) -> ActivationMemory:
+        """The :class:`ActivationMemory` AutoFit adds, under ``policies`` (its messages name AutoFit's plan as their
+        setter, not the user)."""
+        activations = ActivationMemory(policy=policies, blocks=self.blocks)
+        activations._policies_chosen_by = "AutoFit"
+        return activations
+
     def _switch_policies(self, policies: list[str], trainer: Trainer, pl_module: LightningModule) -> None:
         """This rank's blocks under ``policies`` from the next step on (mid-fit)."""
         if self._activations is None:
             if all(p == "keep" for p in policies):
                 return
-            self._activations = ActivationMemory(policy=policies, blocks=self.blocks)
+            self._activations = self._own_activations(policies)
             trainer.callbacks.insert(trainer.callbacks.index(self) + 1, self._activations)
         else:
             self._activations._undo()

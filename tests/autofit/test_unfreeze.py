@@ -83,13 +83,16 @@ def _between_kept_and_leanest(unbounded) -> int:
     return int((every_block_kept + leanest) / 2 / 0.9)
 
 
-def test_a_budget_every_frozen_block_kept_fits_gets_block_policies_when_the_blocks_unfreeze(small_datamodule_kwargs, plain, unbounded):
+def test_a_budget_every_frozen_block_kept_fits_gets_block_policies_when_the_blocks_unfreeze(small_datamodule_kwargs, plain, unbounded,
+                                                                                            tmp_path, lightning_caplog):
     budget = _between_kept_and_leanest(unbounded)
     # (on CPU, moving a block to disk or recomputing part of it saves less RSS than the saved-tensor bytes planned from)
-    fit = AutoFit(budget=budget, search_micro_batch=False, optimizer_options=["32-bit"], activation_policies=["keep", "checkpoint"],
-                  report_after_steps=1)
+    settings = {"budget": budget, "search_micro_batch": False, "optimizer_options": ["32-bit"],
+                "activation_policies": ["keep", "checkpoint"], "report_after_steps": 1}
+    fit = AutoFit(**settings)
     seen = PlanPerEpoch(fit)
-    _, model = finetune(small_datamodule_kwargs, [fit, seen])
+    every_epoch = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    _, model = finetune(small_datamodule_kwargs, [fit, seen, every_epoch], root=tmp_path)
     before, after = seen.plans
     assert all(p == "keep" for p in before.ranks[0].policies) and seen.applied[0] in (None, ["keep"] * 4)
     assert any(p != "keep" for p in after.ranks[0].policies)
@@ -98,6 +101,14 @@ def test_a_budget_every_frozen_block_kept_fits_gets_block_policies_when_the_bloc
     assert fit.memory_figures()["autofit_measured_peak_bytes"] <= budget
     # recomputing a block gives the same numbers on CPU
     assert_trained_alike(model, plain, atol=1e-6)
+    # resumed from after the unfreeze where nothing unfreezes: AutoFit plans again for the frozen backbone, and its
+    # ActivationMemory, given the checkpoint's policies, says whose plan sets them now (it said "policy=[...] set now
+    # wins" of policies the user never set)
+    lightning_caplog.clear()
+    finetune(small_datamodule_kwargs, [AutoFit(**settings)], epochs=3, unfreeze_at=5, ckpt_path=str(tmp_path / "epoch=1.ckpt"))
+    assert "ActivationMemory: the checkpoint's plan (" in lightning_caplog.text
+    assert "is not restored: AutoFit's plan sets the policies now." in lightning_caplog.text
+    assert "set now wins" not in lightning_caplog.text
 
 
 class FiguresPerEpoch(PlanPerEpoch):
