@@ -541,7 +541,8 @@ def _counts(policies: list[str]) -> str:
 
 def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) -> str:
     """The plan as a table: each rank's choices, predicted peak and step time (and the measured
-    figures beside them when given)."""
+    figures beside them when given); a rank whose prediction is above its budget less the margin (a re-plan that took
+    the leanest policies), or whose measured peak is above its budget, says so at the row's end."""
     lines = [
         f"AutoFit plan: optimizer states {plan.optimizer}, global batch {plan.samples_per_step}"
         + ((f", micro-batch {plan.ranks[0].micro_batch} x {plan.accumulation} accumulated" if plan.accumulation > 1
@@ -560,6 +561,11 @@ def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) ->
         if measured:
             m = measured[rank]
             row += f" {m['peak_bytes'] / 2**20:>13,.1f} {m['step_s'] * 1e3:>12,.1f}"
+        usable = budget * (1 - plan.margin)
+        if choice.peak_bytes > usable:
+            row += f"  predicted above the {usable / 2**20:,.1f} MiB usable"
+        if measured and measured[rank]["peak_bytes"] > budget:
+            row += "  measured above the budget"
         lines.append(row)
     lines.extend(f"  note: {note}" for note in plan.notes)
     return "\n".join(lines)

@@ -201,6 +201,18 @@ def test_heterogeneous_ranks_get_their_own_caps_and_a_slower_rank_lowers_the_rat
     assert "micro" in plan_table(search([fast], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)).splitlines()[1].split()
 
 
+def test_the_table_marks_a_prediction_above_the_usable_and_a_measured_peak_above_the_budget():
+    # a re-plan after an unfreeze that took the leanest policies printed its table as any other (a new user's trial:
+    # 45.5 MiB predicted of a 42.9 MiB budget, unmarked)
+    plan = search([profile(4000 * MiB), profile(4000 * MiB)], samples_per_step=16, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert "above" not in plan_table(plan)
+    over = replace(plan, ranks=[plan.ranks[0], replace(plan.ranks[1], peak_bytes=int(plan.budgets[1] * 0.95))])
+    rows = plan_table(over, measured=[{"peak_bytes": plan.budgets[0] * 1.01, "step_s": 0.1},
+                                      {"peak_bytes": plan.budgets[1] * 0.99, "step_s": 0.1}]).splitlines()[2:4]
+    assert rows[0].endswith("  measured above the budget") and "predicted above" not in rows[0]
+    assert rows[1].endswith(f"  predicted above the {plan.budgets[1] * 0.9 / 2**20:,.1f} MiB usable")
+
+
 def test_fixed_policies_are_kept_and_predicted_as_set():
     p = profile(4000 * MiB)
     p.fixed_policies = ["checkpoint", "keep", "checkpoint"]
