@@ -260,7 +260,7 @@ def run_plan(args: Sequence[str]) -> AutoFit:
     parser.add_argument("--margin", type=float)
     known, rest = parser.parse_known_args(list(args))
     try:  # a wrong --budget or --margin is said at once, in one line (before the config's model is built)
-        AutoFit(budget=1 if known.budget is None else known.budget, margin=0.10 if known.margin is None else known.margin)
+        AutoFit(budget="auto" if known.budget is None else known.budget, margin=0.10 if known.margin is None else known.margin)
     except ValueError as error:
         raise SystemExit(f"lightning-efficient plan: {error}") from None
     if not _gives_config(rest):

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lightning_efficient._validation import SettingRefused
 from lightning_efficient.activations.planner import parse_budget
 
 AUTO_RESERVE = 0.05
@@ -13,6 +14,19 @@ AUTO_RESERVE = 0.05
 
 
 NOT_A_FRACTION = " (not a fraction: AutoFit's budget is memory)"
+
+LEAST_BYTES = 2**16
+"""The least budget taken (64 KiB): less holds no model's training step, and is a unit left out (``300`` for 300 MB)."""
+
+
+def _float_hint(budget: float) -> str:
+    """What to write instead of the float ``budget``: a fraction is no budget here; a whole number is bytes as an int;
+    another float is a number missing its unit (``1.5`` for 1.5 GiB)."""
+    if 0 < budget <= 1:
+        return NOT_A_FRACTION
+    if budget.is_integer():
+        return f" (write {int(budget)} for {int(budget):,} bytes, or a size string with its unit)"
+    return f" (a size string with its unit, e.g. '{budget:g}GiB' or '{budget:g}MB')"
 
 
 def validate_budget(budget: Any) -> None:
@@ -29,9 +43,7 @@ def validate_budget(budget: Any) -> None:
     if isinstance(budget, (float, bool)) or not isinstance(budget, (int, str)):
         # (a float is taken, to be refused here in one line, not by a config parser's type check: ActivationMemory's
         # budget may be a fraction, and a user writes 0.5 here too)
-        hint = ""
-        if isinstance(budget, float):
-            hint = NOT_A_FRACTION if 0 < budget <= 1 else f" (write a float as an int of bytes or a size string, e.g. '{budget:g}B')"
+        hint = _float_hint(budget) if isinstance(budget, float) else ""
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}{hint}")
     try:
         nbytes = parse_budget(budget)
@@ -39,6 +51,10 @@ def validate_budget(budget: Any) -> None:
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}") from None
     if nbytes < 1:  # a fraction ("0.5"): of no baseline here
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}{NOT_A_FRACTION}")
+    if nbytes < LEAST_BYTES:  # (a new user's budget=300, measured in full and then refused as "budget 0.0 MiB")
+        unitless = isinstance(budget, int) or budget.strip().isdigit()
+        raise ValueError(f"budget={budget!r} is not allowed: it is {nbytes:,} bytes, and a budget under 64 KiB holds no "
+                         "model's training step" + (f"; give the unit, e.g. '{str(budget).strip()}MB'" if unitless else ""))
 
 
 def auto_budget(device: torch.device, local_ranks: int = 1) -> int:
@@ -61,9 +77,10 @@ def auto_budget(device: torch.device, local_ranks: int = 1) -> int:
 
 
 def check_budget_ranks(budget: Any, world: int) -> None:
-    """Raise a ValueError where ``budget`` is a list whose length is not the number of ranks, ``world``."""
+    """Raise :class:`~lightning_efficient._validation.SettingRefused` (a ValueError; the command line says it in one line)
+    where ``budget`` is a list whose length is not the number of ranks, ``world``."""
     if isinstance(budget, (list, tuple)) and len(budget) != world:
-        raise ValueError(f"AutoFit: budget={list(budget)!r} has {len(budget)} entries, but this fit runs {world} "
+        raise SettingRefused(f"AutoFit: budget={list(budget)!r} has {len(budget)} entries, but this fit runs {world} "
                          f"rank{'s' if world != 1 else ''}: give one budget per rank, or one budget for every rank")
 
 

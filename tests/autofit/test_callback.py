@@ -222,6 +222,14 @@ def test_callbacks_the_user_set_keep_their_settings_and_the_plan_says_so(small_d
     ({"budget": 0}, "budget=0 is not allowed"),
     ({"budget": "lots"}, "budget='lots' is not allowed"),
     ({"budget": 0.5}, "budget=0.5 is not allowed"),
+    # new users' trials: 300 (a unit left out) was measured in full, then refused as "budget 0.0 MiB"; 1.5 was told to
+    # write '1.5B' (1.5 bytes), 2e8 '2e+08B' (refused)
+    ({"budget": 300}, "budget=300 is not allowed: it is 300 bytes, and a budget under 64 KiB holds no model's training "
+                      "step; give the unit, e.g. '300MB'"),
+    ({"budget": "64KB"}, "budget='64KB' is not allowed: it is 64,000 bytes, and a budget under 64 KiB holds no model's "
+                         "training step$"),
+    ({"budget": 1.5}, r"budget=1.5 is not allowed: .* \(a size string with its unit, e.g. '1.5GiB' or '1.5MB'\)"),
+    ({"budget": 2e8}, r"budget=200000000.0 is not allowed: .* \(write 200000000 for 200,000,000 bytes, or a size string"),
     ({"budget": ["1GiB", "auto"]}, "budget=\\['1GiB', 'auto'\\] is not allowed"),
     ({"budget": "1GiB", "margin": 1.0}, "margin=1.0 is not allowed"),
     ({"budget": "1GiB", "activation_policies": ["checkpoint"]}, "activation_policies=\\['checkpoint'\\] is not allowed"),
@@ -328,6 +336,19 @@ def _config(path, data_kwargs, **trainer):
         "data": {"class_path": "lightning_efficient.CorpusDataModule", "init_args": data_kwargs},
     }))
     return path
+
+
+def test_a_budget_list_of_another_length_than_the_ranks_is_refused_in_one_line(small_datamodule_kwargs, tmp_path):
+    # a new user's trial: `budget: [40MB, 40MB]` on one device (from fit and from plan --budget) gave a whole traceback
+    autofit = {"class_path": "lightning_efficient.AutoFit", "init_args": {"budget": ["40MB", "40MB"]}}
+    config = _config(tmp_path / "run.yaml", small_datamodule_kwargs, callbacks=[autofit])
+    for command in (["fit", "--config", str(config)], ["plan", "--config", str(config), "--budget", "[40MB, 40MB]"]):
+        refused = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", *command], capture_output=True, text=True,
+                                 timeout=300, cwd=tmp_path)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"lightning-efficient{' plan' if command[0] == 'plan' else ''}: AutoFit: budget=['40MB', '40MB'] has 2 entries, "
+            "but this fit runs 1 rank: give one budget per rank, or one budget for every rank"), command
 
 
 def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_training(small_datamodule_kwargs, tmp_path):
