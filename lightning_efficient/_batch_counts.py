@@ -144,6 +144,28 @@ class SchedulerFrequencies:
         self._counting, self._frequencies = None, None
 
 
+def restored_batches_counted_again(trainer: Any, batches_per_micro_batch: Fraction) -> tuple[int, int] | None:
+    """The training loop's batch counts, restored from a checkpoint whose fit drew other batch sizes (a plain fit's
+    batches, or another plan's micro-batches), counted in this fit's micro-batches: ``batches_per_micro_batch`` of the
+    checkpoint's batches make one of this fit's (``Fraction(8, 2)``: 4 micro-batches of 2 samples a batch of 8). The
+    counts decide where the epoch ends, when an accumulation window steps and when validation runs: counted in the
+    checkpoint's batches, a plain fit's 16 batches of 8 resumed at micro-batch 2 trained the epoch's other 64
+    micro-batches where 16 were left (a new user's trial: 8 optimizer steps in an epoch of 5). Call once the
+    checkpoint's loops are restored, before the epoch starts (``on_train_start``). Returns (batches of the epoch
+    counted before, after), or None where nothing was counted."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    before = progress.current.ready
+    if batches_per_micro_batch == 1 or (before == 0 and progress.total.ready == 0):
+        return None
+    for counts in (progress.current, progress.total):
+        # a checkpoint saved in on_train_batch_end counts its batch ready, not completed (Lightning completes it on
+        # the restart): each count keeps its distance from the batches made ready
+        ready = counts.ready
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(counts, name, math.floor(ready * batches_per_micro_batch) - (ready - getattr(counts, name)))
+    return before, progress.current.ready
+
+
 def checkpoint_timing_kept(trainer: Any, settings: dict[str, Any], counted: dict[str, int]) -> list[tuple[Any, str, Any]]:
     """Where ``val_check_interval=1`` (every batch) counts more micro-batches, each ``ModelCheckpoint`` that decides
     when to save from the trainer's settings is told what it decides with the user's: Lightning's saves at the

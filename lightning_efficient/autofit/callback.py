@@ -26,7 +26,14 @@ from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_efficient import _batch_counts
-from lightning_efficient._batch_counts import SchedulerFrequencies, batch_settings, checkpoint_timing_kept, counted_batches, counts_in_micro_batches
+from lightning_efficient._batch_counts import (
+    SchedulerFrequencies,
+    batch_settings,
+    checkpoint_timing_kept,
+    counted_batches,
+    counts_in_micro_batches,
+    restored_batches_counted_again,
+)
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._step import first_samples_batch, prepared_as_in_the_loop
@@ -374,6 +381,7 @@ class AutoFit(Callback):
         self._meter: PeakMemory | None = None
         self._start_rss = 0
         self._unprofiled: _Unprofiled | None = None  # the blocks left unprofiled before the first step
+        self._checkpoint_micro_batch: int | None = None  # what the resumed checkpoint counted its batches in
         self._code_pages = CodePages()  # off CUDA: the library code measuring touched is handed back after it
         self._step_started: float | None = None
         self._measured_against: list[int] = []  # each rank's predicted peak when the measured figures were read
@@ -500,6 +508,7 @@ class AutoFit(Callback):
         self._measured, self._step_times, self._step_started = None, [], None
         self._measured_against = []
         self._unprofiled = None
+        self._checkpoint_micro_batch = None
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
@@ -565,8 +574,22 @@ class AutoFit(Callback):
                        + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
+        self._checkpoint_micro_batch = self._checkpoints_micro_batch(restored, trainer, pl_module)
         # (a checkpoint's running token count: a resumed first step rounds as the uninterrupted run's)
         self._apply(plan, trainer, pl_module, token_scale=(restored or {}).get("step_token_scale"))
+
+    def _checkpoints_micro_batch(self, restored: dict[str, Any] | None, trainer: Trainer, pl_module: LightningModule) -> int | None:
+        """The batch size the checkpoint this fit resumes from counted its DataLoader batches in: its AutoFit plan's
+        micro-batch, or, from a checkpoint without AutoFit's state, the DataLoader's batch size before this plan (the
+        user's, which the checkpoint's fit drew). None where the fit does not resume, the heterogeneous strategies
+        count the batches (their balancer), or it is not known."""
+        if trainer.ckpt_path is None or self._heterogeneous(trainer):
+            return None
+        if restored is not None:
+            saved = FitPlan.from_dict(restored["plan"]) if restored.get("plan") is not None else None
+            return saved.micro_batches[0] if saved is not None and saved.accumulation is not None else None
+        size = lightning_getattr(pl_module, "batch_size") if lightning_hasattr(pl_module, "batch_size") else None
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
 
     def _planning_peak_line(self, plan: FitPlan, rank: int) -> str:
         """The peak while planning (this rank's), and why it may be above the budget."""
@@ -1153,10 +1176,23 @@ class AutoFit(Callback):
                     "does not read the `batch_size` attribute, so the global batch would change. Build the DataLoader with "
                     "self.batch_size, or AutoFit(search_micro_batch=False)"
                 )
+        self._count_the_checkpoints_batches_again(trainer)
         self._load_the_checkpoints_data_position(trainer)
         if self._meter is not None:
             self._meter.reset()
         self._resumed_step_saved.fit_started()  # (the plan's micro-batches split each step)
+
+    def _count_the_checkpoints_batches_again(self, trainer: Trainer) -> None:
+        """The restored loop's batch counts in this plan's micro-batches, where the checkpoint's fit drew batches of
+        another size (a plain Lightning fit's, or a plan whose micro-batch no longer fits)."""
+        plan, checkpoints, self._checkpoint_micro_batch = self._plan, self._checkpoint_micro_batch, None
+        if plan is None or checkpoints is None or plan.accumulation is None:
+            return
+        micro = plan.ranks[trainer.global_rank].micro_batch
+        counted = restored_batches_counted_again(trainer, Fraction(checkpoints, micro))
+        if counted is not None and counted[0] != counted[1]:
+            rank_zero_info(f"AutoFit: the checkpoint counted {counted[0]} batch(es) of {checkpoints} samples into its epoch: "
+                           f"{counted[1]} micro-batch(es) of {micro} now, so the epoch ends, steps and validates where it would have.")
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -749,6 +749,60 @@ def test_a_mid_epoch_resume_keeps_its_micro_batch_outside_a_new_micro_batches_li
     assert any("micro-batch 2 kept from the checkpoint's plan, outside micro_batches=[4]" in note for note in resumed.plan.notes)
 
 
+class EpochsAndValidations(lightning.Callback):
+    """The optimizer step at each epoch's end and at each validation."""
+
+    def __init__(self) -> None:
+        self.epoch_ends: list[int] = []
+        self.validations: list[int] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epoch_ends.append(trainer.global_step)
+
+    def on_validation_start(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.validations.append(trainer.global_step)
+
+
+class PlainLoaderData(CorpusDataModule):
+    """The corpus in a plain torch DataLoader of ``batch_size`` (no saved position: a resume starts the epoch's
+    iteration again, as most users' loaders do)."""
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(super().train_dataloader().dataset, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("val_check_interval", [1.0, 6])
+def test_a_plain_lightning_mid_epoch_checkpoint_resumed_with_autofit_ends_its_epoch_and_validates_where_plain_lightning_does(
+        small_datamodule_kwargs, tmp_path, val_check_interval):
+    # a new user's trial: a plain fit's mid-epoch checkpoint (16 batches of 8 into an epoch of 20, 4 a step) resumed
+    # with AutoFit at micro-batch 2 counted its 16 batches as 16 micro-batches: 8 optimizer steps in an epoch of 5
+    def fit(steps, callbacks, ckpt_path=None):
+        lightning.seed_everything(0)
+        model = DemoGPT(**tiny_gpt_kwargs())
+        data = PlainLoaderData(**{**small_datamodule_kwargs, "batch_size": 8})
+        seen = EpochsAndValidations()
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=4, limit_train_batches=12,
+                                    limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=val_check_interval,
+                                    logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                                    enable_model_summary=False, callbacks=[*callbacks, seen])
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return model, seen
+
+    fit(2, [ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)])  # step 2 of the epoch's 3
+    last = str(tmp_path / "last.ckpt")
+    plain, plain_seen = fit(6, [], ckpt_path=last)
+    autofit = AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"])
+    mine, seen = fit(6, [autofit], ckpt_path=last)
+    assert autofit.plan.micro_batches == [2] and autofit.plan.accumulation == 16
+    assert plain_seen.epoch_ends == [3, 6] and seen.epoch_ends == plain_seen.epoch_ends
+    assert seen.validations == plain_seen.validations and len(seen.validations) >= 2
+    # the same samples in the same steps: the token mean over each step's 32 samples, as plain Lightning's mean of
+    # its 4 batches' means (every sample has as many tokens)
+    for (name, a), b in zip(mine.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=name)
+
+
 def test_a_resume_from_an_epochs_end_with_another_budget_chooses_the_micro_batch_again(small_datamodule_kwargs, tmp_path):
     """A new user's trial: a resume from ModelCheckpoint(every_n_epochs=1) with a larger budget kept the checkpoint's
     micro-batch ("a resume mid-epoch needs it"), though the next epoch starts from its first batch."""
