@@ -15,6 +15,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.parsing import lightning_hasattr
 from typing_extensions import override
@@ -251,6 +252,16 @@ def plan_yaml(plan: FitPlan, autofit: AutoFit, trainer: Trainer, model: Lightnin
     return yaml.safe_dump(settings, sort_keys=False)
 
 
+def _launch_as_a_script(trainer: Any) -> None:
+    """A strategy that spawns its processes (``ddp_spawn``) launches them as ``ddp`` does instead, each running this
+    command again: the plan, the same, is then made in this process too, which prints it and its config (the config
+    keeps the strategy as written). AutoFit refuses ``plan_only`` in spawned processes, where the plan is lost."""
+    strategy = trainer.strategy
+    if isinstance(strategy.launcher, _MultiProcessingLauncher) and getattr(strategy, "_start_method", None) is not None:
+        strategy._start_method = "popen"
+        strategy._configure_launcher()
+
+
 def run_plan(args: Sequence[str]) -> AutoFit:
     """``lightning-efficient plan``: see :data:`PLAN_USAGE`. Returns the AutoFit callback that planned."""
     if any(a in ("-h", "--help") for a in args):
@@ -280,6 +291,7 @@ def run_plan(args: Sequence[str]) -> AutoFit:
         index = next(i for i, c in enumerate(trainer.callbacks) if isinstance(c, AutoFit))
         trainer.callbacks[index] = autofit
     autofit.plan_only = True
+    _launch_as_a_script(trainer)
     # nothing trained, nothing logged: no empty run directory left behind (a new user's trial); a logger of no-ops in
     # each one's place, for callbacks and modules that ask for one in setup (DeviceStatsMonitor refuses none)
     trainer.loggers = [DummyLogger() for _ in trainer.loggers]

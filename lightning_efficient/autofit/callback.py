@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loops.utilities import _is_max_limit_reached
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -315,6 +316,8 @@ class AutoFit(Callback):
         report_after_steps: optimizer steps after which the measured figures are printed beside the predicted.
         plan_only: end the fit once the plan is printed, before the first step (``trainer.fit`` returns; the plan
             is :attr:`plan`), as Lightning's batch-size finder ends a tuning fit; what ``lightning-efficient plan`` does.
+            Refused under a strategy that spawns its processes (``ddp_spawn``): the plan would be made, and lost, in
+            them; plan under ``ddp`` (the same plan) or with ``lightning-efficient plan``, which does so.
 
     Raises:
         ValueError: naming the argument for a bad value; before the first step, when no configuration fits
@@ -418,6 +421,11 @@ class AutoFit(Callback):
             return
         callbacks = trainer.callbacks
         require(sum(isinstance(c, AutoFit) for c in callbacks) == 1, "callbacks", "two AutoFit", "one AutoFit per Trainer")
+        # (Lightning ends a tuning fit by an exception it catches where it launched the processes: a spawned process,
+        # which does not, raised it, and the plan stayed in that process; a new user's trial)
+        refuse_unless(not (self.plan_only and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)), "AutoFit",
+                      "plan_only", True, "False under a strategy that spawns its processes (the plan would be made, and lost, "
+                      "in them): plan under strategy='ddp', which gives the same plan, or with `lightning-efficient plan`")
         self._last_build.watch(trainer.fit_loop)
         if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
             raise ValueError("AutoFit sets accumulate_grad_batches itself; it cannot work beside a GradientAccumulationScheduler")

@@ -646,8 +646,11 @@ def test_a_measured_peak_above_its_prediction_that_keeping_every_block_still_fit
     assert not any(isinstance(c, ActivationMemory) for c in trainer.callbacks)
 
 
-def test_the_plan_command_under_ddp_plans_on_both_ranks_and_prints_once(small_datamodule_kwargs, tmp_path):
-    config = _config(tmp_path / "ddp.yaml", small_datamodule_kwargs, devices=2, strategy="ddp")
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_the_plan_command_under_ddp_plans_on_both_ranks_and_prints_once(small_datamodule_kwargs, tmp_path, strategy):
+    # a new user's trial: under ddp_spawn the spawned processes raised Lightning's tuner exit, which only the launching
+    # process catches, and no config was printed; the command launches them as ddp does (the same plan)
+    config = _config(tmp_path / "ddp.yaml", small_datamodule_kwargs, devices=2, strategy=strategy)
     done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "[1GiB, 1GiB]"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -655,6 +658,17 @@ def test_the_plan_command_under_ddp_plans_on_both_ranks_and_prints_once(small_da
     assert output.count("AutoFit plan:") == 1 and "\n  1 " in output  # rank 1's row in rank 0's table
     settings = _printed_config(done.stdout)
     assert settings["data"]["init_args"]["batch_size"] * settings["trainer"]["accumulate_grad_batches"] == 4
+    assert settings["trainer"]["strategy"] == strategy  # the config as written
+
+
+def test_plan_only_under_a_strategy_that_spawns_its_processes_is_refused_with_what_to_do(small_datamodule_kwargs):
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                callbacks=[AutoFit(budget="1GiB", plan_only=True)])
+    data = CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8})
+    with pytest.raises(Exception, match=r"plan_only=True is not allowed: expected False under a strategy that spawns its "
+                       r"processes .* plan under strategy='ddp', which gives the same plan"):
+        trainer.fit(DemoGPT(**tiny_gpt_kwargs()), data)
 
 
 def test_the_same_autofit_in_a_new_trainer_applies_its_plan_there_too(small_datamodule_kwargs):
