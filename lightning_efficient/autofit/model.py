@@ -518,6 +518,12 @@ def _heterogeneous(profiles, options, micro_batches, samples, margin, policies, 
                     [p.budget_bytes for p in profiles])]
 
 
+RETRY_HEADROOM = 0.05
+"""How much more than the least budget a refusal names it advises: the least is from this run's readings, which vary
+between runs (on CPU, the process's RSS: a new user's retries with the least named were refused 2 times in 3, each
+asking 0.7-1.4% more)."""
+
+
 def _infeasible_message(profiles: list[RankProfile], micro_batches: list[int], margin: float, policies: tuple[str, ...]) -> str:
     """The smallest budget that fits (at the leanest configuration) and what it is, per rank."""
     lines = []
@@ -530,7 +536,9 @@ def _infeasible_message(profiles: list[RankProfile], micro_batches: list[int], m
             lines.append(
                 f"rank {rank}: budget {profile.budget_bytes / 2**20:,.1f} MiB, but the leanest plan (micro-batch {choice.micro_batch}, "
                 f"optimizer {option}, blocks {_counts(choice.policies)}) is predicted to peak at {choice.peak_bytes / 2**20:,.1f} MiB, "
-                f"so it is predicted to need a budget of at least {needed / 2**20:,.1f} MiB ({needed:,} bytes) with margin {margin:g}"
+                f"so it is predicted to need a budget of at least {needed / 2**20:,.1f} MiB ({needed:,} bytes) with margin {margin:g}; "
+                f"give {math.ceil(needed * (1 + RETRY_HEADROOM) / 2**20):,} MiB, {RETRY_HEADROOM:.0%} more, for what the "
+                "readings vary by between runs"
             )
     return "AutoFit: no configuration fits the budget. " + "; ".join(lines or ["every rank's leanest plan misses it"])
 
