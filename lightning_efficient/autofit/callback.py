@@ -1011,10 +1011,12 @@ class AutoFit(Callback):
 
         user = self._user_optimizer
         if user is not None:
+            # (the same words whether it converted the optimizers before AutoFit's turn or not: a new user's trial)
+            set_as = (f"EightBitOptimizer(bits={user.bits}" + (", paged=True" if user.paged else "")
+                      + (f", offload={user.offload!r}" if user.offload else "") + ")")
+            notes.append(f"optimizer states kept as set by {set_as}")
             if any(isinstance(o, eight_bit_classes()) for o in strategy.optimizers) or user.bits == 32:
-                notes.append(f"optimizer states kept as set by EightBitOptimizer(bits={user.bits})")
                 return [OptimizerSpec("as set", own, own=True)]
-            notes.append(f"optimizer states kept as set by EightBitOptimizer(bits={user.bits}, paged={user.paged}, offload={user.offload!r})")
             return [self._twin_spec("as set", trainer, pl_module, paged=user.paged, offload=bool(user.offload), like=user)]
         on_cuda = pl_module.device.type == "cuda"
         if all(is_stateless(o) for o in strategy.optimizers):
