@@ -385,6 +385,7 @@ class AutoFit(Callback):
         self._start_rss = 0
         self._unprofiled: _Unprofiled | None = None  # the blocks left unprofiled before the first step
         self._checkpoint_micro_batch: int | None = None  # what the resumed checkpoint counted its batches in
+        self._users_batch_size: int | None = None  # the training DataLoader's batch size when this fit planned
         self._code_pages = CodePages()  # off CUDA: the library code measuring touched is handed back after it
         self._step_started: float | None = None
         self._measured_against: list[int] = []  # each rank's predicted peak when the measured figures were read
@@ -516,7 +517,7 @@ class AutoFit(Callback):
         self._measured, self._step_times, self._step_started = None, [], None
         self._measured_against = []
         self._unprofiled = None
-        self._checkpoint_micro_batch = None
+        self._checkpoint_micro_batch = self._users_batch_size = None
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
@@ -582,11 +583,11 @@ class AutoFit(Callback):
                        + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
-        self._checkpoint_micro_batch = self._checkpoints_micro_batch(restored, trainer, pl_module)
+        self._checkpoint_micro_batch = self._checkpoints_micro_batch(restored, trainer)
         # (a checkpoint's running token count: a resumed first step rounds as the uninterrupted run's)
         self._apply(plan, trainer, pl_module, token_scale=(restored or {}).get("step_token_scale"))
 
-    def _checkpoints_micro_batch(self, restored: dict[str, Any] | None, trainer: Trainer, pl_module: LightningModule) -> int | None:
+    def _checkpoints_micro_batch(self, restored: dict[str, Any] | None, trainer: Trainer) -> int | None:
         """The batch size the checkpoint this fit resumes from counted its DataLoader batches in: its AutoFit plan's
         micro-batch, or, from a checkpoint without AutoFit's state, the DataLoader's batch size before this plan (the
         user's, which the checkpoint's fit drew). None where the fit does not resume, the heterogeneous strategies
@@ -596,8 +597,9 @@ class AutoFit(Callback):
         if restored is not None:
             saved = FitPlan.from_dict(restored["plan"]) if restored.get("plan") is not None else None
             return saved.micro_batches[0] if saved is not None and saved.accumulation is not None else None
-        size = lightning_getattr(pl_module, "batch_size") if lightning_hasattr(pl_module, "batch_size") else None
-        return size if isinstance(size, int) and not isinstance(size, bool) else None
+        # (no checkpoint's plan: planned now, from this DataLoader; not the `batch_size` attribute, which a DataLoader
+        # passed to fit() does not read)
+        return self._users_batch_size
 
     def _planning_peak_line(self, plan: FitPlan, rank: int) -> str:
         """The peak while planning (this rank's), and why it may be above the budget."""
@@ -682,7 +684,7 @@ class AutoFit(Callback):
         require(isinstance(loader, torch.utils.data.DataLoader), "train_dataloader", type(loader).__name__,
                 "one DataLoader (AutoFit measures its samples)")
         heterogeneous = self._heterogeneous(trainer)
-        batch_size = loader_batch_size(loader)
+        batch_size = self._users_batch_size = loader_batch_size(loader)
         world = trainer.world_size
         check_budget_ranks(self.budget, world)  # the same on every rank: raised before anything is measured
         notes: list[str] = []

@@ -823,6 +823,29 @@ def test_a_plain_lightning_mid_epoch_checkpoint_resumed_with_autofit_ends_its_ep
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=name)
 
 
+def test_a_mid_epoch_resume_of_a_dataloader_passed_to_fit_counts_its_batches_as_they_are(small_datamodule_kwargs, tmp_path):
+    # the review of the fix above: the checkpoint's batches were read from the module's `batch_size` attribute, which
+    # a DataLoader passed to fit() does not read (here 2, the loader's 8): its counts were cut to a quarter
+    def fit(steps, callbacks, ckpt_path=None):
+        lightning.seed_everything(0)
+        model = DemoGPT(**tiny_gpt_kwargs())
+        model.batch_size = 2
+        data = PlainLoaderData(**{**small_datamodule_kwargs, "batch_size": 8})
+        data.setup("fit")
+        seen = EpochsAndValidations()
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=4, limit_train_batches=12,
+                                    limit_val_batches=0, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                                    enable_model_summary=False, callbacks=[*callbacks, seen])
+        trainer.fit(model, train_dataloaders=data.train_dataloader(), ckpt_path=ckpt_path)
+        return seen
+
+    fit(2, [ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)])
+    plain = fit(6, [], ckpt_path=str(tmp_path / "last.ckpt"))
+    autofit = AutoFit(budget="8GiB", optimizer_options=["32-bit"], activation_policies=["keep"])
+    mine = fit(6, [autofit], ckpt_path=str(tmp_path / "last.ckpt"))
+    assert autofit.plan.micro_batches == [8] and plain.epoch_ends == mine.epoch_ends == [3, 6]
+
+
 def test_a_resume_from_an_epochs_end_with_another_budget_chooses_the_micro_batch_again(small_datamodule_kwargs, tmp_path):
     """A new user's trial: a resume from ModelCheckpoint(every_n_epochs=1) with a larger budget kept the checkpoint's
     micro-batch ("a resume mid-epoch needs it"), though the next epoch starts from its first batch."""
