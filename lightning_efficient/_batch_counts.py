@@ -16,6 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
+
 COUNTED_SETTINGS = ("limit_train_batches", "val_check_interval")
 
 
@@ -144,26 +146,74 @@ class SchedulerFrequencies:
         self._counting, self._frequencies = None, None
 
 
-def restored_batches_counted_again(trainer: Any, batches_per_micro_batch: Fraction) -> tuple[int, int] | None:
+class EpochEndValidation:
+    """Whether validation runs at an epoch's last batch decided in the user's batches, for one fit. Lightning validates
+    there where the batches trained in the epoch are a multiple of the validation interval; counted in micro-batches,
+    an epoch whose short last batch splits into fewer (60 samples: 8 batches of 8, 30 micro-batches of 2) is a
+    multiple of another number: the epoch-end validation of ``val_check_interval=0.5`` (every 4 batches, 16
+    micro-batches) was skipped (a new user's trial: validations at steps 4, 12, where plain Lightning's are at 4, 8,
+    12, 16), or one was added where plain Lightning has none."""
+
+    def __init__(self) -> None:
+        self._loop: Any = None
+
+    def keep(self, trainer: Any, epoch_batches: int, interval: int) -> None:
+        """From now until :meth:`put_back`, ``trainer`` validates at an epoch's last batch (validation counted per
+        epoch) where its ``epoch_batches`` trained (in the user's batches) are a multiple of ``interval`` (theirs)."""
+        self.put_back()
+        loop = trainer.fit_loop.epoch_loop
+        original = loop._should_check_val_fx
+        at_the_end = epoch_batches % interval == 0
+
+        def should_check(*args: Any, **kwargs: Any) -> bool:
+            decided = original(*args, **kwargs)
+            if (not loop.batch_progress.is_last_batch or trainer.check_val_every_n_epoch is None
+                    or (trainer.should_stop and trainer.fit_loop._can_stop_early) or not loop._should_check_val_epoch()):
+                return decided
+            return at_the_end
+
+        loop._should_check_val_fx = InstanceWrapper(should_check, original)
+        self._loop, self._original = loop, original
+
+    def put_back(self) -> None:
+        """Lightning's own decision again."""
+        if self._loop is not None:
+            put_back(self._loop, "_should_check_val_fx", self._original)
+            self._loop = None
+
+
+def restored_batches_counted_again(trainer: Any, batches_per_micro_batch: Fraction) -> tuple[int, int, bool] | None:
     """The training loop's batch counts, restored from a checkpoint whose fit drew other batch sizes (a plain fit's
-    batches, or another plan's micro-batches), counted in this fit's micro-batches: ``batches_per_micro_batch`` of the
-    checkpoint's batches make one of this fit's (``Fraction(8, 2)``: 4 micro-batches of 2 samples a batch of 8). The
-    counts decide where the epoch ends, when an accumulation window steps and when validation runs: counted in the
+    batches, or another plan's micro-batches), counted in this fit's micro-batches: ``batches_per_micro_batch`` of them
+    make one of the checkpoint's batches (``Fraction(8, 2)``: 4 micro-batches of 2 samples a batch of 8). The counts
+    decide where the epoch ends, when an accumulation window steps and when validation runs: counted in the
     checkpoint's batches, a plain fit's 16 batches of 8 resumed at micro-batch 2 trained the epoch's other 64
-    micro-batches where 16 were left (a new user's trial: 8 optimizer steps in an epoch of 5). Call once the
-    checkpoint's loops are restored, before the epoch starts (``on_train_start``). Returns (batches of the epoch
-    counted before, after), or None where nothing was counted."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    before = progress.current.ready
-    if batches_per_micro_batch == 1 or (before == 0 and progress.total.ready == 0):
+    micro-batches where 16 were left (a new user's trial: 8 optimizer steps in an epoch of 5).
+
+    Lightning restarts from the batches completed (one more where the checkpoint was saved in ``on_train_batch_end``,
+    whose batch it completes on the restart; an exception's checkpoint counts its batch ready, not completed): that
+    position is counted again, each count kept at its distance from it; at an epoch's end it is this fit's epoch, its
+    micro-batches (a short last batch, or a ratio that is not whole, gives them otherwise than the checkpoint's times
+    the ratio), and the epochs before are counted again by the ratio. Call once the checkpoint's loops are restored,
+    before the epoch starts (``on_train_start``). Returns (the epoch's batches counted before, after, whether the
+    position falls inside one of this fit's micro-batches), or None where nothing was counted."""
+    loop = trainer.fit_loop.epoch_loop
+    progress = loop.batch_progress
+    current, total = progress.current, progress.total
+    if batches_per_micro_batch == 1 or (current.ready == 0 and total.ready == 0):
         return None
-    for counts in (progress.current, progress.total):
-        # a checkpoint saved in on_train_batch_end counts its batch ready, not completed (Lightning completes it on
-        # the restart): each count keeps its distance from the batches made ready
-        ready = counts.ready
+    completes = int(loop.restarted_on_train_batch_end)  # (the batch Lightning completes as it restarts)
+    at, total_at = current.completed + completes, total.completed + completes
+    exact = at * batches_per_micro_batch
+    epoch = trainer.num_training_batches
+    now = epoch if progress.is_last_batch and math.isfinite(epoch) else math.floor(exact)
+    total_now = math.floor((total_at - at) * batches_per_micro_batch) + now
+    for counts, before, after in ((current, at, now), (total, total_at, total_now)):
         for name in ("ready", "started", "processed", "completed"):
-            setattr(counts, name, math.floor(ready * batches_per_micro_batch) - (ready - getattr(counts, name)))
-    return before, progress.current.ready
+            count = getattr(counts, name)
+            setattr(counts, name, after - (before - count) if count <= before
+                    else after + math.floor((count - before) * batches_per_micro_batch))
+    return at, now, not progress.is_last_batch and exact != now
 
 
 def checkpoint_timing_kept(trainer: Any, settings: dict[str, Any], counted: dict[str, int]) -> list[tuple[Any, str, Any]]:

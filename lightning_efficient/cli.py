@@ -257,6 +257,9 @@ def _launch_as_a_script(trainer: Any) -> None:
     command again: the plan, the same, is then made in this process too, which prints it and its config (the config
     keeps the strategy as written). AutoFit refuses ``plan_only`` in spawned processes, where the plan is lost."""
     strategy = trainer.strategy
+    # (the processes run this command line again: only where it is this command, not a plan made in-process)
+    if sys.argv[1:2] != ["plan"]:
+        return
     if isinstance(strategy.launcher, _MultiProcessingLauncher) and getattr(strategy, "_start_method", None) is not None:
         strategy._start_method = "popen"
         strategy._configure_launcher()

@@ -24,7 +24,7 @@ def _float_hint(budget: float) -> str:
     another float is a number missing its unit (``1.5`` for 1.5 GiB)."""
     if 0 < budget <= 1:
         return NOT_A_FRACTION
-    if budget.is_integer():
+    if budget.is_integer() and budget >= LEAST_BYTES:
         return f" (write {int(budget)} for {int(budget):,} bytes, or a size string with its unit)"
     return f" (a size string with its unit, e.g. '{budget:g}GiB' or '{budget:g}MB')"
 

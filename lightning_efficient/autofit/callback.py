@@ -30,6 +30,7 @@ from lightning_efficient import _batch_counts
 from lightning_efficient._batch_counts import (
     SchedulerFrequencies,
     batch_settings,
+    batches_trained,
     checkpoint_timing_kept,
     counted_batches,
     counts_in_micro_batches,
@@ -380,6 +381,7 @@ class AutoFit(Callback):
         self._checkpoint_states: dict[str, Any] = {}  # the callbacks' states in the checkpoint this fit resumes from
         self._undo_settings: list[Any] = []
         self._scheduler_frequencies = SchedulerFrequencies()  # interval="step" schedulers step after the user's steps
+        self._epoch_end_validation = _batch_counts.EpochEndValidation()  # decided in the user's batches
         self._resumed_step_saved = _batch_counts.ResumedStepSaved()  # no ModelCheckpoint saves the resumed step again
         self._meter: PeakMemory | None = None
         self._start_rss = 0
@@ -1143,6 +1145,8 @@ class AutoFit(Callback):
             return
         counted = counts_in_micro_batches(trainer, counts, Fraction(batch, micro), epoch=epoch, who="AutoFit",
                                           batch_words=f"batches of {batch} samples", micro_words=f"micro-batches of {micro}")
+        if "val_check_interval" in counts and epoch is not None:
+            self._epoch_end_validation.keep(trainer, batches_trained(counts, epoch[0]), counts["val_check_interval"])
         for name, value in counted.items():
             self._undo_settings.append((trainer, name, settings[name]))
             setattr(trainer, name, value)
@@ -1167,6 +1171,7 @@ class AutoFit(Callback):
     def _undo(self, pl_module: LightningModule) -> None:
         self._token_mean.remove()
         self._scheduler_frequencies.put_back()
+        self._epoch_end_validation.put_back()
         for item in reversed(self._undo_settings):
             if item[0] == "batch_size":
                 lightning_setattr(pl_module, "batch_size", item[1])
@@ -1202,9 +1207,17 @@ class AutoFit(Callback):
             return
         micro = plan.ranks[trainer.global_rank].micro_batch
         counted = restored_batches_counted_again(trainer, Fraction(checkpoints, micro))
-        if counted is not None and counted[0] != counted[1]:
-            rank_zero_info(f"AutoFit: the checkpoint counted {counted[0]} batch(es) of {checkpoints} samples into its epoch: "
-                           f"{counted[1]} micro-batch(es) of {micro} now, so the epoch ends, steps and validates where it would have.")
+        if counted is None or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:  # (the next epoch starts afresh)
+            return
+        before, after, inside = counted
+        said = (f"AutoFit: the checkpoint counted {before} batch(es) of {checkpoints} samples into its epoch: {after} "
+                f"micro-batch(es) of {micro} now, so the epoch ends, steps and validates where it would have")
+        if inside:
+            rank_zero_warn(f"{said}, but for the position, {before * checkpoints} samples in, which falls inside a "
+                           f"micro-batch of {micro}: counted down to {after}, the epoch trains up to one micro-batch more "
+                           "than the checkpoint left.")
+        else:
+            rank_zero_info(f"{said}.")
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -1258,7 +1271,16 @@ class AutoFit(Callback):
         above_budget = any(m["peak_bytes"] > b for m, b in zip(measured, plan.budgets))
         # the margin is for what a prediction misses: a plan measured within its budget fits, and the next fit needs a
         # margin as wide as this miss (not this one's widened by it, which grew at every fit taking the advice)
-        advised = min(0.95, max(plan.margin, math.ceil(over * 100) / 100 + 0.01))
+        advised = min(0.95, math.ceil((over + 0.01) * 100) / 100)
+        # a plan predicted above the budget less its margin (the leanest, taken after an unfreeze) misses it by what
+        # no margin mends: then a larger budget, one holding the measured peak within it less the margin
+        above = [(m["peak_bytes"] / (1 - plan.margin), rank) for rank, (m, r, b) in enumerate(zip(measured, plan.ranks, plan.budgets))
+                 if r.peak_bytes > b * (1 - plan.margin)]
+        needed = max(above, default=None)
+        fits = (f"fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}" if needed is None else
+                f"give {'the' if len(plan.ranks) == 1 else f'rank {needed[1]} a'} budget of at least "
+                f"{math.ceil(needed[0] / 2**20):,} MiB (its plan was predicted above the budget less the margin, which no "
+                "margin mends)")
         took_the_miss = (f"; it is within the budget on every rank (above it less the margin, {plan.margin:.2f}): the "
                          "margin took the miss, and the fit goes on as planned")
         if unprofiled is not None and self._profiles:
@@ -1293,7 +1315,7 @@ class AutoFit(Callback):
                    "from" if not self._profiles else "the block policies are your ActivationMemory's"
                    if self._user_activations is not None else "no blocks were found to change")
             rank_zero_warn(f"{missed}. AutoFit changes only block policies mid-fit, and {why}: the fit goes on as "
-                           f"planned; for a plan that fits, fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}.")
+                           f"planned; for a plan that fits, {fits}.")
             return
         # the micro-batch and the optimizer stay (changing them mid-fit would change the data order and the
         # states); each rank's block policies are chosen again for the wider margin
@@ -1312,7 +1334,7 @@ class AutoFit(Callback):
                 return
             rank_zero_warn(f"{missed}, and with margin {margin:.2f} no block plan fits at this micro-batch and precision "
                            f"(AutoFit changes only block policies mid-fit): the fit goes on as planned; for a plan that "
-                           f"fits, fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}.")
+                           f"fits, {fits}.")
             return
         if [r.policies for r in again.ranks] == [r.policies for r in plan.ranks]:
             rank_zero_info(f"{missed}; with margin {margin:.2f} the block policies stay as they are.")

@@ -3,6 +3,7 @@ refusals before the first step, checkpoints, plan-only fits, the ``plan`` comman
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torchmetrics
 import yaml
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport, SelectiveTokenLoss
@@ -498,8 +499,8 @@ class UnderPredict(lightning.Callback):
     within the budget; or, with ``budget_over_peak``, above the budget less the margin, the plan's budget set to that
     multiple of the peak."""
 
-    def __init__(self, fit, at_step, budget_over_peak=None):
-        self.fit, self.at_step, self.budget_over_peak = fit, at_step, budget_over_peak
+    def __init__(self, fit, at_step, budget_over_peak=None, predicted_share=None):
+        self.fit, self.at_step, self.budget_over_peak, self.predicted_share = fit, at_step, budget_over_peak, predicted_share
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.at_step and self.fit.measured is None:
@@ -507,33 +508,43 @@ class UnderPredict(lightning.Callback):
             self.fit.plan.ranks[0].peak_bytes = int(measured - MiB)
             if self.budget_over_peak is not None:
                 self.fit.plan.budgets[0] = int(measured * self.budget_over_peak)
+            if self.predicted_share is not None:  # (the prediction as that share of the budget)
+                self.fit.plan.ranks[0].peak_bytes = int(self.fit.plan.budgets[0] * self.predicted_share)
 
 
-def _resumed_with_a_miss(datamodule_kwargs, tmp_path, budget_over_peak=None):
+def _resumed_with_a_miss(datamodule_kwargs, tmp_path, budget_over_peak=None, predicted_share=None):
     """A fit of 2 steps saved, then resumed for 3 more with its plan reused and under-predicted at step 4
     (:class:`UnderPredict`): the resumed fit's AutoFit."""
     first = AutoFit(budget="512MB", optimizer_options=["32-bit"])
     _fit(datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=2, root=str(tmp_path))
     resumed = AutoFit(budget="512MB", optimizer_options=["32-bit"], report_after_steps=2)
-    _fit(datamodule_kwargs, [UnderPredict(resumed, at_step=4, budget_over_peak=budget_over_peak), resumed], steps=5,
+    _fit(datamodule_kwargs, [UnderPredict(resumed, 4, budget_over_peak, predicted_share), resumed], steps=5,
          root=str(tmp_path), ckpt_path=str(tmp_path / "last.ckpt"))
     return resumed
 
 
+@pytest.mark.parametrize("predicted_share", [0.8, 0.95])
 def test_a_measured_peak_above_a_reused_plans_prediction_says_the_plan_was_not_measured(small_datamodule_kwargs, tmp_path,
-                                                                                       lightning_caplog):
+                                                                                       lightning_caplog, predicted_share):
     # a new user's trial: it said "AutoFit ... has none [block policies] to change here" of a plan with block policies
     with pytest.warns(UserWarning, match="AutoFit changes only block policies mid-fit, and the plan was reused from the "
                       "checkpoint, not measured, so there is no block profile to plan them from: the fit goes on as planned"
                       ) as caught:
-        resumed = _resumed_with_a_miss(small_datamodule_kwargs, tmp_path, budget_over_peak=0.95)
+        resumed = _resumed_with_a_miss(small_datamodule_kwargs, tmp_path, budget_over_peak=0.95, predicted_share=predicted_share)
     assert "the checkpoint's plan is reused" in lightning_caplog.text and resumed.profiles == [] and resumed.measured
-    # the margin advised is the miss's share of the budget (rounded up, and 0.01 more), which the next plan then leaves
-    # free: not the plan's margin widened by it, which grew at each fit taking the advice (a new user's trial)
     measured, predicted, budget = resumed.measured[0]["peak_bytes"], resumed.plan.ranks[0].peak_bytes, resumed.plan.budgets[0]
-    advised = math.ceil((measured - predicted) / budget * 100) / 100 + 0.01
-    assert measured > budget and advised < 0.1 + (measured - predicted) / budget
-    assert any(f"fit again with AutoFit(margin={advised:.2f})" in str(w.message) for w in caught)
+    assert measured > budget
+    if predicted <= budget * 0.9:
+        # the margin advised is the miss's share of the budget and 0.01 more, rounded up, which the next plan then
+        # leaves free: not the plan's margin widened by it, which grew at each fit taking the advice (a new user's trial)
+        advised = math.ceil(((measured - predicted) / budget + 0.01) * 100) / 100
+        assert advised < 0.1 + (measured - predicted) / budget
+        assert any(f"fit again with AutoFit(margin={advised:.2f})" in str(w.message) for w in caught)
+    else:  # predicted above the budget less the margin: no margin mends that (the review: it advised the margin it had)
+        needed = math.ceil(measured / 0.9 / MiB)
+        assert any(f"give the budget of at least {needed:,} MiB (its plan was predicted above the budget less the margin"
+                   in str(w.message) for w in caught)
+        assert not any("AutoFit(margin=" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("budget_over_peak", [None, 1.05])
@@ -769,10 +780,11 @@ def test_a_mid_epoch_resume_keeps_its_micro_batch_outside_a_new_micro_batches_li
     assert any("micro-batch 2 kept from the checkpoint's plan, outside micro_batches=[4]" in note for note in resumed.plan.notes)
 
 
-class EpochsAndValidations(lightning.Callback):
-    """The optimizer step at each epoch's end and at each validation."""
+class EpochsAndValidations(Recorder):
+    """The optimizer step at each epoch's end and at each validation; the samples of each step (:class:`Recorder`)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.epoch_ends: list[int] = []
         self.validations: list[int] = []
 
@@ -785,35 +797,74 @@ class EpochsAndValidations(lightning.Callback):
 
 
 class PlainLoaderData(CorpusDataModule):
-    """The corpus in a plain torch DataLoader of ``batch_size`` (no saved position: a resume starts the epoch's
-    iteration again, as most users' loaders do)."""
+    """The corpus (its first ``samples``, or all) in a plain torch DataLoader of ``batch_size`` (no saved position: a
+    resume starts the epoch's iteration again, as most users' loaders do)."""
+
+    def __init__(self, first_samples=None, **kwargs):
+        super().__init__(**kwargs)
+        self.first_samples = first_samples
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(super().train_dataloader().dataset, batch_size=self.batch_size)
+        dataset = super().train_dataloader().dataset
+        if self.first_samples is not None:
+            assert len(dataset) > self.first_samples
+            dataset = torch.utils.data.Subset(dataset, range(self.first_samples))
+        return torch.utils.data.DataLoader(dataset, batch_size=self.batch_size)
 
 
-@pytest.mark.parametrize("val_check_interval", [1.0, 6])
-def test_a_plain_lightning_mid_epoch_checkpoint_resumed_with_autofit_ends_its_epoch_and_validates_where_plain_lightning_does(
-        small_datamodule_kwargs, tmp_path, val_check_interval):
-    # a new user's trial: a plain fit's mid-epoch checkpoint (16 batches of 8 into an epoch of 20, 4 a step) resumed
-    # with AutoFit at micro-batch 2 counted its 16 batches as 16 micro-batches: 8 optimizer steps in an epoch of 5
-    def fit(steps, callbacks, ckpt_path=None):
+class RaiseAtBatch(lightning.Callback):
+    """Raise at the start of the fit's ``at``-th batch (its batch counted ready, not completed)."""
+
+    def __init__(self, at):
+        self.at, self.seen = at, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen += 1
+        if self.seen == self.at:
+            raise RuntimeError("stopped on purpose")
+
+
+def _resumed_alike(kwargs, tmp_path, first, steps, *, samples=None, passed=False, accumulate=4, micro=2, **trainer_kwargs):
+    """A plain fit of the demo GPT (batches of 8, ``accumulate`` a step) run with ``first``'s callbacks (it may raise) and
+    resumed from its last checkpoint to ``steps`` by plain Lightning and with AutoFit (micro-batch ``micro`` where it
+    can choose): the two resumed modules, the two :class:`EpochsAndValidations`, and the AutoFit. ``passed``: the
+    DataLoader is passed to fit() (the module's `batch_size` attribute, 2, is not the loader's)."""
+    def fit(max_steps, callbacks, ckpt_path=None):
         lightning.seed_everything(0)
         model = DemoGPT(**tiny_gpt_kwargs())
-        data = PlainLoaderData(**{**small_datamodule_kwargs, "batch_size": 8})
+        data = PlainLoaderData(samples, **{**kwargs, "batch_size": 8})
         seen = EpochsAndValidations()
-        trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=4, limit_train_batches=12,
-                                    limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=val_check_interval,
-                                    logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
-                                    enable_model_summary=False, callbacks=[*callbacks, seen])
-        trainer.fit(model, data, ckpt_path=ckpt_path)
+        trainer = lightning.Trainer(**{"limit_train_batches": 12, "limit_val_batches": 1, **trainer_kwargs}, accelerator="cpu",
+                                    max_steps=max_steps, accumulate_grad_batches=accumulate, num_sanity_val_steps=0, logger=False,
+                                    default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False,
+                                    callbacks=[*callbacks, seen])
+        if passed:
+            model.batch_size = 2
+            data.setup("fit")
+            trainer.fit(model, train_dataloaders=data.train_dataloader(), ckpt_path=ckpt_path)
+        else:
+            trainer.fit(model, data, ckpt_path=ckpt_path)
         return model, seen
 
-    fit(2, [ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)])  # step 2 of the epoch's 3
+    with contextlib.suppress(RuntimeError):
+        fit(steps, first)
     last = str(tmp_path / "last.ckpt")
-    plain, plain_seen = fit(6, [], ckpt_path=last)
-    autofit = AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"])
-    mine, seen = fit(6, [autofit], ckpt_path=last)
+    plain, plain_seen = fit(steps, [], ckpt_path=last)
+    autofit = AutoFit(budget="8GiB", micro_batches=None if passed else [micro], optimizer_options=["32-bit"],
+                      activation_policies=["keep"])
+    mine, seen = fit(steps, [autofit], ckpt_path=last)
+    return (mine, plain), (seen, plain_seen), autofit
+
+
+@pytest.mark.parametrize("validation", [{}, {"val_check_interval": 6}, {"val_check_interval": 6, "check_val_every_n_epoch": None}])
+def test_a_plain_lightning_mid_epoch_checkpoint_resumed_with_autofit_ends_its_epoch_and_validates_where_plain_lightning_does(
+        small_datamodule_kwargs, tmp_path, validation):
+    # a new user's trial: a plain fit's mid-epoch checkpoint (16 batches of 8 into an epoch of 20, 4 a step) resumed
+    # with AutoFit at micro-batch 2 counted its 16 batches as 16 micro-batches: 8 optimizer steps in an epoch of 5;
+    # here step 2 of the epoch's 3 (validation every 6 batches across the epochs counts Lightning's total batches)
+    saved = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    stop = RaiseAtBatch(9)  # (the checkpoint is written at step 2, the fit then stops)
+    (mine, plain), (seen, plain_seen), autofit = _resumed_alike(small_datamodule_kwargs, tmp_path, [saved, stop], 6, **validation)
     assert autofit.plan.micro_batches == [2] and autofit.plan.accumulation == 16
     assert plain_seen.epoch_ends == [3, 6] and seen.epoch_ends == plain_seen.epoch_ends
     assert seen.validations == plain_seen.validations and len(seen.validations) >= 2
@@ -823,27 +874,54 @@ def test_a_plain_lightning_mid_epoch_checkpoint_resumed_with_autofit_ends_its_ep
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=name)
 
 
-def test_a_mid_epoch_resume_of_a_dataloader_passed_to_fit_counts_its_batches_as_they_are(small_datamodule_kwargs, tmp_path):
-    # the review of the fix above: the checkpoint's batches were read from the module's `batch_size` attribute, which
-    # a DataLoader passed to fit() does not read (here 2, the loader's 8): its counts were cut to a quarter
-    def fit(steps, callbacks, ckpt_path=None):
+def test_other_checkpoints_of_a_plain_fit_resumed_with_autofit_end_their_epochs_where_plain_lightning_does(
+        small_datamodule_kwargs, tmp_path):
+    # the review of the fix above: an exception's checkpoint (its batch ready, not completed) restarted 3 micro-batches
+    # on; an epoch's end with a short last batch (13 batches of 8, the last of 4: 50 micro-batches, not 52) trained a
+    # micro-batch and a step more; a DataLoader passed to fit() was counted in the module's `batch_size` attribute
+    raised = [OnExceptionCheckpoint(dirpath=tmp_path / "raised", filename="last"), RaiseAtBatch(10)]
+    _, (seen, plain_seen), autofit = _resumed_alike(small_datamodule_kwargs, tmp_path / "raised", raised, 6)
+    assert autofit.plan.micro_batches == [2] and plain_seen.epoch_ends == seen.epoch_ends == [3, 6]
+    # step 3 trains the window's 3 batches left (24 samples), as plain Lightning's (whose step is then their means over
+    # 4, where AutoFit's is their token mean, as for a short window)
+    assert seen.samples == plain_seen.samples == [24, 32, 32, 32]
+    short = [ModelCheckpoint(dirpath=tmp_path / "short", save_last=True), RaiseAtBatch(14)]  # saved at epoch 0's end
+    _, (seen, plain_seen), autofit = _resumed_alike(small_datamodule_kwargs, tmp_path / "short", short, 12, samples=100,
+                                                    limit_train_batches=1.0, limit_val_batches=0)
+    # (plain Lightning 2.6 itself trains one step more into the ended epoch 0 here, its last window short: as AutoFit)
+    assert autofit.plan.micro_batches == [2] and seen.epoch_ends == plain_seen.epoch_ends and plain_seen.epoch_ends[-1] == 12
+    # saved on the epoch's last step, at micro-batch 12 of batches of 8 (3 a step): 13 batches are 8 2/3 micro-batches,
+    # where the epoch has 9 (the last of 4 samples)
+    last_step = [ModelCheckpoint(dirpath=tmp_path / "ratio", save_last=True, every_n_train_steps=5), RaiseAtBatch(14)]
+    _, (seen, plain_seen), autofit = _resumed_alike(small_datamodule_kwargs, tmp_path / "ratio", last_step, 10, samples=100,
+                                                    accumulate=3, micro=12, limit_train_batches=1.0, limit_val_batches=0)
+    assert autofit.plan.micro_batches == [12] and seen.epoch_ends == plain_seen.epoch_ends == [10]
+    assert seen.samples == plain_seen.samples
+    passed = [ModelCheckpoint(dirpath=tmp_path / "passed", save_last=True, every_n_train_steps=2), RaiseAtBatch(9)]
+    _, (seen, plain_seen), autofit = _resumed_alike(small_datamodule_kwargs, tmp_path / "passed", passed, 6, passed=True,
+                                                    limit_val_batches=0)
+    assert autofit.plan.micro_batches == [8] and plain_seen.epoch_ends == seen.epoch_ends == [3, 6]
+
+
+@pytest.mark.parametrize("val_check_interval", [0.5, 4])
+def test_an_epoch_with_a_short_last_batch_validates_at_its_end_where_plain_lightning_does(small_datamodule_kwargs,
+                                                                                           val_check_interval):
+    # a new user's trial: 60 samples (8 batches of 8, the last of 4; 30 micro-batches of 2), validation every 4 batches
+    # (16 micro-batches): 30 is no multiple of 16, and the epoch-end validations plain Lightning runs were skipped
+    def fit(callbacks):
         lightning.seed_everything(0)
-        model = DemoGPT(**tiny_gpt_kwargs())
-        model.batch_size = 2
-        data = PlainLoaderData(**{**small_datamodule_kwargs, "batch_size": 8})
-        data.setup("fit")
         seen = EpochsAndValidations()
-        trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=4, limit_train_batches=12,
-                                    limit_val_batches=0, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
-                                    enable_model_summary=False, callbacks=[*callbacks, seen])
-        trainer.fit(model, train_dataloaders=data.train_dataloader(), ckpt_path=ckpt_path)
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, limit_val_batches=1, num_sanity_val_steps=0,
+                                    val_check_interval=val_check_interval, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, seen])
+        trainer.fit(DemoGPT(**tiny_gpt_kwargs()), PlainLoaderData(60, **{**small_datamodule_kwargs, "batch_size": 8}))
         return seen
 
-    fit(2, [ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)])
-    plain = fit(6, [], ckpt_path=str(tmp_path / "last.ckpt"))
-    autofit = AutoFit(budget="8GiB", optimizer_options=["32-bit"], activation_policies=["keep"])
-    mine = fit(6, [autofit], ckpt_path=str(tmp_path / "last.ckpt"))
-    assert autofit.plan.micro_batches == [8] and plain.epoch_ends == mine.epoch_ends == [3, 6]
+    plain = fit([])
+    autofit = AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"])
+    mine = fit([autofit])
+    assert autofit.plan.micro_batches == [2] and plain.validations == [4, 8, 12, 16]
+    assert mine.validations == plain.validations and mine.epoch_ends == plain.epoch_ends == [8, 16]
 
 
 def test_a_resume_from_an_epochs_end_with_another_budget_chooses_the_micro_batch_again(small_datamodule_kwargs, tmp_path):
