@@ -22,13 +22,13 @@ from lightning_efficient.memory import (
     ParameterStorages,
     PeakMemory,
     SavedTensorCounter,
-    first_tensor,
     fit_start_rss_bytes,
     gradient_bytes,
     optimizer_state_bytes,
     parameter_bytes,
     peak_rss_bytes,
     seconds_outside_training,
+    token_tensor,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
 
@@ -316,11 +316,11 @@ class MemoryReport(Callback):
 
     def _count_tokens(self, outputs: Any, batch: Any) -> None:
         mask = outputs.get("mask") if isinstance(outputs, Mapping) else None
-        first = first_tensor(batch)
+        tokens = token_tensor(batch)
         if isinstance(mask, torch.Tensor):
             self._tokens.append(int(mask.sum()))
-        elif first is not None and first.dim() >= 2:
-            self._tokens.append(first.numel())
+        elif tokens is not None and tokens.dim() >= 2:
+            self._tokens.append(tokens.numel())
         samples = batch_samples(batch)
         if samples is not None:
             self._samples.append(samples)

@@ -33,11 +33,11 @@ from lightning_efficient.balance.probe import is_out_of_memory, release_optimize
 from lightning_efficient.memory import (
     PeakMemory,
     collect_young_garbage,
-    first_tensor,
     is_fsdp2,
     local_tensor,
     optimizer_state_bytes,
     release_free_memory,
+    token_tensor,
 )
 from lightning_efficient.report import host_state_bytes, paged_state_bytes
 
@@ -67,8 +67,9 @@ def can_resize(dataloader: DataLoader) -> bool:
 
 
 def tokens_per_sample(batch: Any) -> float:
-    """Tokens in one sample of ``batch`` (the first tensor's elements per row; 1 for a 1-D batch)."""
-    tensor = first_tensor(batch)
+    """Tokens in one sample of ``batch`` (:func:`~lightning_efficient.memory.token_tensor`'s elements per row; 1 for a
+    batch of 1-D tensors only)."""
+    tensor = token_tensor(batch)
     if tensor is None or tensor.dim() == 0 or tensor.shape[0] == 0:
         return 1.0
     return tensor.numel() / tensor.shape[0]

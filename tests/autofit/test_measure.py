@@ -13,7 +13,7 @@ import torch
 
 from lightning_efficient import AutoFit
 from lightning_efficient.autofit import BudgetTooSmall, measure
-from lightning_efficient.autofit.measure import worth_reading_again
+from lightning_efficient.autofit.measure import tokens_per_sample, worth_reading_again
 
 MiB = 2**20
 
@@ -394,3 +394,11 @@ def assert_same_state(got: Any, expected: Any) -> None:
             assert_same_state(g, e)
     else:
         assert got == expected
+
+
+def test_tokens_per_sample_reads_the_token_rows_not_a_one_dimensional_index_before_them():
+    # a new user's trial: a batch whose first tensor is the samples' index counted one token a sample, and the plan's
+    # tokens/s were its samples/s
+    batch = {"idx": torch.arange(4), "input_ids": torch.zeros(4, 32, dtype=torch.long), "labels": torch.zeros(4, 32)}
+    assert tokens_per_sample(batch) == 32
+    assert tokens_per_sample((torch.arange(4),)) == 1  # nothing but an index: one a sample
