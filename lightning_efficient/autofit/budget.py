@@ -48,7 +48,11 @@ def validate_budget(budget: Any) -> None:
     try:
         nbytes = parse_budget(budget)
     except ValueError:
-        raise ValueError(f"budget={budget!r} is not allowed: expected {message}") from None
+        try:  # a number without its unit ("1.5", as YAML or a command line gives it): the float's hint
+            hint = _float_hint(float(budget)) if isinstance(budget, str) else ""
+        except ValueError:
+            hint = ""
+        raise ValueError(f"budget={budget!r} is not allowed: expected {message}{hint}") from None
     if nbytes < 1:  # a fraction ("0.5"): of no baseline here
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}{NOT_A_FRACTION}")
     if nbytes < LEAST_BYTES:  # (a new user's budget=300, measured in full and then refused as "budget 0.0 MiB")

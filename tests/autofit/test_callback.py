@@ -238,6 +238,7 @@ def test_callbacks_the_user_set_keep_their_settings_and_the_plan_says_so(small_d
     ({"budget": 1.5}, r"budget=1.5 is not allowed: .* \(a size string with its unit, e.g. '1.5GiB' or '1.5MB'\)"),
     ({"budget": 2e8}, r"budget=200000000.0 is not allowed: .* \(write 200000000 for 200,000,000 bytes, or a size string"),
     ({"budget": 2.0}, r"budget=2.0 is not allowed: .* \(a size string with its unit, e.g. '2GiB' or '2MB'\)"),  # (not 2 bytes)
+    ({"budget": "1.5"}, r"budget='1.5' is not allowed: .* \(a size string with its unit, e.g. '1.5GiB' or '1.5MB'\)"),
     ({"budget": ["1GiB", "auto"]}, "budget=\\['1GiB', 'auto'\\] is not allowed"),
     ({"budget": "1GiB", "margin": 1.0}, "margin=1.0 is not allowed"),
     ({"budget": "1GiB", "activation_policies": ["checkpoint"]}, "activation_policies=\\['checkpoint'\\] is not allowed"),
