@@ -172,6 +172,9 @@ if __name__ == "__main__":
                        # 36 samples: 9 batches a rank on 1 process, 5 on 2, so the last step holds 1 of the 2 batches
                        "uneven_steps": fit(devices, hetero, samples=36, accumulate_grad_batches=2, val_check_interval=2),
                        "whole_epochs": fit(devices, hetero, samples=36, accumulate_grad_batches=2, limit_train_batches=100),
+                       # 38 samples: a short last batch (of 2 on 1 process), which the cap splits into fewer
+                       # micro-batches; validation at the epoch's end as plain ddp's (a new user's trial under AutoFit)
+                       "short_last_batch": fit(devices, hetero, samples=38, val_check_interval=0.5),
                        "loader_drops_last": fit(devices, hetero, samples=38, accumulate_grad_batches=2, drop_last=True),
                        "failed": fit(devices, hetero, fail=True, limit_train_batches=3, val_check_interval=2),
                        # every batch validated: Lightning's ModelCheckpoint then saves at the epoch's end only
