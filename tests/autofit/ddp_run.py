@@ -199,8 +199,9 @@ class Hog(lightning.Callback):
 
 class AimedHog(Hog):
     """A :class:`Hog` sized when training starts, from AutoFit's plan: the re-plan's wider margin (the plan's plus the
-    hold over the budget) then lands half way between what keeping every block and the leanest block policies are
-    predicted to need on its rank, where a few % of the budget of noise in the readings moves it across neither."""
+    hold over the budget) then lands three quarters of the way from what keeping every block to what the leanest block
+    policies are predicted to need on its rank, where a few % of the budget of noise in the readings moves it across
+    neither (the readings take part of the hold only)."""
 
     def __init__(self, rank: int, fitter: AutoFit) -> None:
         super().__init__(rank, 0)
@@ -221,8 +222,11 @@ class AimedHog(Hog):
         mine, budget = plan.ranks[self.rank], plan.budgets[self.rank]
         option = next(o for o in profile.options if o.name == plan.optimizer)
         lean = _leanest(profile, mine.micro_batch, option, tuple(POLICIES)).peak_bytes
-        middle = (mine.peak_bytes + lean) / 2
-        self.nbytes = max(0, int(budget * (1 - plan.margin) - middle))
+        # (three quarters of the way to the leanest: a CI run read the hold as 4.2% of the budget where half way needed
+        # 5.5%, the process's peak taking part of it from memory freed before; the leanest still fits the widened margin
+        # were it read in full)
+        aimed = (mine.peak_bytes + 3 * lean) / 4
+        self.nbytes = max(0, int(budget * (1 - plan.margin) - aimed))
 
 
 class Lines(logging.Handler):
@@ -362,7 +366,7 @@ def run_replan(rank: int) -> dict[str, Any]:
     The budget comes from a first fit's measurements, the prediction from the second fit's, which read up to
     ~9% of the budget lower at these sizes (a few MiB). A fixed hold (15% of the budget) left the widened
     margin now and then on the wrong side of keeping every block; :class:`AimedHog` sizes the hold from the
-    second fit's own plan, so the widened margin falls half way between keeping every block and the leanest."""
+    second fit's own plan, so the widened margin falls three quarters of the way from keeping every block to the leanest."""
     probe = AutoFit(budget=[BIG, BIG], activation_policies=POLICIES, optimizer_options=["32-bit"], plan_only=True)
     _, _, _, error = fit("ddp", [probe], model=REPLAN_MODEL)
     assert error is None, error
