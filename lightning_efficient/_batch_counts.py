@@ -13,6 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -167,7 +168,12 @@ class EpochEndValidation:
 
         def should_check(*args: Any, **kwargs: Any) -> bool:
             decided = original(*args, **kwargs)
-            if (not loop.batch_progress.is_last_batch or trainer.check_val_every_n_epoch is None
+            progress = loop.batch_progress
+            # (the epoch's last batch as it is trained: not a restored mark of one a restart trains again, nor a
+            # fetcher of `dataloader_iter` steps, nor a stop, which Lightning validates at itself)
+            if (not progress.is_last_batch or progress.current.ready < trainer.num_training_batches
+                    or trainer.check_val_every_n_epoch is None or trainer.val_check_batch == float("inf")
+                    or any(isinstance(a, _DataLoaderIterDataFetcher) for a in args)
                     or (trainer.should_stop and trainer.fit_loop._can_stop_early) or not loop._should_check_val_epoch()):
                 return decided
             return at_the_end
@@ -206,14 +212,21 @@ def restored_batches_counted_again(trainer: Any, batches_per_micro_batch: Fracti
     at, total_at = current.completed + completes, total.completed + completes
     exact = at * batches_per_micro_batch
     epoch = trainer.num_training_batches
-    now = epoch if progress.is_last_batch and math.isfinite(epoch) else math.floor(exact)
+    now = epoch if epoch_ended(progress) and math.isfinite(epoch) else math.floor(exact)
     total_now = math.floor((total_at - at) * batches_per_micro_batch) + now
     for counts, before, after in ((current, at, now), (total, total_at, total_now)):
         for name in ("ready", "started", "processed", "completed"):
             count = getattr(counts, name)
             setattr(counts, name, after - (before - count) if count <= before
                     else after + math.floor((count - before) * batches_per_micro_batch))
-    return at, now, not progress.is_last_batch and exact != now
+    return at, now, not epoch_ended(progress) and exact != now
+
+
+def epoch_ended(progress: Any) -> bool:
+    """Whether a restored (or saved) ``batch_progress`` is at its epoch's end: the last batch fetched and trained.
+    Lightning marks the last batch as it fetches it, so the checkpoint of an exception inside it is mid-epoch (a
+    review: its batch was skipped on a resume that counted it as the epoch's end)."""
+    return bool(progress.is_last_batch) and progress.current.processed == progress.current.ready
 
 
 def checkpoint_timing_kept(trainer: Any, settings: dict[str, Any], counted: dict[str, int]) -> list[tuple[Any, str, Any]]:

@@ -55,3 +55,30 @@ def batch_samples(batch: Any) -> int | None:
     if isinstance(batch, list | tuple) and batch and all(isinstance(item, str | bytes | int | float) for item in batch):
         return len(batch)
     return None
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    """The tensors a batch holds, the shallowest first (as :func:`batch_samples` walks it)."""
+    found, queue, looked = [], deque([batch]), 0
+    while queue and looked < _LOOKED_AT:
+        value = queue.popleft()
+        looked += 1
+        try:
+            if isinstance(value, Tensor):
+                found.append(value)
+            else:
+                queue.extend(_children(value))
+        except Exception:  # noqa: BLE001 - a value that cannot be read decides nothing
+            continue
+    return found
+
+
+def token_tensor(batch: Any) -> Tensor | None:
+    """The tensor of a batch whose rows are its samples' tokens: a ``[samples, sequence]`` tensor (integer ids before
+    others), else the batch's first tensor; None without one. A batch whose first tensor is a 1-D index or label beside
+    its token ids counted one token a sample (a new user's trial: a plan's tokens/s were its samples/s); images, packed
+    1-D ids and masks of more dimensions are read as before, by the first tensor."""
+    tensors = _tensors(batch)
+    samples = batch_samples(batch)
+    rows = [t for t in tensors if t.dim() == 2 and t.shape[0] == samples]
+    return next((t for t in rows if not t.is_floating_point()), rows[0] if rows else (tensors[0] if tensors else None))

@@ -48,14 +48,6 @@ def first_tensor(obj: object) -> Tensor | None:
     return next(_iter_tensors(obj), None)
 
 
-def token_tensor(obj: object) -> Tensor | None:
-    """The tensor of a batch whose rows are its samples' tokens: the first one of two or more dimensions (``[batch,
-    sequence]``), else the first tensor; None without one. A batch whose first tensor is a 1-D index beside its token
-    ids was counted one token a sample (a new user's trial: a plan's tokens/s were its samples/s)."""
-    tensors = list(_iter_tensors(obj))
-    return next((t for t in tensors if t.dim() >= 2), tensors[0] if tensors else None)
-
-
 def local_tensor(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor``: the local shard of a DTensor (FSDP2, tensor parallelism), else
     ``tensor`` itself."""

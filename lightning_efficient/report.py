@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_efficient._samples import batch_samples
+from lightning_efficient._samples import batch_samples, token_tensor
 from lightning_efficient._torch import synchronize
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.memory import (
@@ -28,7 +28,6 @@ from lightning_efficient.memory import (
     parameter_bytes,
     peak_rss_bytes,
     seconds_outside_training,
-    token_tensor,
 )
 from lightning_efficient.optim._bnb import bitsandbytes
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ LEAST_BYTES = 2**16
 def _float_hint(budget: float) -> str:
     """What to write instead of the float ``budget``: a fraction is no budget here; a whole number is bytes as an int;
     another float is a number missing its unit (``1.5`` for 1.5 GiB)."""
-    if 0 < budget <= 1:
+    if not (math.isfinite(budget) and budget > 0):  # (no unit makes a budget of it)
+        return ""
+    if budget <= 1:
         return NOT_A_FRACTION
     if budget.is_integer() and budget >= LEAST_BYTES:
         return f" (write {int(budget)} for {int(budget):,} bytes, or a size string with its unit)"

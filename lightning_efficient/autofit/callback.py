@@ -34,6 +34,7 @@ from lightning_efficient._batch_counts import (
     checkpoint_timing_kept,
     counted_batches,
     counts_in_micro_batches,
+    epoch_ended,
     restored_batches_counted_again,
 )
 from lightning_efficient._code_pages import CodePages
@@ -496,7 +497,7 @@ class AutoFit(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         mine = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if mine is not None:  # whether a resume starts within an epoch (at a DataLoader batch) or at the next one
-            mine["mid_epoch"] = not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            mine["mid_epoch"] = not epoch_ended(trainer.fit_loop.epoch_loop.batch_progress)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -1207,7 +1208,7 @@ class AutoFit(Callback):
             return
         micro = plan.ranks[trainer.global_rank].micro_batch
         counted = restored_batches_counted_again(trainer, Fraction(checkpoints, micro))
-        if counted is None or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:  # (the next epoch starts afresh)
+        if counted is None or epoch_ended(trainer.fit_loop.epoch_loop.batch_progress):  # (the next epoch starts afresh)
             return
         before, after, inside = counted
         said = (f"AutoFit: the checkpoint counted {before} batch(es) of {checkpoints} samples into its epoch: {after} "
@@ -1272,15 +1273,19 @@ class AutoFit(Callback):
         # the margin is for what a prediction misses: a plan measured within its budget fits, and the next fit needs a
         # margin as wide as this miss (not this one's widened by it, which grew at every fit taking the advice)
         advised = min(0.95, math.ceil((over + 0.01) * 100) / 100)
-        # a plan predicted above the budget less its margin (the leanest, taken after an unfreeze) misses it by what
-        # no margin mends: then a larger budget, one holding the measured peak within it less the margin
-        above = [(m["peak_bytes"] / (1 - plan.margin), rank) for rank, (m, r, b) in enumerate(zip(measured, plan.ranks, plan.budgets))
-                 if r.peak_bytes > b * (1 - plan.margin)]
-        needed = max(above, default=None)
-        fits = (f"fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}" if needed is None else
-                f"give {'the' if len(plan.ranks) == 1 else f'rank {needed[1]} a'} budget of at least "
-                f"{math.ceil(needed[0] / 2**20):,} MiB (its plan was predicted above the budget less the margin, which no "
-                "margin mends)")
+        # a rank over its budget whose plan was predicted above the budget less the margin (the leanest, taken after an
+        # unfreeze) missed it by what no margin mends: then a larger budget, holding the measured peak within it less
+        # the margin (the wider of the two: a larger budget lets the search take a larger plan, which may miss alike)
+        above = [(m["peak_bytes"], rank) for rank, (m, r, b) in enumerate(zip(measured, plan.ranks, plan.budgets))
+                 if m["peak_bytes"] > b and r.peak_bytes > b * (1 - plan.margin)]
+        if above:
+            peak, rank = max(above)
+            wider = max(plan.margin, advised)
+            fits = (f"give {'the' if len(plan.ranks) == 1 else f'rank {rank} a'} budget of at least "
+                    f"{math.ceil(peak / (1 - wider) / 2**20):,} MiB" + (f" and AutoFit(margin={wider:.2f})" if wider > plan.margin else "")
+                    + " (its plan was predicted above the budget less the margin, which no margin mends)")
+        else:
+            fits = f"fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}"
         took_the_miss = (f"; it is within the budget on every rank (above it less the margin, {plan.margin:.2f}): the "
                          "margin took the miss, and the fit goes on as planned")
         if unprofiled is not None and self._profiles:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_efficient._samples import token_tensor
 from lightning_efficient._step import restored_run_state, run_state_tensors, step_loss
 from lightning_efficient._torch import synchronize
 from lightning_efficient.activations.planner import BlockProfile
@@ -37,7 +38,6 @@ from lightning_efficient.memory import (
     local_tensor,
     optimizer_state_bytes,
     release_free_memory,
-    token_tensor,
 )
 from lightning_efficient.report import host_state_bytes, paged_state_bytes
 
@@ -67,7 +67,7 @@ def can_resize(dataloader: DataLoader) -> bool:
 
 
 def tokens_per_sample(batch: Any) -> float:
-    """Tokens in one sample of ``batch`` (:func:`~lightning_efficient.memory.token_tensor`'s elements per row; 1 for a
+    """Tokens in one sample of ``batch`` (:func:`~lightning_efficient._samples.token_tensor`'s elements per row; 1 for a
     batch of 1-D tensors only)."""
     tensor = token_tensor(batch)
     if tensor is None or tensor.dim() == 0 or tensor.shape[0] == 0:

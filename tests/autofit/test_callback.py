@@ -239,6 +239,8 @@ def test_callbacks_the_user_set_keep_their_settings_and_the_plan_says_so(small_d
     ({"budget": 2e8}, r"budget=200000000.0 is not allowed: .* \(write 200000000 for 200,000,000 bytes, or a size string"),
     ({"budget": 2.0}, r"budget=2.0 is not allowed: .* \(a size string with its unit, e.g. '2GiB' or '2MB'\)"),  # (not 2 bytes)
     ({"budget": "1.5"}, r"budget='1.5' is not allowed: .* \(a size string with its unit, e.g. '1.5GiB' or '1.5MB'\)"),
+    ({"budget": "-1"}, r"budget='-1' is not allowed: expected .*, or a list of those \(one per rank\)$"),  # (no '-1GiB')
+    ({"budget": float("nan")}, r"budget=nan is not allowed: expected .*, or a list of those \(one per rank\)$"),
     ({"budget": ["1GiB", "auto"]}, "budget=\\['1GiB', 'auto'\\] is not allowed"),
     ({"budget": "1GiB", "margin": 1.0}, "margin=1.0 is not allowed"),
     ({"budget": "1GiB", "activation_policies": ["checkpoint"]}, "activation_policies=\\['checkpoint'\\] is not allowed"),
@@ -543,10 +545,12 @@ def test_a_measured_peak_above_a_reused_plans_prediction_says_the_plan_was_not_m
         assert advised < 0.1 + (measured - predicted) / budget
         assert any(f"fit again with AutoFit(margin={advised:.2f})" in str(w.message) for w in caught)
     else:  # predicted above the budget less the margin: no margin mends that (the review: it advised the margin it had)
-        needed = math.ceil(measured / 0.9 / MiB)
-        assert any(f"give the budget of at least {needed:,} MiB (its plan was predicted above the budget less the margin"
-                   in str(w.message) for w in caught)
-        assert not any("AutoFit(margin=" in str(w.message) for w in caught)
+        wider = max(0.1, math.ceil(((measured - predicted) / budget + 0.01) * 100) / 100)
+        needed = math.ceil(measured / (1 - wider) / MiB)
+        margin = f" and AutoFit(margin={wider:.2f})" if wider > 0.1 else ""
+        assert any(f"give the budget of at least {needed:,} MiB{margin} (its plan was predicted above the budget less the "
+                   "margin" in str(w.message) for w in caught)
+        assert not any("fit again with AutoFit(margin=" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("budget_over_peak", [None, 1.05])
@@ -850,6 +854,7 @@ def _resumed_alike(kwargs, tmp_path, first, steps, *, samples=None, passed=False
 
     with contextlib.suppress(RuntimeError):
         fit(steps, first)
+    assert all(c.seen == c.at for c in first if isinstance(c, RaiseAtBatch))  # (it raised, and nothing else did)
     last = str(tmp_path / "last.ckpt")
     plain, plain_seen = fit(steps, [], ckpt_path=last)
     autofit = AutoFit(budget="8GiB", micro_batches=None if passed else [micro], optimizer_options=["32-bit"],
@@ -887,6 +892,15 @@ def test_other_checkpoints_of_a_plain_fit_resumed_with_autofit_end_their_epochs_
     # step 3 trains the window's 3 batches left (24 samples), as plain Lightning's (whose step is then their means over
     # 4, where AutoFit's is their token mean, as for a short window)
     assert seen.samples == plain_seen.samples == [24, 32, 32, 32]
+    # the second review: an exception inside an epoch's last batch (fetched, so marked the last) was taken for the
+    # epoch's end, and that batch never trained again (13 batches of 8, the last of 4, 4 a step: 3 + 1 steps an epoch)
+    in_last = [OnExceptionCheckpoint(dirpath=tmp_path / "in_last", filename="last"), RaiseAtBatch(13)]
+    _, (seen, plain_seen), autofit = _resumed_alike(small_datamodule_kwargs, tmp_path / "in_last", in_last, 8, samples=100,
+                                                    limit_train_batches=1.0, limit_val_batches=0)
+    assert autofit.plan.micro_batches == [2] and seen.epoch_ends == plain_seen.epoch_ends
+    # the batch left trains in the resumed step: its 4 samples as 2 micro-batches, where plain Lightning, which draws
+    # its DataLoader again from the start, trains a whole first batch of 8 (the README's limit: a short last batch)
+    assert (seen.samples[0], plain_seen.samples[0]) == (4, 8) and seen.samples[1:] == plain_seen.samples[1:]
     short = [ModelCheckpoint(dirpath=tmp_path / "short", save_last=True), RaiseAtBatch(14)]  # saved at epoch 0's end
     _, (seen, plain_seen), autofit = _resumed_alike(small_datamodule_kwargs, tmp_path / "short", short, 12, samples=100,
                                                     limit_train_batches=1.0, limit_val_batches=0)
@@ -917,13 +931,14 @@ def test_an_epoch_with_a_short_last_batch_validates_at_its_end_where_plain_light
                                     val_check_interval=val_check_interval, logger=False, enable_checkpointing=False,
                                     enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, seen])
         trainer.fit(DemoGPT(**tiny_gpt_kwargs()), PlainLoaderData(60, **{**small_datamodule_kwargs, "batch_size": 8}))
-        return seen
+        return seen, trainer
 
-    plain = fit([])
+    plain, _ = fit([])
     autofit = AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"])
-    mine = fit([autofit])
+    mine, trainer = fit([autofit])
     assert autofit.plan.micro_batches == [2] and plain.validations == [4, 8, 12, 16]
     assert mine.validations == plain.validations and mine.epoch_ends == plain.epoch_ends == [8, 16]
+    assert "_should_check_val_fx" not in vars(trainer.fit_loop.epoch_loop)  # Lightning's own again after the fit
 
 
 def test_a_resume_from_an_epochs_end_with_another_budget_chooses_the_micro_batch_again(small_datamodule_kwargs, tmp_path):
