@@ -113,7 +113,8 @@ class MemoryReport(Callback):
     gradient bytes (which a sampled first micro-batch of an accumulation window has not made yet).
 
     Tokens per step are the valid tokens of a :class:`~lightning_efficient.tokens.TokenLosses`
-    output, else the elements of the batch's first tensor when it has two or more dimensions.
+    output, else the elements of the batch's ``[samples, sequence]`` tensor
+    (:func:`~lightning_efficient._samples.token_tensor`) when it has two or more dimensions.
 
     Under several processes (DDP, ``hetero_ddp``) the figures are the run's, gathered from every
     rank on the sampled steps and at the end of fit: ``samples_per_s``/``tokens_per_s`` and

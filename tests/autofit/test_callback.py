@@ -919,6 +919,24 @@ def test_other_checkpoints_of_a_plain_fit_resumed_with_autofit_end_their_epochs_
     assert autofit.plan.micro_batches == [8] and plain_seen.epoch_ends == seen.epoch_ends == [3, 6]
 
 
+def test_autofits_checkpoint_of_an_exception_inside_an_epochs_last_batch_is_mid_epoch(small_datamodule_kwargs, tmp_path):
+    # the second review: Lightning marks the last batch as it fetches it, and a checkpoint of an exception inside it
+    # was saved as at the epoch's end (a resume could then choose another micro-batch for a batch still to train);
+    # the checkpoint at the epoch's end is not mid-epoch
+    def saved(callbacks, name):
+        lightning.seed_everything(0)
+        fit = AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"])
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, limit_val_batches=0, logger=False, default_root_dir=tmp_path,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[fit, *callbacks])
+        with contextlib.suppress(RuntimeError):
+            trainer.fit(DemoGPT(**tiny_gpt_kwargs()), PlainLoaderData(20, **{**small_datamodule_kwargs, "batch_size": 8}))
+        return torch.load(tmp_path / name, weights_only=False)["callbacks"][fit.state_key]["mid_epoch"]
+
+    # (20 samples: 10 micro-batches of 2, the 10th the last)
+    assert saved([OnExceptionCheckpoint(dirpath=tmp_path, filename="raised"), RaiseAtBatch(10)], "raised.ckpt") is True
+    assert saved([ModelCheckpoint(dirpath=tmp_path, filename="ended")], "ended.ckpt") is False
+
+
 @pytest.mark.parametrize("val_check_interval", [0.5, 4])
 def test_an_epoch_with_a_short_last_batch_validates_at_its_end_where_plain_lightning_does(small_datamodule_kwargs,
                                                                                            val_check_interval):
