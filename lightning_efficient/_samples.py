@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import types
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import Tensor, nn
@@ -32,6 +32,30 @@ def _children(value: Any) -> list[Any]:
     return list(itertools.islice(namespace.values(), _ITEMS)) if isinstance(namespace, dict) else []
 
 
+def _tensors(batch: Any) -> Iterator[Tensor]:
+    """The tensors a batch holds, the shallowest first, as they are found (at most :data:`_LOOKED_AT` values looked
+    at; a value that cannot be read is passed over)."""
+    queue, looked = deque([batch]), 0
+    while queue and looked < _LOOKED_AT:
+        value = queue.popleft()
+        looked += 1
+        if isinstance(value, Tensor):
+            yield value
+            continue
+        try:
+            queue.extend(_children(value))
+        except Exception:  # noqa: BLE001 - a value that cannot be read decides nothing
+            continue
+
+
+def _leading(tensor: Tensor) -> int | None:
+    """``tensor``'s samples: its leading dimension (None for a 0-d tensor, or a nested tensor's unreadable shape)."""
+    try:
+        return int(tensor.shape[0]) if tensor.dim() >= 1 else None
+    except Exception:  # noqa: BLE001 - a value that cannot be read (a nested tensor's shape) decides nothing
+        return None
+
+
 def batch_samples(batch: Any) -> int | None:
     """The samples in ``batch``: the leading dimension of its first tensor of one dimension or more, the shallowest
     first (so a 0-d value, a sequence length, listed before the samples does not decide it, nor do per-sample targets in
@@ -40,37 +64,12 @@ def batch_samples(batch: Any) -> int | None:
     A new user's trial: a dataclass batch, a ``BatchEncoding`` and a dict whose first value was 0-d were each counted as
     one sample.
     """
-    queue, looked = deque([batch]), 0
-    while queue and looked < _LOOKED_AT:
-        value = queue.popleft()
-        looked += 1
-        try:
-            if isinstance(value, Tensor):
-                if value.dim() >= 1:
-                    return int(value.shape[0])
-                continue
-            queue.extend(_children(value))
-        except Exception:  # noqa: BLE001 - a value that cannot be read (a nested tensor's shape) decides nothing
-            continue
+    samples = next((n for n in map(_leading, _tensors(batch)) if n is not None), None)
+    if samples is not None:
+        return samples
     if isinstance(batch, list | tuple) and batch and all(isinstance(item, str | bytes | int | float) for item in batch):
         return len(batch)
     return None
-
-
-def _tensors(batch: Any) -> list[Tensor]:
-    """The tensors a batch holds, the shallowest first (as :func:`batch_samples` walks it)."""
-    found, queue, looked = [], deque([batch]), 0
-    while queue and looked < _LOOKED_AT:
-        value = queue.popleft()
-        looked += 1
-        try:
-            if isinstance(value, Tensor):
-                found.append(value)
-            else:
-                queue.extend(_children(value))
-        except Exception:  # noqa: BLE001 - a value that cannot be read decides nothing
-            continue
-    return found
 
 
 def token_tensor(batch: Any) -> Tensor | None:
@@ -78,7 +77,7 @@ def token_tensor(batch: Any) -> Tensor | None:
     others), else the batch's first tensor; None without one. A batch whose first tensor is a 1-D index or label beside
     its token ids counted one token a sample (a new user's trial: a plan's tokens/s were its samples/s); images, packed
     1-D ids and masks of more dimensions are read as before, by the first tensor."""
-    tensors = _tensors(batch)
-    samples = batch_samples(batch)
-    rows = [t for t in tensors if t.dim() == 2 and t.shape[0] == samples]
+    tensors = list(_tensors(batch))
+    samples = next((n for n in map(_leading, tensors) if n is not None), None)  # (as batch_samples reads them)
+    rows = [t for t in tensors if t.dim() == 2 and _leading(t) == samples]
     return next((t for t in rows if not t.is_floating_point()), rows[0] if rows else (tensors[0] if tensors else None))

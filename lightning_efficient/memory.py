@@ -43,11 +43,6 @@ def _iter_tensors(obj: object) -> Iterator[Tensor]:
             yield from _iter_tensors(value)
 
 
-def first_tensor(obj: object) -> Tensor | None:
-    """The first tensor in a batch (a tensor, or nested dicts, lists and tuples), or None."""
-    return next(_iter_tensors(obj), None)
-
-
 def local_tensor(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor``: the local shard of a DTensor (FSDP2, tensor parallelism), else
     ``tensor`` itself."""
