@@ -32,6 +32,14 @@ def _float_hint(budget: float) -> str:
     return f" (a size string with its unit, e.g. '{budget:g}GiB' or '{budget:g}MB')"
 
 
+def _number(text: str) -> float | None:
+    """``text`` read as a number, or None where it is none."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def validate_budget(budget: Any) -> None:
     """Raise a ValueError naming ``budget`` unless it is bytes, a size string, ``"auto"`` or a list of bytes/size strings."""
     message = "bytes (an int > 0), a size string like '6GiB', 'auto', or a list of those (one per rank)"
@@ -51,10 +59,8 @@ def validate_budget(budget: Any) -> None:
     try:
         nbytes = parse_budget(budget)
     except ValueError:
-        try:  # a number without its unit ("1.5", as YAML or a command line gives it): the float's hint
-            hint = _float_hint(float(budget)) if isinstance(budget, str) else ""
-        except ValueError:
-            hint = ""
+        number = _number(budget) if isinstance(budget, str) else None  # a number without its unit ("1.5", as YAML gives it)
+        hint = "" if number is None else _float_hint(number)
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}{hint}") from None
     if nbytes < 1:  # a fraction ("0.5"): of no baseline here
         raise ValueError(f"budget={budget!r} is not allowed: expected {message}{NOT_A_FRACTION}")

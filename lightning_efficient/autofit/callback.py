@@ -208,6 +208,23 @@ class _Unprofiled:
     policies: tuple[str, ...]
 
 
+def budget_advice(plan: FitPlan, measured: list[dict[str, float]], advised: float) -> str | None:
+    """The larger budget for each rank measured over its budget whose plan was predicted above the budget less the
+    margin (the leanest, taken after an unfreeze): no margin mends that miss. Each budget holds the rank's measured peak
+    within it less the wider of the plan's margin and ``advised`` (a larger budget lets the search take a larger plan,
+    which may miss alike). None where no rank is so."""
+    above = [(rank, m["peak_bytes"]) for rank, (m, r, b) in enumerate(zip(measured, plan.ranks, plan.budgets))
+             if m["peak_bytes"] > b and r.peak_bytes > b * (1 - plan.margin)]
+    if not above:
+        return None
+    wider = max(plan.margin, advised)
+    budgets = " and ".join(f"{'the' if len(plan.ranks) == 1 else f'rank {rank} a'} budget of at least "
+                           f"{math.ceil(peak / (1 - wider) / 2**20):,} MiB" for rank, peak in above)
+    return (f"give {budgets}" + (f" and AutoFit(margin={wider:.2f})" if wider > plan.margin else "")
+            + f" ({'its plan was' if len(above) == 1 else 'their plans were'} predicted above the budget less the margin, "
+            "which no margin mends)")
+
+
 def _keep_still_fits(plan: FitPlan, profiles: list[RankProfile], margin: float) -> bool:
     """Whether every rank's blocks, all kept, are predicted within its budget less ``margin`` (the profiles' blocks
     not profiled: then a re-plan at that margin would keep them all)."""
@@ -1276,16 +1293,7 @@ class AutoFit(Callback):
         # a rank over its budget whose plan was predicted above the budget less the margin (the leanest, taken after an
         # unfreeze) missed it by what no margin mends: then a larger budget, holding the measured peak within it less
         # the margin (the wider of the two: a larger budget lets the search take a larger plan, which may miss alike)
-        above = [(m["peak_bytes"], rank) for rank, (m, r, b) in enumerate(zip(measured, plan.ranks, plan.budgets))
-                 if m["peak_bytes"] > b and r.peak_bytes > b * (1 - plan.margin)]
-        if above:
-            peak, rank = max(above)
-            wider = max(plan.margin, advised)
-            fits = (f"give {'the' if len(plan.ranks) == 1 else f'rank {rank} a'} budget of at least "
-                    f"{math.ceil(peak / (1 - wider) / 2**20):,} MiB" + (f" and AutoFit(margin={wider:.2f})" if wider > plan.margin else "")
-                    + " (its plan was predicted above the budget less the margin, which no margin mends)")
-        else:
-            fits = f"fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}"
+        fits = budget_advice(plan, measured, advised) or f"fit again with AutoFit(margin={advised:.2f}){_WIDER_MARGIN}"
         took_the_miss = (f"; it is within the budget on every rank (above it less the margin, {plan.margin:.2f}): the "
                          "margin took the miss, and the fit goes on as planned")
         if unprofiled is not None and self._profiles:

@@ -1929,3 +1929,25 @@ def test_a_scheduler_stepped_every_few_batches_steps_after_the_steps_plain_light
     if samples % 4 == 0:  # (a short last window weighs its micro-batches otherwise: README)
         for mine, theirs in zip(model.parameters(), plain.parameters()):
             torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-13)
+
+
+def test_budget_advice_names_every_rank_measured_over_a_budget_its_plan_was_predicted_above_less_the_margin():
+    # the mid-fit advice named only the rank furthest over (a review); a rank within its budget, or over it from a
+    # prediction within the budget less the margin (which a wider margin mends), is not given a budget
+    from lightning_efficient.autofit.callback import budget_advice
+    from lightning_efficient.autofit.model import FitPlan, RankChoice
+
+    budget = 100 * MiB
+    predicted = [95 * MiB, 95 * MiB, 80 * MiB, 95 * MiB]  # above the 90 MiB usable, except rank 2's
+    measured = [{"peak_bytes": 104 * MiB}, {"peak_bytes": 120 * MiB}, {"peak_bytes": 110 * MiB}, {"peak_bytes": 99 * MiB}]
+    plan = FitPlan("32-bit", [RankChoice(4, [], p, 0.1, 0.1) for p in predicted], 4, 0.1, 1.0, 16, 0.1, [budget] * 4)
+    advice = budget_advice(plan, measured, advised=0.05)
+    assert advice == (f"give rank 0 a budget of at least {math.ceil(104 / 0.9):,} MiB and rank 1 a budget of at least "
+                      f"{math.ceil(120 / 0.9):,} MiB (their plans were predicted above the budget less the margin, which "
+                      "no margin mends)")
+    assert budget_advice(plan, measured, advised=0.2).endswith("MiB and AutoFit(margin=0.20) (their plans were predicted "
+                                                               "above the budget less the margin, which no margin mends)")
+    assert f"rank 1 a budget of at least {math.ceil(120 / 0.8):,} MiB" in budget_advice(plan, measured, advised=0.2)
+    single = FitPlan("32-bit", plan.ranks[:1], 4, 0.1, 1.0, 16, 0.1, [budget])
+    assert budget_advice(single, measured[:1], advised=0.05).startswith(f"give the budget of at least {math.ceil(104 / 0.9):,} MiB (its plan was")
+    assert budget_advice(plan, [{"peak_bytes": 99 * MiB}] * 4, advised=0.05) is None
