@@ -186,6 +186,13 @@ class EfficientCLI(LightningCLI):
             kwargs["callbacks"] = [*callbacks, StepsProgressBar()]
         return super().instantiate_trainer(**kwargs)
 
+    def before_fit(self) -> None:
+        """Refuse an AutoFit's ``plan_only`` under a strategy that spawns its processes before they start, in one line
+        (raised in them, it came back wrapped in their traceback)."""
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, AutoFit):
+                callback.refuse_plan_only_where_spawned(self.trainer)
+
 
 def run_cli(args: list[str] | None = None) -> EfficientCLI:
     """Build and run the command line (``args`` defaults to ``sys.argv[1:]``); returns the CLI."""

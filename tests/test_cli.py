@@ -206,3 +206,20 @@ def test_a_strategy_value_the_strategy_refuses_is_said_in_one_line_too(tmp_path)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1] == (
         "lightning-efficient: HeterogeneousDDPStrategy: hysteresis=2.0 is not allowed: expected a fraction in [0, 1).")
+
+
+def test_autofits_plan_only_under_ddp_spawn_is_refused_in_one_line_before_the_processes_start(tmp_path):
+    # raised in the spawned processes, the refusal came back inside their traceback (a new user's trial)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp_spawn", "max_steps": 1, "logger": False,
+                    "callbacks": [{"class_path": "lightning_efficient.AutoFit", "init_args": {"budget": "1GiB", "plan_only": True}}]},
+        "model": {"class_path": "lightning_efficient.DemoGPT"},
+        "data": {"class_path": "lightning_efficient.CorpusDataModule", "init_args": {"data_path": str(tmp_path)}},
+    }))
+    refused = _cli(["fit", "--config", config], cwd=tmp_path)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "lightning-efficient: AutoFit: plan_only=True is not allowed: expected False under a strategy that spawns its "
+        "processes (the plan would be made, and lost, in them): plan under strategy='ddp', which gives the same plan, or "
+        "with `lightning-efficient plan`.")

@@ -442,11 +442,7 @@ class AutoFit(Callback):
             return
         callbacks = trainer.callbacks
         require(sum(isinstance(c, AutoFit) for c in callbacks) == 1, "callbacks", "two AutoFit", "one AutoFit per Trainer")
-        # (Lightning ends a tuning fit by an exception it catches where it launched the processes: a spawned process,
-        # which does not, raised it, and the plan stayed in that process; a new user's trial)
-        refuse_unless(not (self.plan_only and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)), "AutoFit",
-                      "plan_only", True, "False under a strategy that spawns its processes (the plan would be made, and lost, "
-                      "in them): plan under strategy='ddp', which gives the same plan, or with `lightning-efficient plan`")
+        self.refuse_plan_only_where_spawned(trainer)
         self._last_build.watch(trainer.fit_loop)
         if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
             raise ValueError("AutoFit sets accumulate_grad_batches itself; it cannot work beside a GradientAccumulationScheduler")
@@ -620,6 +616,15 @@ class AutoFit(Callback):
         # (no checkpoint's plan: planned now, from this DataLoader; not the `batch_size` attribute, which a DataLoader
         # passed to fit() does not read)
         return self._users_batch_size
+
+    def refuse_plan_only_where_spawned(self, trainer: Trainer) -> None:
+        """Raise :class:`~lightning_efficient._validation.SettingRefused` for ``plan_only`` under a strategy that spawns its
+        processes (``ddp_spawn``): Lightning ends a tuning fit by an exception it catches where it launched the processes,
+        so a spawned process raised it and the plan stayed there (a new user's trial). The command line calls this
+        before the processes start, and says it in one line; ``setup`` calls it in them."""
+        refuse_unless(not (self.plan_only and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)), "AutoFit",
+                      "plan_only", True, "False under a strategy that spawns its processes (the plan would be made, and lost, "
+                      "in them): plan under strategy='ddp', which gives the same plan, or with `lightning-efficient plan`")
 
     def _planning_peak_line(self, plan: FitPlan, rank: int) -> str:
         """The peak while planning (this rank's), and why it may be above the budget."""
