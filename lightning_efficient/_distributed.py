@@ -135,12 +135,14 @@ def gather_objects(obj: Any) -> list[Any]:
 
 
 def gather_or_raise_together(value: Any, error: BaseException | None, what: str, context: str = "") -> list[Any]:
-    """Every rank's ``value``; when any rank's ``error`` is set, every rank raises the same error.
+    """Every rank's ``value``; when any rank's ``error`` is set, every rank raises.
 
     A rank that raised alone would leave the others waiting in their next collective (on NCCL, a
     hang). Each rank passes what it computed, or the error it caught; the message names each failed
-    rank (with its ``context``, e.g. ``"micro-batch 6"``) and its error. The error is a ValueError
-    when every failure was one (a setting that cannot work), else a RuntimeError.
+    rank (with its ``context``, e.g. ``"micro-batch 6"``) and its error. A rank that failed raises its
+    own error, with that message as a note (so a user's ``except`` catches their own exception, as
+    without the plugin; a new user's trial); the others raise a ValueError with the message when every
+    failure was one (a setting that cannot work), else a RuntimeError.
 
     Args:
         value: this rank's result (None when it failed).
@@ -153,6 +155,10 @@ def gather_or_raise_together(value: Any, error: BaseException | None, what: str,
     failed = [(rank, o) for rank, o in enumerate(outcomes) if o["error"] is not None]
     if failed:
         lines = [f"rank {rank}" + (f" ({o['context']})" if o["context"] else "") + f": {o['error'][1]}" for rank, o in failed]
+        message = f"{what}: " + "; ".join(lines)
+        if error is not None:
+            error.add_note(message)
+            raise error
         kind = ValueError if all(o["error"][0] == "ValueError" for _, o in failed) else RuntimeError
-        raise kind(f"{what}: " + "; ".join(lines)) from error
+        raise kind(message)
     return [o["value"] for o in outcomes]

@@ -37,7 +37,7 @@ class Report(lightning.Callback):
             self.write(trainer)
 
     def on_exception(self, trainer, pl_module, exception):
-        self.result.update(error=f"{type(exception).__name__}: {exception}")
+        self.result.update(error=f"{type(exception).__name__}: {exception}", notes=getattr(exception, "__notes__", []))
         self.write(trainer)
         if trainer.global_rank == 0:  # Lightning kills the other rank after this hook: let it report first
             other = self.out_dir / "rank1.json"

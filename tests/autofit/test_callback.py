@@ -1951,3 +1951,26 @@ def test_budget_advice_names_every_rank_measured_over_a_budget_its_plan_was_pred
     single = FitPlan("32-bit", plan.ranks[:1], 4, 0.1, 1.0, 16, 0.1, [budget])
     assert budget_advice(single, measured[:1], advised=0.05).startswith(f"give the budget of at least {math.ceil(104 / 0.9):,} MiB (its plan was")
     assert budget_advice(plan, [{"peak_bytes": 99 * MiB}] * 4, advised=0.05) is None
+
+
+class DataProblem(KeyError):
+    """A user's own exception class."""
+
+
+class BrokenSampleGPT(DemoGPT):
+    def training_step(self, batch, batch_idx):
+        raise DataProblem("sample 3 is broken")
+
+
+def test_a_users_exception_while_autofit_measures_is_raised_as_theirs_with_what_autofit_was_doing_as_a_note(
+        small_datamodule_kwargs):
+    # a new user's trial: `except DataProblem` caught it in plain Lightning, and AutoFit raised a RuntimeError
+    # ("AutoFit could not measure: rank 0: 'sample 3 is broken'") with theirs only as its cause
+    with pytest.raises(DataProblem) as plain:
+        _fit(small_datamodule_kwargs, [], model_class=BrokenSampleGPT)
+    fit = AutoFit(budget="1GiB")
+    with pytest.raises(DataProblem) as raised:
+        _fit(small_datamodule_kwargs, [fit], model_class=BrokenSampleGPT)
+    assert str(raised.value) == str(plain.value) == "'sample 3 is broken'"
+    assert raised.value.__notes__ == ["AutoFit could not measure: rank 0: 'sample 3 is broken'"]
+    assert fit.plan is None
