@@ -41,10 +41,11 @@ def _number(text: str) -> float | None:
 
 
 def validate_budget(budget: Any) -> None:
-    """Raise a ValueError naming ``budget`` unless it is bytes, a size string, ``"auto"`` or a list of bytes/size strings."""
+    """Raise a ValueError naming ``budget`` unless it is bytes, a size string, ``"auto"`` or a list of those (``"auto"`` in a
+    list: that rank's device, as ``["auto", "8GiB"]`` leaves one rank all it has and holds another to 8 GiB)."""
     message = "bytes (an int > 0), a size string like '6GiB', 'auto', or a list of those (one per rank)"
     if isinstance(budget, (list, tuple)):
-        if not budget or any(b == "auto" or isinstance(b, (list, tuple)) for b in budget):
+        if not budget or any(isinstance(b, (list, tuple)) for b in budget):
             raise ValueError(f"budget={budget!r} is not allowed: expected {message}")
         for item in budget:
             validate_budget(item)

@@ -320,7 +320,7 @@ class AutoFit(Callback):
 
     Args:
         budget: per device: bytes, a size string (``"6GiB"``), ``"auto"`` (CUDA: the device's memory less
-            5%; CPU: the available memory shared by this host's ranks, less 5%), or a list with one per rank. A float
+            5%; CPU: the available memory shared by this host's ranks, less 5%), or a list of those with one per rank. A float
             (``0.5``, ``6e9``) is refused: AutoFit's budget is memory, not a fraction (write ``6000000000`` or ``"6GB"``).
         margin: the fraction of each budget the predicted peak leaves free, for what a prediction misses.
         search_micro_batch: search the micro-batch (False: keep the DataLoader's).
