@@ -36,6 +36,11 @@ def _is_fraction(value: Any) -> bool:
     return isinstance(value, float) and 0.0 < value < 1.0
 
 
+def counts_batches(value: Any) -> bool:
+    """Whether a value of :data:`COUNTED_SETTINGS` counts training batches: an integer, or a fraction of an epoch's."""
+    return _is_count(value) or _is_fraction(value)
+
+
 def counted_batches(settings: dict[str, Any], epoch_batches: int | None) -> dict[str, int]:
     """The user's batches each of ``settings`` counts: an integer as it is; a fraction below 1 as Lightning counts it
     over an epoch of ``epoch_batches`` of the user's batches (the validation interval's over the epoch's batches

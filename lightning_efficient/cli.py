@@ -221,12 +221,14 @@ def _parse_value(text: str) -> Any:
 
 def plan_yaml(plan: FitPlan, autofit: AutoFit, trainer: Trainer, model: LightningModule) -> str:
     """The plan as settings for a config file: fixed settings where every rank has the same plan (a fit with
-    them trains as AutoFit's would, without measuring), else the AutoFit callback itself."""
+    them trains as AutoFit's would, without measuring), else the AutoFit callback itself; that too where the plan
+    splits the batch and the run counts training batches (``AutoFit.batch_counting``), which AutoFit counts in
+    micro-batches as it fits."""
     import yaml
 
     budget = {"class_path": "lightning_efficient.AutoFit", "init_args": autofit.init_args()}
     policies = {tuple(r.policies) for r in plan.ranks}
-    if len(policies) > 1:
+    if len(policies) > 1 or autofit.batch_counting:
         return yaml.safe_dump({"trainer": {"callbacks": [budget]}}, sort_keys=False)
     callbacks: list[dict[str, Any]] = []
     (chosen,) = policies
@@ -251,6 +253,8 @@ def plan_yaml(plan: FitPlan, autofit: AutoFit, trainer: Trainer, model: Lightnin
         settings["trainer"]["strategy"] = {"init_args": {"max_micro_batch": plan.micro_batches}}
     else:
         settings["trainer"]["accumulate_grad_batches"] = plan.accumulation
+        if autofit.epoch_micro_batches is not None:  # (a DataLoader dropping its last batch: plain Lightning's samples)
+            settings["trainer"]["limit_train_batches"] = autofit.epoch_micro_batches
         holder = "data" if trainer.datamodule is not None and hasattr(trainer.datamodule, "batch_size") else "model"
         if lightning_hasattr(model, "batch_size"):
             settings[holder] = {"init_args": {"batch_size": plan.micro_batches[0]}}
@@ -318,6 +322,13 @@ def run_plan(args: Sequence[str]) -> AutoFit:
             print(f"\n# (no whole config: {error}) AutoFit's plan as settings for your config (the same global batch):")
             print(settings)
         else:
+            if autofit.epoch_micro_batches is not None and not autofit.batch_counting:
+                print(f"\n# Your DataLoader drops its last incomplete batch, which the plan's micro-batch drops less of: "
+                      f"limit_train_batches: {autofit.epoch_micro_batches} keeps each epoch to the samples of your whole "
+                      "batches (of this dataset's size), as AutoFit does.")
+            if autofit.batch_counting:
+                print(f"\n# The plan splits each batch, and your config counts batches ({'; '.join(autofit.batch_counting)}): "
+                      "AutoFit counts them in its micro-batches as it fits, which fixed settings cannot, so AutoFit stays.")
             print("\n# AutoFit's plan as a whole config, yours with the plan's settings in place of AutoFit (the same global "
                   "batch): save it and give it alone to `lightning-efficient fit --config`")
             print(yaml.safe_dump(whole, sort_keys=False))

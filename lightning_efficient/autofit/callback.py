@@ -33,6 +33,7 @@ from lightning_efficient._batch_counts import (
     batches_trained,
     checkpoint_timing_kept,
     counted_batches,
+    counts_batches,
     counts_in_micro_batches,
     epoch_ended,
     restored_batches_counted_again,
@@ -406,6 +407,12 @@ class AutoFit(Callback):
         self._unprofiled: _Unprofiled | None = None  # the blocks left unprofiled before the first step
         self._checkpoint_micro_batch: int | None = None  # what the resumed checkpoint counted its batches in
         self._users_batch_size: int | None = None  # the training DataLoader's batch size when this fit planned
+        #: after a ``plan_only`` fit whose plan splits the batch: the settings that count its training batches, which
+        #: AutoFit counts in micro-batches as it fits (``lightning-efficient plan`` then keeps AutoFit in its config)
+        self.batch_counting: list[str] = []
+        #: after a ``plan_only`` fit whose plan splits the batch of a DataLoader dropping its last incomplete batch: the
+        #: micro-batches of the user's whole batches an epoch trains (the plan's config limits its epochs to them)
+        self.epoch_micro_batches: int | None = None
         self._code_pages = CodePages()  # off CUDA: the library code measuring touched is handed back after it
         self._step_started: float | None = None
         self._measured_against: list[int] = []  # each rank's predicted peak when the measured figures were read
@@ -534,6 +541,7 @@ class AutoFit(Callback):
         self._measured_against = []
         self._unprofiled = None
         self._checkpoint_micro_batch = self._users_batch_size = None
+        self.batch_counting, self.epoch_micro_batches = [], None
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
@@ -598,6 +606,8 @@ class AutoFit(Callback):
         rank_zero_info(plan_table(plan) + f"\n  {'reused' if reused else 'planned'} in {self.planning_s:.2f} s"
                        + ("" if reused else self._planning_peak_line(plan, trainer.global_rank)))
         if self.plan_only:
+            self.batch_counting = self._what_counts_batches(trainer, plan)
+            self.epoch_micro_batches = self._epoch_of_whole_batches(trainer, plan)
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
         self._checkpoint_micro_batch = self._checkpoints_micro_batch(restored, trainer)
         # (a checkpoint's running token count: a resumed first step rounds as the uninterrupted run's)
@@ -616,6 +626,31 @@ class AutoFit(Callback):
         # (no checkpoint's plan: planned now, from this DataLoader; not the `batch_size` attribute, which a DataLoader
         # passed to fit() does not read)
         return self._users_batch_size
+
+    def _what_counts_batches(self, trainer: Trainer, plan: FitPlan) -> list[str]:
+        """What of this fit counts its training batches, where the plan splits them (each said as the user set it):
+        AutoFit counts it in micro-batches while it fits (:meth:`_rescale_batch_counts`), which a config of fixed
+        settings cannot carry (a new user's trial: `lightning-efficient plan`'s config left ``limit_train_batches: 3``
+        counting micro-batches of 4 where the batch was 16, and trained 2 steps of 12 samples, not 6 of 16)."""
+        batch, mine = self._users_batch_size, plan.ranks[trainer.global_rank]
+        if plan.accumulation is None or not isinstance(batch, int) or mine.micro_batch == batch:
+            return []
+        found = [f"{name}={value!r}" for name, value in batch_settings(trainer).items() if counts_batches(value)]
+        found += [f"a {type(config.scheduler).__name__} stepped every {config.frequency} batches"
+                  for config in trainer.lr_scheduler_configs if config.interval == "step" and config.frequency > 1]
+        return found
+
+    def _epoch_of_whole_batches(self, trainer: Trainer, plan: FitPlan) -> int | None:
+        """Where the plan splits the batch of a DataLoader that drops its last incomplete batch, and drops less at the
+        micro-batch: the micro-batches of the user's whole batches in an epoch (the samples plain Lightning trains, which
+        AutoFit limits its epochs to as it fits); else None."""
+        batch, micro = self._users_batch_size, plan.ranks[trainer.global_rank].micro_batch
+        epoch = self._rank_epoch(trainer) if plan.accumulation is not None and isinstance(batch, int) and micro != batch else None
+        if epoch is None or not epoch[1]:
+            return None
+        whole = epoch[0] // batch
+        kept = min(epoch[0] // micro, math.ceil(Fraction(whole * batch, micro)))
+        return kept if kept < epoch[0] // micro else None
 
     def refuse_plan_only_where_spawned(self, trainer: Trainer) -> None:
         """Raise :class:`~lightning_efficient._validation.SettingRefused` for ``plan_only`` under a strategy that spawns its

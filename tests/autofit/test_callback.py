@@ -369,8 +369,10 @@ def test_the_plan_command_prints_the_plan_and_settings_that_fit_with_it_without_
     (tmp_path / "needs_logger.py").write_text(
         "import lightning\n\n\nclass NeedsLogger(lightning.Callback):\n    def setup(self, trainer, pl_module, stage):\n"
         "        if not trainer.loggers:\n            raise RuntimeError('Cannot use NeedsLogger with Trainer(logger=False)')\n")
+    # (micro-batch 4, the batch: a plan that split it would keep AutoFit, val_check_interval counting batches)
+    autofit = {"class_path": "lightning_efficient.AutoFit", "init_args": {"budget": "1GiB", "micro_batches": [4]}}
     config = _config(tmp_path / "run.yaml", small_datamodule_kwargs, accumulate_grad_batches=2, check_val_every_n_epoch=None,
-                     val_check_interval=2, logger=logger, callbacks=[{"class_path": "needs_logger.NeedsLogger"}])
+                     val_check_interval=2, logger=logger, callbacks=[{"class_path": "needs_logger.NeedsLogger"}, autofit])
     done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "2GiB"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -440,6 +442,81 @@ def test_the_plan_command_answers_a_wrong_budget_or_margin_in_one_line(option, v
     with pytest.raises(SystemExit) as stop:
         run_plan([option, value])
     assert str(stop.value).startswith(f"lightning-efficient plan: {said}")
+
+
+def test_the_plan_command_keeps_autofit_where_the_plan_splits_the_batch_and_the_config_counts_batches(
+        small_datamodule_kwargs, tmp_path):
+    # a new user's trial: the printed config set batch_size 4 and accumulate_grad_batches 4 and left
+    # limit_train_batches: 3, which then counted micro-batches: 2 steps of 12 samples, not AutoFit's 6 of 16
+    autofit = {"class_path": "lightning_efficient.AutoFit", "init_args": {
+        "budget": "1GiB", "micro_batches": [1], "activation_policies": ["keep"], "optimizer_options": ["32-bit"]}}
+    config = _config(tmp_path / "run.yaml", small_datamodule_kwargs, callbacks=[autofit], limit_train_batches=2)
+    done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("# The plan splits each batch, and your config counts batches (limit_train_batches=2): AutoFit counts them in "
+            "its micro-batches as it fits, which fixed settings cannot, so AutoFit stays.") in done.stdout
+    settings = _printed_config(done.stdout)
+    assert [c["class_path"] for c in settings["trainer"]["callbacks"]] == ["lightning_efficient.AutoFit"]
+    assert settings["trainer"]["callbacks"][0]["init_args"]["micro_batches"] == [1]
+    assert settings["trainer"]["limit_train_batches"] == 2 and settings["trainer"]["accumulate_grad_batches"] == 1
+    assert settings["data"]["init_args"]["batch_size"] == 4
+    # without the count: fixed settings, the epoch limited to the micro-batches of the corpus's whole batches of 4
+    # (its DataLoader drops the last incomplete one, of 2 samples, which micro-batch 1 would not)
+    config = _config(tmp_path / "run.yaml", small_datamodule_kwargs, callbacks=[autofit])
+    done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    corpus = _corpus_samples(small_datamodule_kwargs)
+    settings = _printed_config(done.stdout)
+    assert settings["trainer"]["limit_train_batches"] == corpus // 4 * 4 and settings["trainer"]["accumulate_grad_batches"] == 4
+    assert f"limit_train_batches: {corpus // 4 * 4} keeps each epoch to the samples of your whole batches" in done.stdout
+    assert "AutoFit" not in str(settings["trainer"]["callbacks"])
+
+
+class StepLRModule(DemoGPT):
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+                                                         "interval": "step", "frequency": 2}}
+
+
+class DropLastData(CorpusDataModule):
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        subset = torch.utils.data.Subset(loader.dataset, range(10))
+        return torch.utils.data.DataLoader(subset, batch_size=self.batch_size, drop_last=True)
+
+
+def _corpus_samples(data_kwargs) -> int:
+    data = CorpusDataModule(**data_kwargs)
+    data.setup("fit")
+    return len(data.train_dataloader().dataset)
+
+
+def test_a_plan_only_fit_names_what_counts_its_batches_where_the_plan_splits_them(small_datamodule_kwargs):
+    """What `lightning-efficient plan` keeps AutoFit for: batch counts, step schedulers of a frequency, and a DataLoader
+    dropping a last batch that the micro-batch would not drop."""
+
+    def counting(model_class=DemoGPT, data_class=CorpusDataModule, micro=1, **trainer_kwargs):
+        fit = AutoFit(budget="1GiB", micro_batches=[micro], activation_policies=["keep"], optimizer_options=["32-bit"],
+                      plan_only=True)
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[fit],
+                                    **{"limit_val_batches": 0, **trainer_kwargs})
+        trainer.fit(model_class(**tiny_gpt_kwargs()), data_class(**{**small_datamodule_kwargs, "batch_size": 4}))
+        assert fit.plan is not None
+        return fit.batch_counting, fit.epoch_micro_batches
+
+    corpus = _corpus_samples(small_datamodule_kwargs)
+    assert corpus % 4 == 2  # (the corpus's DataLoader drops its last incomplete batch: 2 samples, not at micro-batch 2)
+    assert counting(micro=2) == ([], corpus // 4 * 2)  # the micro-batches of the whole batches of 4
+    assert counting(limit_train_batches=3, val_check_interval=0.5, limit_val_batches=1) == (
+        ["limit_train_batches=3", "val_check_interval=0.5"], corpus // 4 * 4)
+    assert counting(micro=4, limit_train_batches=3) == ([], None)  # not split: the counts are the plan's
+    assert counting(StepLRModule, data_class=DropLastData) == (["a StepLR stepped every 2 batches"], 8)
+    assert counting(data_class=DropLastData, micro=2) == ([], 4)  # 8 of the 10 samples, where batches of 2 drop none
+    assert counting(data_class=DropLastData, micro=4) == ([], None)
 
 
 def _printed_config(stdout: str) -> dict:
