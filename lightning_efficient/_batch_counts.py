@@ -227,6 +227,34 @@ def restored_batches_counted_again(trainer: Any, batches_per_micro_batch: Fracti
     return at, now, not epoch_ended(progress) and exact != now
 
 
+def restored_position_moved_to_its_steps_start(trainer: Any) -> tuple[int, int] | None:
+    """Where a checkpoint was saved between the micro-batches of a step (an exception inside it, a validation or a
+    time-based save there) and the training DataLoader keeps no position (Lightning starts the epoch's data again):
+    the restored batch counts moved back to the step's first micro-batch, so the step trains all of them again (their
+    gradients are in no checkpoint). Call where the split into micro-batches is a plugin's, not the user's
+    ``accumulate_grad_batches``: a step of the user's batch is then trained whole, as one batch trains in plain
+    Lightning (a new user's trial: an exception in a step's third micro-batch of 4 resumed with a step of the last 2,
+    and the epoch trained 8 samples fewer). Call once the checkpoint's loops are restored, before the epoch starts
+    (``on_train_start``). Returns (the micro-batches moved back, the step's micro-batches), or None where nothing moved."""
+    from lightning.fabric.utilities.types import _Stateful
+
+    loop = trainer.fit_loop.epoch_loop
+    progress = loop.batch_progress
+    accumulation = trainer.accumulate_grad_batches
+    loader = trainer.fit_loop._combined_loader
+    if accumulation == 1 or not loop.restarting or epoch_ended(progress) or loader is None:
+        return None
+    if any(isinstance(each, _Stateful) for each in loader.flattened):  # (a position restored: the data goes on from it)
+        return None
+    back = (progress.current.completed + int(loop.restarted_on_train_batch_end)) % accumulation
+    if back == 0:
+        return None
+    for counts in (progress.current, progress.total):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(counts, name, getattr(counts, name) - back)
+    return back, accumulation
+
+
 def epoch_ended(progress: Any) -> bool:
     """Whether a restored (or saved) ``batch_progress`` is at its epoch's end: the last batch fetched and trained.
     Lightning marks the last batch as it fetches it, so the checkpoint of an exception inside it is mid-epoch (a

@@ -37,6 +37,7 @@ from lightning_efficient._batch_counts import (
     counts_in_micro_batches,
     epoch_ended,
     restored_batches_counted_again,
+    restored_position_moved_to_its_steps_start,
 )
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
@@ -542,6 +543,7 @@ class AutoFit(Callback):
         self._unprofiled = None
         self._checkpoint_micro_batch = self._users_batch_size = None
         self.batch_counting, self.epoch_micro_batches = [], None
+        self._users_accumulation: int | None = None  # the trainer's accumulate_grad_batches before the plan's
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
@@ -1135,6 +1137,7 @@ class AutoFit(Callback):
                     self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_scale)
                 _warn_of_batch_statistics(pl_module, current, mine.micro_batch)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
+            self._users_accumulation = trainer.accumulate_grad_batches
             trainer.accumulate_grad_batches = plan.accumulation
         if self._user_activations is None and ((mine.policies and any(p != "keep" for p in mine.policies)) or self._activations):
             policies = list(mine.policies) or ["keep"]
@@ -1265,6 +1268,12 @@ class AutoFit(Callback):
             return
         micro = plan.ranks[trainer.global_rank].micro_batch
         counted = restored_batches_counted_again(trainer, Fraction(checkpoints, micro))
+        if self._users_accumulation == 1:  # the split is the plan's alone: its step is one batch of the user's
+            moved = restored_position_moved_to_its_steps_start(trainer)
+            if moved is not None:
+                rank_zero_info(f"AutoFit: the checkpoint was saved {moved[0]} micro-batch(es) into a step of {moved[1]}, "
+                               "whose gradients are in no checkpoint: the step trains from its first micro-batch again, as "
+                               "your batch would.")
         if counted is None or epoch_ended(trainer.fit_loop.epoch_loop.batch_progress):  # (the next epoch starts afresh)
             return
         before, after, inside = counted

@@ -2051,3 +2051,31 @@ def test_a_users_exception_while_autofit_measures_is_raised_as_theirs_with_what_
     assert str(raised.value) == str(plain.value) == "'sample 3 is broken'"
     assert raised.value.__notes__ == ["AutoFit could not measure: rank 0: 'sample 3 is broken'"]
     assert fit.plan is None
+
+
+def test_an_exception_inside_a_step_autofit_split_resumes_the_whole_step_as_plain_lightning_resumes_the_batch(
+        small_datamodule_kwargs, tmp_path, lightning_caplog):
+    # a new user's trial: a step of 4 micro-batches that raised in its third resumed with a step of the last 2 (half the
+    # user's batch, the gradients of the first 2 being in no checkpoint), and the epoch trained 8 samples fewer
+    def fit(root, autofit, raise_at=None, ckpt_path=None):
+        lightning.seed_everything(0)
+        record = Recorder()
+        callbacks = [record, OnExceptionCheckpoint(dirpath=root, filename="raised")] + ([RaiseAtBatch(raise_at)] if raise_at else [])
+        if autofit:
+            callbacks.append(AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"]))
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=4, limit_val_batches=0, logger=False,
+                                    default_root_dir=root, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+        model = DemoGPT(**tiny_gpt_kwargs())
+        with contextlib.suppress(RuntimeError) if raise_at else contextlib.nullcontext():
+            trainer.fit(model, PlainLoaderData(**{**small_datamodule_kwargs, "batch_size": 8}), ckpt_path=ckpt_path)
+        return record, model, trainer
+
+    fit(tmp_path / "plain", False, raise_at=3)  # the third batch of 8
+    plain, plain_model, plain_trainer = fit(tmp_path / "plain", False, ckpt_path=tmp_path / "plain" / "raised.ckpt")
+    fit(tmp_path / "autofit", True, raise_at=11)  # the third micro-batch of 2 of the third step
+    mine, model, trainer = fit(tmp_path / "autofit", True, ckpt_path=tmp_path / "autofit" / "raised.ckpt")
+    assert "the checkpoint was saved 2 micro-batch(es) into a step of 4" in lightning_caplog.text
+    assert plain.samples == mine.samples == [8] * 6  # steps 2 and 3 of epoch 0, then epoch 1's 4
+    assert trainer.global_step == plain_trainer.global_step == 8
+    for (name, a), b in zip(model.named_parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=name)
