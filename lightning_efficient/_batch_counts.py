@@ -252,6 +252,10 @@ def restored_position_moved_to_its_steps_start(trainer: Any) -> tuple[int, int] 
     for counts in (progress.current, progress.total):
         for name in ("ready", "started", "processed", "completed"):
             setattr(counts, name, getattr(counts, name) - back)
+    if loop.restarted_on_train_batch_end:
+        # Lightning counts a step for the logger where a checkpoint saved in on_train_batch_end ends one, which it now
+        # seems to (a review: the logger's step ran one ahead of global_step for the rest of the fit)
+        loop._batches_that_stepped -= 1
     return back, accumulation
 
 

@@ -134,6 +134,14 @@ def gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
+def _add_note(error: BaseException, note: str) -> None:
+    """PEP 678's ``add_note`` (Python 3.11), or on 3.10 the ``__notes__`` list it keeps (not shown by 3.10's tracebacks)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
 def gather_or_raise_together(value: Any, error: BaseException | None, what: str, context: str = "") -> list[Any]:
     """Every rank's ``value``; when any rank's ``error`` is set, every rank raises.
 
@@ -157,7 +165,7 @@ def gather_or_raise_together(value: Any, error: BaseException | None, what: str,
         lines = [f"rank {rank}" + (f" ({o['context']})" if o["context"] else "") + f": {o['error'][1]}" for rank, o in failed]
         message = f"{what}: " + "; ".join(lines)
         if error is not None:
-            error.add_note(message)
+            _add_note(error, message)
             raise error
         kind = ValueError if all(o["error"][0] == "ValueError" for _, o in failed) else RuntimeError
         raise kind(message)

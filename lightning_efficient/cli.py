@@ -314,6 +314,13 @@ def run_plan(args: Sequence[str]) -> AutoFit:
         import yaml
 
         settings = plan_yaml(autofit.plan, autofit, trainer, cli.model)
+        if "limit_train_batches" in (yaml.safe_load(settings).get("trainer") or {}):  # (AutoFit.epoch_micro_batches)
+            print(f"\n# Your DataLoader drops its last incomplete batch, which the plan's micro-batch drops less of: "
+                  f"limit_train_batches: {autofit.epoch_micro_batches} keeps each epoch to the samples of your whole "
+                  "batches (of this dataset's size), as AutoFit does.")
+        if autofit.batch_counting:
+            print(f"\n# The plan splits each batch, and your config counts batches ({'; '.join(autofit.batch_counting)}): "
+                  "AutoFit counts them in its micro-batches as it fits, which fixed settings cannot, so AutoFit stays.")
         try:
             # skip_none=False: a setting the config sets to null over a non-null default (check_val_every_n_epoch) stays null
             whole = planned_config(yaml.safe_load(cli.parser.dump(cli.config, skip_validation=True, skip_none=False)),
@@ -322,13 +329,6 @@ def run_plan(args: Sequence[str]) -> AutoFit:
             print(f"\n# (no whole config: {error}) AutoFit's plan as settings for your config (the same global batch):")
             print(settings)
         else:
-            if autofit.epoch_micro_batches is not None and not autofit.batch_counting:
-                print(f"\n# Your DataLoader drops its last incomplete batch, which the plan's micro-batch drops less of: "
-                      f"limit_train_batches: {autofit.epoch_micro_batches} keeps each epoch to the samples of your whole "
-                      "batches (of this dataset's size), as AutoFit does.")
-            if autofit.batch_counting:
-                print(f"\n# The plan splits each batch, and your config counts batches ({'; '.join(autofit.batch_counting)}): "
-                      "AutoFit counts them in its micro-batches as it fits, which fixed settings cannot, so AutoFit stays.")
             print("\n# AutoFit's plan as a whole config, yours with the plan's settings in place of AutoFit (the same global "
                   "batch): save it and give it alone to `lightning-efficient fit --config`")
             print(yaml.safe_dump(whole, sort_keys=False))
@@ -368,6 +368,7 @@ def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Tr
             merged = {**callback["init_args"], **(mine.get("init_args") or {})}
             if name == "AutoFit":
                 merged.update({k: callback["init_args"][k] for k in ("budget", "margin")})
+                merged.pop("plan_only", None)  # (the config is one to fit with: a review)
             callbacks[same[0]] = {**mine, "init_args": merged}
         else:
             callbacks.append(callback)

@@ -210,6 +210,10 @@ class _Unprofiled:
     policies: tuple[str, ...]
 
 
+class MeasuringRanOut(RuntimeError):
+    """Raised on every rank alike where measuring ran out of memory on one or more ranks (each named with its error)."""
+
+
 def budget_advice(plan: FitPlan, measured: list[dict[str, float]], advised: float) -> str | None:
     """The larger budget for each rank measured over its budget whose plan was predicted above the budget less the
     margin (the leanest, taken after an unfreeze): no margin mends that miss. Each budget holds the rank's measured peak
@@ -882,9 +886,12 @@ class AutoFit(Callback):
 
     def _every_ranks_profile(self, trainer: Trainer, batches: Any, sizes: tuple[int, int], *, options: list[OptimizerSpec],
                              blocks: list, policies: tuple[str, ...], fixed: list[str] | None, budget: Any, margin: float,
-                             ladder: tuple[int, ...] = (), failing: str = "AutoFit could not measure") -> list[RankProfile]:
+                             ladder: tuple[int, ...] = (), failing: str = "AutoFit could not measure",
+                             running_out_told: bool = False) -> list[RankProfile]:
         """Every rank's :func:`~lightning_efficient.autofit.measure.measure_rank` (``budget``: this rank's, read inside, so
-        that a bad one raises on every rank together), gathered; a failure on any rank raises on every rank."""
+        that a bad one raises on every rank together), gathered; a failure on any rank raises on every rank.
+        ``running_out_told``: where a rank ran out of memory (and no rank failed otherwise), every rank raises
+        :class:`MeasuringRanOut` alike, for the caller to go on from."""
         strategy = trainer.strategy
         profile, failure = None, None
         exclude = ParameterStorages(strategy.lightning_module).track()
@@ -896,10 +903,19 @@ class AutoFit(Callback):
             measured.unmeasured_bytes = _ddp_bucket_bytes(strategy)
             profile = measured.to_dict()
         except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
-            failure = error
+            if running_out_told and is_out_of_memory(error):
+                profile = {"ran_out": str(error)}  # (leaving here drops the error, its traceback and the step's tensors)
+            else:
+                failure = error
         finally:
             exclude.stop()
-        return [RankProfile.from_dict(p) for p in gather_or_raise_together(profile, failure, failing)]
+        gathered = gather_or_raise_together(profile, failure, failing)
+        # (decided from the gathered figures: every rank alike, where a rank's own error raised on it alone left the
+        # others waiting in their next collective; a review)
+        ran_out = [f"rank {rank}: {p['ran_out']}" for rank, p in enumerate(gathered) if "ran_out" in p]
+        if ran_out:
+            raise MeasuringRanOut("; ".join(ran_out))
+        return [RankProfile.from_dict(p) for p in gathered]
 
     def _with_blocks(self, profiles: list[RankProfile], strategy: Any, unprofiled: _Unprofiled, *,
                      mid_fit: bool = False) -> list[RankProfile] | None:
@@ -1456,11 +1472,9 @@ class AutoFit(Callback):
                 profiles = self._every_ranks_profile(
                     trainer, _measuring_batches(strategy, _users_loader(trainer)), (micro, micro), options=[optimizer],
                     blocks=blocks, policies=policies, fixed=fixed, budget=lambda: plan.budgets[rank], margin=plan.margin,
-                    failing="AutoFit could not measure again")
-            except RuntimeError as error:  # every rank gets it (gathered, naming each rank's error): each keeps the plan
-                if not is_out_of_memory(error):
-                    raise
-                ran_out = str(error)  # (the error, its traceback and the step's tensors it holds are dropped here)
+                    failing="AutoFit could not measure again", running_out_told=True)
+            except MeasuringRanOut as error:  # every rank gets it alike: each keeps the plan
+                ran_out = str(error)
             finally:  # (after a caught error is dropped: what it held is freed too)
                 measured_peak = measuring.read()
                 if ran_out is not None:
