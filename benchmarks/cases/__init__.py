@@ -8,6 +8,7 @@ from benchmarks.cases import (  # noqa: F401
     finetune,
     optim,
     scale,
+    token_mean,
     tokens,
     tokens_head,
     tokens_quality,
