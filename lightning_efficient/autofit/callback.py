@@ -418,6 +418,7 @@ class AutoFit(Callback):
         #: after a ``plan_only`` fit whose plan splits the batch of a DataLoader dropping its last incomplete batch: the
         #: micro-batches of the user's whole batches an epoch trains (the plan's config limits its epochs to them)
         self.epoch_micro_batches: int | None = None
+        self._users_accumulation: int | None = None  # the trainer's accumulate_grad_batches before the plan's
         self._code_pages = CodePages()  # off CUDA: the library code measuring touched is handed back after it
         self._step_started: float | None = None
         self._measured_against: list[int] = []  # each rank's predicted peak when the measured figures were read
@@ -547,7 +548,7 @@ class AutoFit(Callback):
         self._unprofiled = None
         self._checkpoint_micro_batch = self._users_batch_size = None
         self.batch_counting, self.epoch_micro_batches = [], None
-        self._users_accumulation: int | None = None  # the trainer's accumulate_grad_batches before the plan's
+        self._users_accumulation = None
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
