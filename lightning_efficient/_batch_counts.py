@@ -227,36 +227,37 @@ def restored_batches_counted_again(trainer: Any, batches_per_micro_batch: Fracti
     return at, now, not epoch_ended(progress) and exact != now
 
 
-def restored_position_moved_to_its_steps_start(trainer: Any) -> tuple[int, int] | None:
-    """Where a checkpoint was saved between the micro-batches of a step (an exception inside it, a validation or a
-    time-based save there) and the training DataLoader keeps no position (Lightning starts the epoch's data again):
-    the restored batch counts moved back to the step's first micro-batch, so the step trains all of them again (their
-    gradients are in no checkpoint). Call where the split into micro-batches is a plugin's, not the user's
-    ``accumulate_grad_batches``: a step of the user's batch is then trained whole, as one batch trains in plain
-    Lightning (a new user's trial: an exception in a step's third micro-batch of 4 resumed with a step of the last 2,
-    and the epoch trained 8 samples fewer). Call once the checkpoint's loops are restored, before the epoch starts
-    (``on_train_start``). Returns (the micro-batches moved back, the step's micro-batches), or None where nothing moved."""
+def restored_position_moved_to_the_batchs_start(trainer: Any, micro_batches_per_batch: int) -> tuple[int, int] | None:
+    """Where a checkpoint was saved between the micro-batches a plugin split one of the user's batches into (an
+    exception inside it, or a time-based save there) and the training DataLoader keeps no position (Lightning starts
+    the epoch's data again): the restored batch counts moved back to the batch's first micro-batch, so the batch
+    trains whole again, as plain Lightning trains a batch that raised again (a new user's trial: an exception in a
+    step's third micro-batch of 4 resumed with a step of the last 2, and the epoch trained 8 samples fewer; under the
+    user's own accumulation of 2, the micro-batch before the one that raised was never trained). The step's earlier
+    batches (the user's own accumulation) are not trained again, as in plain Lightning. Call once the checkpoint's
+    loops are restored, before the epoch starts (``on_train_start``), with the micro-batches a batch of the user's
+    is split into. Returns (the micro-batches moved back, ``micro_batches_per_batch``), or None where nothing moved."""
     from lightning.fabric.utilities.types import _Stateful
 
     loop = trainer.fit_loop.epoch_loop
     progress = loop.batch_progress
-    accumulation = trainer.accumulate_grad_batches
     loader = trainer.fit_loop._combined_loader
-    if accumulation == 1 or not loop.restarting or epoch_ended(progress) or loader is None:
+    if micro_batches_per_batch <= 1 or not loop.restarting or epoch_ended(progress) or loader is None:
         return None
     if any(isinstance(each, _Stateful) for each in loader.flattened):  # (a position restored: the data goes on from it)
         return None
-    back = (progress.current.completed + int(loop.restarted_on_train_batch_end)) % accumulation
+    at = progress.current.completed + int(loop.restarted_on_train_batch_end)
+    back = at % micro_batches_per_batch
     if back == 0:
         return None
     for counts in (progress.current, progress.total):
         for name in ("ready", "started", "processed", "completed"):
             setattr(counts, name, getattr(counts, name) - back)
-    if loop.restarted_on_train_batch_end:
+    if loop.restarted_on_train_batch_end and (at - back) % trainer.accumulate_grad_batches == 0:
         # Lightning counts a step for the logger where a checkpoint saved in on_train_batch_end ends one, which it now
         # seems to (a review: the logger's step ran one ahead of global_step for the rest of the fit)
         loop._batches_that_stepped -= 1
-    return back, accumulation
+    return back, micro_batches_per_batch
 
 
 def epoch_ended(progress: Any) -> bool:

@@ -37,7 +37,7 @@ from lightning_efficient._batch_counts import (
     counts_in_micro_batches,
     epoch_ended,
     restored_batches_counted_again,
-    restored_position_moved_to_its_steps_start,
+    restored_position_moved_to_the_batchs_start,
 )
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
@@ -1285,12 +1285,13 @@ class AutoFit(Callback):
             return
         micro = plan.ranks[trainer.global_rank].micro_batch
         counted = restored_batches_counted_again(trainer, Fraction(checkpoints, micro))
-        if self._users_accumulation == 1:  # the split is the plan's alone: its step is one batch of the user's
-            moved = restored_position_moved_to_its_steps_start(trainer)
+        users = self._users_accumulation
+        if users and plan.accumulation % users == 0:  # (each batch of the user's: this many of the plan's micro-batches)
+            moved = restored_position_moved_to_the_batchs_start(trainer, plan.accumulation // users)
             if moved is not None:
-                rank_zero_info(f"AutoFit: the checkpoint was saved {moved[0]} micro-batch(es) into a step of {moved[1]}, "
-                               "whose gradients are in no checkpoint: the step trains from its first micro-batch again, as "
-                               "your batch would.")
+                rank_zero_info(f"AutoFit: the checkpoint was saved {moved[0]} micro-batch(es) into one of your batches "
+                               f"(split in {moved[1]}), whose gradients are in no checkpoint: that batch trains from its "
+                               "first micro-batch again, as plain Lightning trains it again.")
         if counted is None or epoch_ended(trainer.fit_loop.epoch_loop.batch_progress):  # (the next epoch starts afresh)
             return
         before, after, inside = counted

@@ -2053,10 +2053,12 @@ def test_a_users_exception_while_autofit_measures_is_raised_as_theirs_with_what_
     assert fit.plan is None
 
 
-def test_an_exception_inside_a_step_autofit_split_resumes_the_whole_step_as_plain_lightning_resumes_the_batch(
-        small_datamodule_kwargs, tmp_path, lightning_caplog):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_an_exception_inside_a_batch_autofit_split_resumes_the_whole_batch_as_plain_lightning_resumes_it(
+        small_datamodule_kwargs, tmp_path, lightning_caplog, accumulate):
     # a new user's trial: a step of 4 micro-batches that raised in its third resumed with a step of the last 2 (half the
-    # user's batch, the gradients of the first 2 being in no checkpoint), and the epoch trained 8 samples fewer
+    # user's batch, the gradients of the first 2 being in no checkpoint), and the epoch trained 8 samples fewer; the
+    # second trial: under the user's accumulation of 2, the micro-batch before the one that raised never trained
     def fit(root, autofit, raise_at=None, ckpt_path=None):
         lightning.seed_everything(0)
         record = Recorder()
@@ -2064,18 +2066,23 @@ def test_an_exception_inside_a_step_autofit_split_resumes_the_whole_step_as_plai
         if autofit:
             callbacks.append(AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"]))
         trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=4, limit_val_batches=0, logger=False,
-                                    default_root_dir=root, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+                                    default_root_dir=root, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                                    accumulate_grad_batches=accumulate)
         model = DemoGPT(**tiny_gpt_kwargs())
         with contextlib.suppress(RuntimeError) if raise_at else contextlib.nullcontext():
             trainer.fit(model, PlainLoaderData(**{**small_datamodule_kwargs, "batch_size": 8}), ckpt_path=ckpt_path)
         return record, model, trainer
 
-    fit(tmp_path / "plain", False, raise_at=3)  # the third batch of 8
+    raised = 3 if accumulate == 1 else 4  # the third batch of 8 (the second of step 2), or the fourth (of step 2)
+    fit(tmp_path / "plain", False, raise_at=raised)
     plain, plain_model, plain_trainer = fit(tmp_path / "plain", False, ckpt_path=tmp_path / "plain" / "raised.ckpt")
-    fit(tmp_path / "autofit", True, raise_at=11)  # the third micro-batch of 2 of the third step
+    fit(tmp_path / "autofit", True, raise_at=(raised - 1) * 4 + 3)  # that batch's third micro-batch of 2
     mine, model, trainer = fit(tmp_path / "autofit", True, ckpt_path=tmp_path / "autofit" / "raised.ckpt")
-    assert "the checkpoint was saved 2 micro-batch(es) into a step of 4" in lightning_caplog.text
-    assert plain.samples == mine.samples == [8] * 6  # steps 2 and 3 of epoch 0, then epoch 1's 4
-    assert trainer.global_step == plain_trainer.global_step == 8
+    assert "the checkpoint was saved 2 micro-batch(es) into one of your batches (split in 4)" in lightning_caplog.text
+    # steps 2 and 3 of epoch 0, then epoch 1's 4; under accumulation 2, step 2's second batch alone, then epoch 1's 2
+    assert plain.samples == mine.samples == ([8] * 6 if accumulate == 1 else [8, 16, 16])
+    assert trainer.global_step == plain_trainer.global_step == 8 // accumulate
+    if accumulate == 2:  # (the resumed step of one batch: AutoFit's token mean over it, plain Lightning's half its mean)
+        return
     for (name, a), b in zip(model.named_parameters(), plain_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=name)
