@@ -193,6 +193,22 @@ class EpochEndValidation:
             self._loop = None
 
 
+_COUNTS = ("ready", "started", "processed", "completed")
+
+
+def whole_batches_in_micro_batches(samples: int, batch: int, micro: int) -> int:
+    """The micro-batches of ``micro`` samples that hold an epoch's whole batches of ``batch`` (of ``samples``): what a
+    DataLoader dropping its last incomplete batch trains in plain Lightning, which drops less at the micro-batch."""
+    return min(samples // micro, math.ceil(Fraction(samples // batch * batch, micro)))
+
+
+def _restart_position(loop: Any) -> int:
+    """The batch of the epoch Lightning's restored loop restarts from: the batches completed, one more where the
+    checkpoint was saved in ``on_train_batch_end`` (whose batch it completes on the restart; an exception's checkpoint
+    counts its batch ready, not completed)."""
+    return loop.batch_progress.current.completed + int(loop.restarted_on_train_batch_end)
+
+
 def restored_batches_counted_again(trainer: Any, batches_per_micro_batch: Fraction) -> tuple[int, int, bool] | None:
     """The training loop's batch counts, restored from a checkpoint whose fit drew other batch sizes (a plain fit's
     batches, or another plan's micro-batches), counted in this fit's micro-batches: ``batches_per_micro_batch`` of them
@@ -213,14 +229,14 @@ def restored_batches_counted_again(trainer: Any, batches_per_micro_batch: Fracti
     current, total = progress.current, progress.total
     if batches_per_micro_batch == 1 or (current.ready == 0 and total.ready == 0):
         return None
-    completes = int(loop.restarted_on_train_batch_end)  # (the batch Lightning completes as it restarts)
-    at, total_at = current.completed + completes, total.completed + completes
+    at = _restart_position(loop)
+    total_at = total.completed + (at - current.completed)
     exact = at * batches_per_micro_batch
     epoch = trainer.num_training_batches
     now = epoch if epoch_ended(progress) and math.isfinite(epoch) else math.floor(exact)
     total_now = math.floor((total_at - at) * batches_per_micro_batch) + now
     for counts, before, after in ((current, at, now), (total, total_at, total_now)):
-        for name in ("ready", "started", "processed", "completed"):
+        for name in _COUNTS:
             count = getattr(counts, name)
             setattr(counts, name, after - (before - count) if count <= before
                     else after + math.floor((count - before) * batches_per_micro_batch))
@@ -246,12 +262,12 @@ def restored_position_moved_to_the_batchs_start(trainer: Any, micro_batches_per_
         return None
     if any(isinstance(each, _Stateful) for each in loader.flattened):  # (a position restored: the data goes on from it)
         return None
-    at = progress.current.completed + int(loop.restarted_on_train_batch_end)
+    at = _restart_position(loop)
     back = at % micro_batches_per_batch
     if back == 0:
         return None
     for counts in (progress.current, progress.total):
-        for name in ("ready", "started", "processed", "completed"):
+        for name in _COUNTS:
             setattr(counts, name, getattr(counts, name) - back)
     if loop.restarted_on_train_batch_end and (at - back) % trainer.accumulate_grad_batches == 0:
         # Lightning counts a step for the logger where a checkpoint saved in on_train_batch_end ends one, which it now

@@ -56,6 +56,11 @@ def _leading(tensor: Tensor) -> int | None:
         return None
 
 
+def _first_samples(tensors: Any) -> int | None:
+    """The leading dimension of the first of ``tensors`` that has one."""
+    return next((n for n in map(_leading, tensors) if n is not None), None)
+
+
 def batch_samples(batch: Any) -> int | None:
     """The samples in ``batch``: the leading dimension of its first tensor of one dimension or more, the shallowest
     first (so a 0-d value, a sequence length, listed before the samples does not decide it, nor do per-sample targets in
@@ -64,7 +69,7 @@ def batch_samples(batch: Any) -> int | None:
     A new user's trial: a dataclass batch, a ``BatchEncoding`` and a dict whose first value was 0-d were each counted as
     one sample.
     """
-    samples = next((n for n in map(_leading, _tensors(batch)) if n is not None), None)
+    samples = _first_samples(_tensors(batch))
     if samples is not None:
         return samples
     if isinstance(batch, list | tuple) and batch and all(isinstance(item, str | bytes | int | float) for item in batch):
@@ -78,6 +83,6 @@ def token_tensor(batch: Any) -> Tensor | None:
     its token ids counted one token a sample (a new user's trial: a plan's tokens/s were its samples/s); images, packed
     1-D ids and masks of more dimensions are read as before, by the first tensor."""
     tensors = list(_tensors(batch))
-    samples = next((n for n in map(_leading, tensors) if n is not None), None)  # (as batch_samples reads them)
+    samples = _first_samples(tensors)  # (as batch_samples reads them)
     rows = [t for t in tensors if t.dim() == 2 and _leading(t) == samples]
     return next((t for t in rows if not t.is_floating_point()), rows[0] if rows else (tensors[0] if tensors else None))

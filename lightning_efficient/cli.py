@@ -314,7 +314,8 @@ def run_plan(args: Sequence[str]) -> AutoFit:
         import yaml
 
         settings = plan_yaml(autofit.plan, autofit, trainer, cli.model)
-        if "limit_train_batches" in (yaml.safe_load(settings).get("trainer") or {}):  # (AutoFit.epoch_micro_batches)
+        planned = yaml.safe_load(settings)
+        if "limit_train_batches" in (planned.get("trainer") or {}):  # (AutoFit.epoch_micro_batches)
             print(f"\n# Your DataLoader drops its last incomplete batch, which the plan's micro-batch drops less of: "
                   f"limit_train_batches: {autofit.epoch_micro_batches} keeps each epoch to the samples of your whole "
                   "batches (of this dataset's size), as AutoFit does.")
@@ -324,7 +325,7 @@ def run_plan(args: Sequence[str]) -> AutoFit:
         try:
             # skip_none=False: a setting the config sets to null over a non-null default (check_val_every_n_epoch) stays null
             whole = planned_config(yaml.safe_load(cli.parser.dump(cli.config, skip_validation=True, skip_none=False)),
-                                   yaml.safe_load(settings), trainer)
+                                   planned, trainer)
         except Exception as error:  # noqa: BLE001 - a config jsonargparse cannot write back: the settings alone
             print(f"\n# (no whole config: {error}) AutoFit's plan as settings for your config (the same global batch):")
             print(settings)

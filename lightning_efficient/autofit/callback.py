@@ -38,6 +38,7 @@ from lightning_efficient._batch_counts import (
     epoch_ended,
     restored_batches_counted_again,
     restored_position_moved_to_the_batchs_start,
+    whole_batches_in_micro_batches,
 )
 from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
@@ -639,8 +640,7 @@ class AutoFit(Callback):
         AutoFit counts it in micro-batches while it fits (:meth:`_rescale_batch_counts`), which a config of fixed
         settings cannot carry (a new user's trial: `lightning-efficient plan`'s config left ``limit_train_batches: 3``
         counting micro-batches of 4 where the batch was 16, and trained 2 steps of 12 samples, not 6 of 16)."""
-        batch, mine = self._users_batch_size, plan.ranks[trainer.global_rank]
-        if plan.accumulation is None or not isinstance(batch, int) or mine.micro_batch == batch:
+        if self._split(trainer, plan) is None:
             return []
         found = [f"{name}={value!r}" for name, value in batch_settings(trainer).items() if counts_batches(value)]
         found += [f"a {type(config.scheduler).__name__} stepped every {config.frequency} batches"
@@ -651,13 +651,17 @@ class AutoFit(Callback):
         """Where the plan splits the batch of a DataLoader that drops its last incomplete batch, and drops less at the
         micro-batch: the micro-batches of the user's whole batches in an epoch (the samples plain Lightning trains, which
         AutoFit limits its epochs to as it fits); else None."""
-        batch, micro = self._users_batch_size, plan.ranks[trainer.global_rank].micro_batch
-        epoch = self._rank_epoch(trainer) if plan.accumulation is not None and isinstance(batch, int) and micro != batch else None
+        split = self._split(trainer, plan)
+        epoch = None if split is None else self._rank_epoch(trainer)
         if epoch is None or not epoch[1]:
             return None
-        whole = epoch[0] // batch
-        kept = min(epoch[0] // micro, math.ceil(Fraction(whole * batch, micro)))
-        return kept if kept < epoch[0] // micro else None
+        kept = whole_batches_in_micro_batches(epoch[0], *split)
+        return kept if kept < epoch[0] // split[1] else None
+
+    def _split(self, trainer: Trainer, plan: FitPlan) -> tuple[int, int] | None:
+        """(the user's batch, this rank's micro-batch) where the plan splits the batch into micro-batches; else None."""
+        batch, micro = self._users_batch_size, plan.ranks[trainer.global_rank].micro_batch
+        return (batch, micro) if plan.accumulation is not None and isinstance(batch, int) and micro != batch else None
 
     def refuse_plan_only_where_spawned(self, trainer: Trainer) -> None:
         """Raise :class:`~lightning_efficient._validation.SettingRefused` for ``plan_only`` under a strategy that spawns its
@@ -1210,7 +1214,7 @@ class AutoFit(Callback):
             samples, drops_last = rank_epoch
             if drops_last:  # the micro-batches that hold the user's whole batches, the samples plain Lightning trains
                 whole = samples // batch
-                epoch = (whole, min(samples // micro, math.ceil(Fraction(whole * batch, micro))))
+                epoch = (whole, whole_batches_in_micro_batches(samples, batch, micro))
                 limit = counting.get("limit_train_batches")
                 if epoch[1] < samples // micro and isinstance(limit, float) and limit == 1.0:
                     counting["limit_train_batches"] = whole  # (the whole epoch: its micro-batches, below)
