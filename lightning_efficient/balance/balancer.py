@@ -62,6 +62,7 @@ from lightning_efficient._step import refuse_a_step_that_draws_its_own_batches
 from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import SettingRefused, require, require_bool, require_int
 from lightning_efficient.balance.datasets import check_same_dataset
+from lightning_efficient.balance.evaluation import EvaluationCounts, capped_evaluation_loader
 from lightning_efficient.balance.planner import SharePlan, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
@@ -71,6 +72,11 @@ from lightning_efficient.tokens.normalize import StepTokenNormaliser
 from lightning_efficient.tokens.output import NormalisedTokenLoss, loss_sum_and_count
 
 _MAX_UNREAD = 8  # micro-steps whose marks may wait to be read before the oldest is read anyway
+
+#: the stages whose DataLoaders run at the least micro-batch cap (predict's outputs come a batch at a time, as the user
+#: batched them: not capped)
+_CAPPED_EVALUATION = (RunningStage.SANITY_CHECKING, RunningStage.VALIDATING, RunningStage.TESTING)
+_NOT_BUILT = object()
 
 SETTINGS = ("global_batch_size", "shares", "max_micro_batch", "rebalance_every", "warmup_steps", "hysteresis",
             "ema_decay", "seed", "shuffle", "drop_last")
@@ -287,6 +293,8 @@ class Balancer:
         self.scheduler_frequencies = SchedulerFrequencies()  # interval="step" schedulers step after the user's steps
         self.resumed_step_saved = ResumedStepSaved()  # no ModelCheckpoint saves the resumed step again mid-step
         self.probe_refusal: str | None = None  # what max_micro_batch="auto" is refused with (None: allowed)
+        self._evaluation_cap_built: Any = _NOT_BUILT  # the cap the last validation or test DataLoader was built at
+        self.evaluation_counts = EvaluationCounts()  # Lightning's evaluation counts in chunks while a capped loader runs
 
     def set_setting(self, name: str, value: Any) -> None:
         """Change one constructor setting (one of :data:`SETTINGS`), validated as the constructor does;
@@ -347,9 +355,11 @@ class Balancer:
         return [float(s) for s in self.shares]
 
     def process_dataloader(self, dataloader: object) -> object | None:
-        """The balanced training DataLoader replacing ``dataloader`` (None: not a training DataLoader,
-        left to the strategy)."""
+        """The balanced training DataLoader replacing ``dataloader``, or a validation or test DataLoader batched at the
+        least cap (:meth:`evaluation_batch_cap`); None: left to the strategy as it is."""
         trainer = self.strategy.lightning_module.trainer
+        if trainer.state.stage in _CAPPED_EVALUATION:
+            return self._capped_evaluation_loader(dataloader, trainer)
         if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return None
         name = self.name
@@ -429,6 +439,32 @@ class Balancer:
             **with_workers,
             balancer=self,
         )
+
+    def evaluation_batch_cap(self) -> int | None:
+        """The batch a validation or test DataLoader runs at on every rank: the least micro-batch cap in force (None: no
+        cap). The least, not each rank's own: the ranks then run as many evaluation batches each, as FSDP2's
+        all-gathers in every forward (and a user's ``sync_dist`` logged every step) need."""
+        caps = [cap for cap in self.caps() if cap is not None]
+        return min(caps) if caps else None
+
+    def _capped_evaluation_loader(self, dataloader: object, trainer: Any) -> DataLoader | None:
+        """``dataloader`` (validation or test) with each batch split into chunks of at most :meth:`evaluation_batch_cap`
+        samples, Lightning's evaluation counts counting those chunks (:mod:`~lightning_efficient.balance.evaluation`);
+        None: left as it is."""
+        cap = self._evaluation_cap_built = self.evaluation_batch_cap()
+        capped = capped_evaluation_loader(dataloader, cap)
+        if capped is None:
+            return None
+        loader, chunked = capped
+        self.evaluation_counts.count_in_chunks(trainer, trainer.state.stage, chunked)
+        return loader
+
+    def build_evaluation_loaders_again_if_the_cap_changed(self, trainer: Any) -> None:
+        """Where the least cap changed since the fit's validation DataLoader was built (the probe's caps, a plan of
+        AutoFit's made again), have Lightning build it again before the next validation."""
+        if self._evaluation_cap_built is not _NOT_BUILT and self.evaluation_batch_cap() != self._evaluation_cap_built:
+            trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+            self._evaluation_cap_built = _NOT_BUILT
 
     def _count_micro_batches(self, trainer: Any, requested: int, samples: int, drop_last: bool) -> None:
         """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
@@ -621,7 +657,8 @@ class Balancer:
 
     def restore_trainer(self) -> None:
         """Put back the ``accumulate_grad_batches`` and the batch counts the user set, where the plan changed them
-        (at the fit's end, or its failure)."""
+        (at the fit's end, or its failure), and the evaluation counts the user set (after validate and test too)."""
+        self.evaluation_counts.put_back()
         if self._user_accumulation is not None:
             trainer, accumulation = self._user_accumulation
             trainer.accumulate_grad_batches = accumulation
@@ -967,6 +1004,7 @@ class BalancedStrategy:
         """The strategy's, then the scheduler frequencies Lightning tests after this micro-batch
         (:class:`~lightning_efficient._batch_counts.SchedulerFrequencies`)."""
         super().on_train_batch_start(batch, batch_idx)
+        self.balancer.build_evaluation_loaders_again_if_the_cap_changed(self.lightning_module.trainer)
         self.balancer.scheduler_frequencies.before_batch(self.lightning_module.trainer, batch_idx)
         self.balancer.resumed_step_saved.before_batch(self.lightning_module.trainer)
 

@@ -44,6 +44,7 @@ class Linear(L.LightningModule):
         self.samples = 0
         self.input_sum = torch.zeros(2, dtype=torch.float64)
         self.validated_at: list[int] = []
+        self.validation_sizes: list[int] = []  # the samples of each validation batch
         self.fail = fail
         self.generator_untouched: bool | None = None
 
@@ -70,6 +71,7 @@ class Linear(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         if batch_idx == 0:
             self.validated_at.append(self.trainer.global_step)
+        self.validation_sizes.append(int(batch[0].shape[0]))
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=LR)
@@ -152,7 +154,8 @@ def fit(devices: int, hetero: bool, fail: bool = False, autofit: bool = False, s
     saved = sorted(path.name for path in Path(saves_in).iterdir()) if saves_in is not None else None
     frequencies = [config.frequency for config in trainer.lr_scheduler_configs]
     return {"refused": refused, "saved": saved, "steps": trainer.global_step, "lrs": model.lrs, "frequencies": frequencies,
-            "samples": int(samples), "validated_at": model.validated_at, "generator_untouched": model.generator_untouched,
+            "samples": int(samples), "validated_at": model.validated_at, "validation_sizes": model.validation_sizes,
+            "generator_untouched": model.generator_untouched,
             "weight": model.weight.tolist(), "expected_weight": (1 - LR * input_sum / (4 * devices)).tolist(),
             "after": [trainer.limit_train_batches, trainer.val_check_interval, trainer.accumulate_grad_batches,
                       [callback._save_on_train_epoch_end for callback in trainer.checkpoint_callbacks]]}

@@ -295,6 +295,10 @@ def test_integer_batch_counts_train_and_validate_what_plain_ddp_does_when_the_ca
     assert {key: autofit[key] for key in ("steps", "samples", "validated_at", "after")} == \
         {key: plain[key] for key in ("steps", "samples", "validated_at", "after")}
     assert autofit["weight"] == pytest.approx(autofit["expected_weight"], abs=1e-12)
+    # and validation runs within them: each validation batch (limit_val_batches=1; 4 samples a rank on 1 process) as
+    # chunks within the caps
+    assert max(autofit["validation_sizes"]) <= 2 and sum(autofit["validation_sizes"]) == sum(plain["validation_sizes"])
+    assert max(plain["validation_sizes"]) == 4 // devices
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -325,6 +329,28 @@ def test_an_epochs_short_last_global_batch_trains_its_own_samples_once_as_plain_
         run = after[before]
         assert run["step_samples"] == found["22"]["plain"]["step_samples"]
         assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)
+
+
+@pytest.mark.parametrize(("devices", "strategy"), [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_validation_and_test_run_each_batch_in_chunks_under_the_least_cap_and_evaluate_the_same_samples(tmp_path, devices, strategy):
+    # the caps held the training micro-batches only: validation ran at the validation DataLoader's batch (a new user's
+    # AutoFit plan under hetero_ddp: 16 samples a validation batch, 39-46 MiB at a 30 MiB budget)
+    run_script(SCRIPT.parent / "hetero_validation.py", devices, tmp_path / "out.json", strategy, timeout=300)
+    found = json.loads((tmp_path / "out.json").read_text())
+    for case, runs in found.items():
+        plain, capped = runs["plain"], runs["capped"]
+        for plain_rank, rank in zip(plain["ranks"], capped["ranks"], strict=True):
+            # the same samples in the same order, each batch of 8 as 3+3+2 (caps [3, 5][:devices]), 1 a chunk after the
+            # caps became 1; the sanity check, limit_val_batches=2 and limit_test_batches=0.5 count the same batches
+            assert rank["validated"] == plain_rank["validated"], case
+            assert 8 in plain_rank["batches"]["val0"]
+            for key, sizes in rank["batches"].items():
+                assert set(sizes) == {1} if key == "val1" else set(sizes) <= {2, 3}, (case, key, sizes)
+        assert all(len(rank["batches"][key]) == len(capped["ranks"][0]["batches"][key])  # as many on every rank
+                   for rank in capped["ranks"] for key in rank["batches"])
+        for name in ("val_loss", "validate_loss", "test_loss"):  # the logged means weigh each chunk by its samples
+            assert capped[name] == pytest.approx(plain[name], abs=1e-12), (case, name)
+        assert capped["after"] == plain["after"]  # the user's counts again after fit, validate and test
 
 
 @pytest.mark.parametrize("devices", [1, 2])
