@@ -17,7 +17,8 @@ def _is_composite(module: nn.Module) -> bool:
 
 def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | None]]:
     """``(name, container, child class)`` for every ModuleList/Sequential of >= 2 children of one class
-    that hold parameters, but for those within a hybrid stack's layers. Where there is none, every hybrid stack: a
+    that hold parameters, but for those within a hybrid stack's layers; of each kind, those holding a parameter that
+    trains where there are any. Where there is none, every hybrid stack: a
     ModuleList of >= 2 composite children of several classes, one of them repeated (attention and state-space layers,
     as Jamba's; child class None). A review: taken beside stacks of one class, wav2vec2's 7 feature-extractor
     convolutions (one GroupNorm layer, six without) beat its 2-6 transformer layers. Where there is neither, every
@@ -41,7 +42,16 @@ def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | Non
             single.append((name, module, classes.pop()))
     # a stack inside a hybrid stack's layers is those layers' own (transformers 4's Jamba: each MoE layer's experts)
     found = [c for c in found if not any(c[0].startswith(f"{name}.") for name, _, _ in hybrid)]
-    return found or hybrid or single
+    # the stacks that train before those that do not: a frozen teacher's or reference model's layers beside the
+    # student's (a new user's distillation: its 4 frozen layers were taken over the student's 2, which nothing then
+    # checkpointed); where no stack trains (a backbone frozen until a fine-tuning callback unfreezes it), every stack
+    trained = [[c for c in group if _trains(c[1])] for group in (found, hybrid, single)]
+    return next((group for group in trained if group), None) or found or hybrid or single
+
+
+def _trains(module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` requires a gradient."""
+    return any(p.requires_grad for p in module.parameters())
 
 
 def block_candidates(model: nn.Module) -> list[str]:
@@ -59,7 +69,8 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
         model: the model (a LightningModule or any ``nn.Module``).
         blocks: ``"auto"`` — the children of the largest ModuleList/Sequential whose children are all of
             one class (every such container of that largest size, so an encoder-decoder's two stacks
-            are both found), or where there is none, of the largest hybrid stack of several classes; or
+            are both found), or where there is none, of the largest hybrid stack of several classes; of the
+            stacks holding a parameter that trains where there are any (not a frozen teacher's); or
             a list of class names (``"GPT2Block"``; a block sharded with FSDP2's ``fully_shard``, of class
             ``FSDPGPT2Block``, matches either name) and ``fnmatch`` patterns of qualified names
             (``"model.layers.*"``).

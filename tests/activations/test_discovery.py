@@ -91,3 +91,25 @@ def test_a_hybrid_stack_of_attention_and_state_space_layers_is_found_and_checkpo
     parts = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.TransformerEncoderLayer(4, 1)]))
     with pytest.raises(ValueError, match="found no ModuleList"):
         find_blocks(parts)
+
+
+class _Distillation(torch.nn.Module):
+    """A trained 2-layer student beside a larger frozen teacher (run under no_grad in a distillation)."""
+
+    def __init__(self, frozen_student: bool = False) -> None:
+        super().__init__()
+        self.student = DemoGPT(**{**tiny_gpt_kwargs(), "n_layers": 2})
+        self.teacher = DemoGPT(**{**tiny_gpt_kwargs(), "n_layers": 4}).requires_grad_(False)
+        if frozen_student:
+            self.student.requires_grad_(False)
+
+
+def test_auto_takes_the_layers_that_train_over_a_larger_frozen_teachers():
+    # a new user's trial: the frozen teacher's 4 layers were taken, and the student's, which save activations, were not
+    assert [n for n, _ in find_blocks(_Distillation())] == ["student.blocks.0", "student.blocks.1"]
+    # nothing trains (a backbone frozen until a fine-tuning callback unfreezes it): the largest stack, as before
+    assert [n for n, _ in find_blocks(_Distillation(frozen_student=True))] == [f"teacher.blocks.{i}" for i in range(4)]
+    # a stack with one layer that trains counts as trained (the others unfrozen later)
+    model = _Distillation(frozen_student=True)
+    model.student.blocks[1].requires_grad_(True)
+    assert [n for n, _ in find_blocks(model)] == ["student.blocks.0", "student.blocks.1"]
