@@ -477,6 +477,25 @@ def priced_by_reading(profile: RankProfile, choice: RankChoice, seconds: float) 
     return replace(profile, blocks=blocks)
 
 
+def peak_read_over(plan: FitPlan, profiles: list[RankProfile], peaks: list[int | None]) -> float | None:
+    """How far above its prediction the pick's peak read, as a share of the budget, on the rank where it is the most,
+    from ``peaks``: each rank's peak of a forward and backward at its micro-batch with its block policies applied,
+    under the run's own optimizer states (None: not read), taken as the plan would peak (the option's states in place of
+    the run's, its step's peak, what measuring does not hold). None where no reading puts its rank above its budget less
+    the margin (a miss the margin takes is what the margin is for)."""
+    index = [o.name for o in profiles[0].options].index(plan.optimizer)
+    worst: float | None = None
+    for choice, profile, peak in zip(plan.ranks, profiles, peaks):
+        if peak is None:
+            continue
+        option = profile.options[index]
+        read = max(peak + option.state_bytes - profile.run_state_bytes, option.step_peak_bytes) + profile.unmeasured_bytes
+        if read > profile.budget_bytes * (1.0 - plan.margin) and read > choice.peak_bytes:
+            over = (read - choice.peak_bytes) / profile.budget_bytes
+            worst = over if worst is None else max(worst, over)
+    return worst
+
+
 def _tokens_per_s(profiles: list[RankProfile], samples: int, step_s: float) -> float:
     tokens = sum(p.tokens_per_sample for p in profiles) / len(profiles)
     return samples * tokens / max(step_s, 1e-12)

@@ -24,6 +24,7 @@ from lightning_efficient.autofit.model import (
     _scaled,
     blocks_matter,
     divisors,
+    peak_read_over,
     plan_table,
     priced_by_reading,
     search,
@@ -419,3 +420,39 @@ def test_a_policy_priced_up_by_its_reading_loses_the_pick_to_a_plan_without_it()
                    policies=POLICIES, micro_batches=[8])
     assert "selective" not in again.ranks[0].policies and again.ranks[0].policies != ["keep"] * 3
     assert again.ranks[0].micro_step_s < timed
+
+
+def _read_plan(profiles: list[RankProfile], margin: float = 0.1) -> FitPlan:
+    return search(profiles, samples_per_step=8 * len(profiles), heterogeneous=False, margin=margin, policies=POLICIES,
+                  micro_batches=[8])
+
+
+def test_a_picks_peak_read_above_the_budget_less_the_margin_is_what_it_misses_the_prediction_by_a_share_of_the_budget():
+    thirty_two = [OptimizerOption("32-bit", 8 * MiB, 0.010, 30 * MiB)]
+    profiles = [profile(200 * MiB, options=thirty_two), profile(150 * MiB, options=thirty_two)]
+    plan = _read_plan(profiles)
+    assert any(p != "keep" for p in plan.ranks[1].policies)  # (the tighter rank recomputes at 8)
+    # a micro-step's peak under the run's own (32-bit) states: as the plan would peak, the option's states in its place
+    state = profiles[0].options[0].state_bytes - profiles[0].run_state_bytes
+    predicted = [r.peak_bytes - state for r in plan.ranks]
+    usable = [p.budget_bytes * 0.9 for p in profiles]
+    # within the budget less the margin on every rank, though above the prediction: the margin takes it
+    assert peak_read_over(plan, profiles, [None, int(usable[1] - state - MiB)]) is None
+    # above it on rank 1: by the miss over the prediction, as a share of that rank's budget; rank 0 not read
+    above = int(usable[1] - state + 3 * MiB)
+    assert peak_read_over(plan, profiles, [None, above]) == pytest.approx((above - predicted[1]) / (150 * MiB))
+    # the larger miss of two ranks counts
+    both = peak_read_over(plan, profiles, [int(usable[0] - state + 9 * MiB), above])
+    assert both == pytest.approx(max((usable[0] + 9 * MiB - state - predicted[0]) / (200 * MiB), (above - predicted[1]) / (150 * MiB)),
+                                 rel=1e-6)
+
+
+def test_a_peak_read_under_8bit_states_counts_them_in_place_of_the_runs():
+    eight = [OptimizerOption("8-bit", 2 * MiB, 0.015, 24 * MiB)]
+    p = replace(profile(150 * MiB), options=eight)
+    plan = _read_plan([p])
+    # the run held 8 MiB of 32-bit states while reading; the plan holds 2 MiB of 8-bit ones: 6 MiB less than read
+    read = int(150 * MiB * 0.9) + 4 * MiB
+    assert peak_read_over(plan, [p], [read]) is None
+    read += 4 * MiB
+    assert peak_read_over(plan, [p], [read]) == pytest.approx((read - 6 * MiB - plan.ranks[0].peak_bytes) / (150 * MiB))
