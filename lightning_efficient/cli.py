@@ -18,12 +18,14 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.parsing import lightning_hasattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 import lightning_efficient  # noqa: F401  (registers the package's strategies)
 from lightning_efficient._distributed import destroy_process_group_at_exit
 from lightning_efficient._validation import SettingRefused
 from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan
+from lightning_efficient.autofit.model import _counts
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -319,9 +321,9 @@ def run_plan(args: Sequence[str]) -> AutoFit:
             print(f"\n# Your DataLoader drops its last incomplete batch, which the plan's micro-batch drops less of: "
                   f"limit_train_batches: {autofit.epoch_micro_batches} keeps each epoch to the samples of your whole "
                   "batches (of this dataset's size), as AutoFit does.")
-        if autofit.batch_counting:
-            print(f"\n# The plan splits each batch, and your config counts batches ({'; '.join(autofit.batch_counting)}): "
-                  "AutoFit counts them in its micro-batches as it fits, which fixed settings cannot, so AutoFit stays.")
+        stays = why_autofit_stays(autofit.plan, autofit.batch_counting)
+        for why in stays:
+            print(f"\n# {why}")
         try:
             # skip_none=False: a setting the config sets to null over a non-null default (check_val_every_n_epoch) stays null
             whole = planned_config(yaml.safe_load(cli.parser.dump(cli.config, skip_validation=True, skip_none=False)),
@@ -330,10 +332,27 @@ def run_plan(args: Sequence[str]) -> AutoFit:
             print(f"\n# (no whole config: {error}) AutoFit's plan as settings for your config (the same global batch):")
             print(settings)
         else:
-            print("\n# AutoFit's plan as a whole config, yours with the plan's settings in place of AutoFit (the same global "
-                  "batch): save it and give it alone to `lightning-efficient fit --config`")
+            kept = "with AutoFit kept (above)" if stays else "with the plan's settings in place of AutoFit"
+            print(f"\n# AutoFit's plan as a whole config, yours {kept} (the same global batch): save it and give it alone "
+                  "to `lightning-efficient fit --config`")
             print(yaml.safe_dump(whole, sort_keys=False))
     return autofit
+
+
+def why_autofit_stays(plan: FitPlan, batch_counting: list[str]) -> list[str]:
+    """Why the config ``plan`` prints keeps AutoFit rather than the plan's settings (:func:`plan_yaml`), a line each:
+    the ranks plan their blocks differently (a new user's trial: the config kept AutoFit, and its comment said the
+    plan's settings replaced it), or the plan splits the batch where the config counts batches (``batch_counting``:
+    :attr:`AutoFit.batch_counting`). Empty where the plan's settings replace it."""
+    why = []
+    if len({tuple(r.policies) for r in plan.ranks}) > 1:
+        each = "; ".join(f"rank {rank}: {_counts(r.policies)}" for rank, r in enumerate(plan.ranks))
+        why.append(f"The ranks plan their blocks differently ({each}), which one config's callbacks cannot hold: AutoFit "
+                   "stays, and plans them again when the fit starts.")
+    if batch_counting:
+        why.append(f"The plan splits each batch, and your config counts batches ({'; '.join(batch_counting)}): AutoFit "
+                   "counts them in its micro-batches as it fits, which fixed settings cannot, so AutoFit stays.")
+    return why
 
 
 def planned_config(config: dict[str, Any], settings: dict[str, Any], trainer: Trainer) -> dict[str, Any]:
@@ -414,12 +433,19 @@ def main() -> None:
         try:
             run_plan(sys.argv[2:])
         except (BudgetTooSmall, SettingRefused, ConfigValueError) as refusal:  # the answer asked for, or a value refused: no traceback
-            raise SystemExit(f"lightning-efficient plan: {refusal}") from None
+            raise _said_once(f"lightning-efficient plan: {refusal}") from None
         return
     try:
         run_cli()
     except (ConfigValueError, SettingRefused) as refusal:  # a config value one of the package's classes refused, in one line
-        raise SystemExit(f"lightning-efficient: {refusal}") from None
+        raise _said_once(f"lightning-efficient: {refusal}") from None
+
+
+def _said_once(message: str) -> SystemExit:
+    """The exit that says ``message``: on rank 0 only, where several processes refuse alike (every rank raises a
+    refusal found when the fit starts together, in the same words: a new user's refused budget under ddp was said
+    twice); the other ranks exit with the same status."""
+    return SystemExit(message if rank_zero_only.rank == 0 else 1)
 
 
 if __name__ == "__main__":

@@ -818,6 +818,17 @@ def test_the_plan_command_under_ddp_plans_on_both_ranks_and_prints_once(small_da
     assert settings["trainer"]["strategy"] == strategy  # the config as written
 
 
+def test_the_plan_command_under_ddp_says_a_budget_too_small_once(small_datamodule_kwargs, tmp_path):
+    # a new user's trial: every rank said the refusal (the same words: the ranks refuse together)
+    config = _config(tmp_path / "ddp.yaml", small_datamodule_kwargs, devices=2, strategy="ddp")
+    done = subprocess.run([sys.executable, "-m", "lightning_efficient.cli", "plan", "--config", str(config), "--budget", "1MiB"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("lightning-efficient plan: ")]
+    assert len(said) == 1 and "no configuration fits the budget. rank 0: budget 1.0 MiB" in said[0], done.stderr[-3000:]
+    assert "rank 1: budget 1.0 MiB" in said[0]  # (both ranks' in rank 0's words)
+
+
 def test_plan_only_under_a_strategy_that_spawns_its_processes_is_refused_with_what_to_do(small_datamodule_kwargs):
     trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from lightning_efficient.cli import planned_config
+from lightning_efficient.autofit.model import FitPlan, RankChoice
+from lightning_efficient.cli import planned_config, why_autofit_stays
 
 
 class Module(torch.nn.Module):
@@ -72,3 +73,18 @@ def test_a_micro_batch_no_constructor_argument_sets_is_refused():
     with pytest.raises(ValueError, match="no batch_size argument"):
         planned_config({"trainer": {}}, {"trainer": {"accumulate_grad_batches": 2}, "model": {"init_args": {"batch_size": 8}}},
                        trainer(AttributeOnly()))
+
+
+def _plan(*policies: list[str]) -> FitPlan:
+    ranks = [RankChoice(4, list(p), 10, 0.1, 0.2) for p in policies]
+    return FitPlan("32-bit", ranks, 2, 0.2, 1000.0, 8 * len(ranks), 0.1, [100] * len(ranks))
+
+
+def test_the_printed_config_says_why_it_keeps_autofit():
+    # a new user's trial: the ranks planned "2 selective" and "2 keep", and the config kept AutoFit with a comment
+    # saying the plan's settings replaced it
+    assert why_autofit_stays(_plan(["keep", "keep"], ["keep", "keep"]), []) == []
+    (differ,) = why_autofit_stays(_plan(["selective", "selective"], ["keep", "keep"]), [])
+    assert "rank 0: 2 selective; rank 1: 2 keep" in differ and "AutoFit stays" in differ
+    both = why_autofit_stays(_plan(["checkpoint", "keep"], ["keep", "keep"]), ["limit_train_batches=3"])
+    assert len(both) == 2 and "limit_train_batches=3" in both[1]
