@@ -1014,8 +1014,8 @@ class AutoFit(Callback):
           (:func:`~lightning_efficient.autofit.model.priced_by_reading`): the block profile prices a policy from its
           parts, not the saved-tensor hooks' own work or a writer thread competing with compute (plans with them ran
           13-17% slower than predicted on a CPU);
-        * its peak above the budget less the margin (:func:`~lightning_efficient.autofit.model.peak_read_over`)
-          widens the margin by the miss, as a measured peak does after the first steps, but before the first step:
+        * its peak above the budget (:func:`~lightning_efficient.autofit.model.peak_read_over`) widens the margin by
+          the miss, as a measured peak does after the first steps, but before the first step:
           the block profile does not see what a block's recomputation or read-back allocates beyond its saved
           tensors, nor the peak line beyond the sizes measured with every block kept (a new user's 3-layer LSTM under
           hetero_ddp, one block on disk at 16 samples: predicted 49 MiB, 86 measured in the fit).
@@ -1069,7 +1069,7 @@ class AutoFit(Callback):
             if over is not None:
                 margin = min(0.95, plan.margin + over)
                 notes.append(f"an earlier pick's block policies ({counts}) peaked {over:.1%} of the budget above its "
-                             f"prediction when read, above the budget less the margin: planned again with margin {margin:.2f}")
+                             f"prediction when read, above the budget: planned again with margin {margin:.2f}")
             try:
                 plan = again(self._profiles, margin)
             except BudgetTooSmall:
@@ -1077,8 +1077,7 @@ class AutoFit(Callback):
                     raise
                 # nothing fits the wider margin: the pick stays, and the peak measured in the fit says what it does
                 notes[-1] = (f"an earlier pick's block policies ({counts}) peaked {over:.1%} of the budget above its "
-                             f"prediction when read, above the budget less the margin; with margin {margin:.2f} no plan fits: "
-                             "kept")
+                             f"prediction when read, above the budget; with margin {margin:.2f} no plan fits: kept")
                 return plan
         return plan
 

@@ -481,8 +481,9 @@ def peak_read_over(plan: FitPlan, profiles: list[RankProfile], peaks: list[int |
     """How far above its prediction the pick's peak read, as a share of the budget, on the rank where it is the most,
     from ``peaks``: each rank's peak of a forward and backward at its micro-batch with its block policies applied,
     under the run's own optimizer states (None: not read), taken as the plan would peak (the option's states in place of
-    the run's, its step's peak, what measuring does not hold). None where no reading puts its rank above its budget less
-    the margin (a miss the margin takes is what the margin is for)."""
+    the run's, its step's peak, what measuring does not hold). None where no reading puts its rank above its budget: a
+    miss within the budget is what the margin is for (widened for it, the benchmark's Llama at its medium budget, read
+    3% of its budget above its prediction and within it, went from micro-batch 4 to 2, 0.70x the best tokens/s)."""
     index = [o.name for o in profiles[0].options].index(plan.optimizer)
     worst: float | None = None
     for choice, profile, peak in zip(plan.ranks, profiles, peaks):
@@ -490,7 +491,7 @@ def peak_read_over(plan: FitPlan, profiles: list[RankProfile], peaks: list[int |
             continue
         option = profile.options[index]
         read = max(peak + option.state_bytes - profile.run_state_bytes, option.step_peak_bytes) + profile.unmeasured_bytes
-        if read > profile.budget_bytes * (1.0 - plan.margin) and read > choice.peak_bytes:
+        if read > profile.budget_bytes and read > choice.peak_bytes:
             over = (read - choice.peak_bytes) / profile.budget_bytes
             worst = over if worst is None else max(worst, over)
     return worst

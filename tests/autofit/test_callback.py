@@ -83,7 +83,7 @@ class HeavyRecompute(DemoGPT):
             block.__class__ = _recomputed_heavily(type(block))
 
 
-def test_a_pick_whose_block_policies_peak_above_the_budget_less_the_margin_when_read_is_planned_again_before_the_first_step(
+def test_a_pick_whose_block_policies_peak_above_the_budget_when_read_is_planned_again_before_the_first_step(
         small_datamodule_kwargs, lightning_caplog):
     # a new user's 3-layer LSTM under hetero_ddp, one block on disk at 16 samples: predicted 49 MiB, 86 measured once
     # the fit ran (AutoFit re-planned after its first steps, above the budget already)
