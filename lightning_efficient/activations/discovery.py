@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 from collections import Counter
 
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_efficient.memory import unsharded_class
@@ -17,8 +18,7 @@ def _is_composite(module: nn.Module) -> bool:
 
 def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | None]]:
     """``(name, container, child class)`` for every ModuleList/Sequential of >= 2 children of one class
-    that hold parameters, but for those within a hybrid stack's layers; of each kind, those holding a parameter that
-    trains where there are any. Where there is none, every hybrid stack: a
+    that hold parameters, but for those within a hybrid stack's layers. Where there is none, every hybrid stack: a
     ModuleList of >= 2 composite children of several classes, one of them repeated (attention and state-space layers,
     as Jamba's; child class None). A review: taken beside stacks of one class, wav2vec2's 7 feature-extractor
     convolutions (one GroupNorm layer, six without) beat its 2-6 transformer layers. Where there is neither, every
@@ -42,16 +42,29 @@ def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module, type | Non
             single.append((name, module, classes.pop()))
     # a stack inside a hybrid stack's layers is those layers' own (transformers 4's Jamba: each MoE layer's experts)
     found = [c for c in found if not any(c[0].startswith(f"{name}.") for name, _, _ in hybrid)]
-    # the stacks that train before those that do not: a frozen teacher's or reference model's layers beside the
-    # student's (a new user's distillation: its 4 frozen layers were taken over the student's 2, which nothing then
-    # checkpointed); where no stack trains (a backbone frozen until a fine-tuning callback unfreezes it), every stack
-    trained = [[c for c in group if _trains(c[1])] for group in (found, hybrid, single)]
-    return next((group for group in trained if group), None) or found or hybrid or single
+    return found or hybrid or single
 
 
 def _trains(module: nn.Module) -> bool:
     """Whether a parameter of ``module`` requires a gradient."""
     return any(p.requires_grad for p in module.parameters())
+
+
+def _warn_of_a_frozen_stack_beside_one_that_trains(chosen: list[tuple[str, nn.Module]],
+                                                  containers: list[tuple[str, nn.Module, type | None]]) -> None:
+    """Warn where the stacks taken hold no parameter that trains and another stack's do: a frozen teacher or reference
+    model beside the student (a new user's distillation: the teacher's 4 layers, run under ``no_grad``, were taken
+    over the student's 2, which nothing then checkpointed). Not decided for the user: a backbone frozen until a
+    fine-tuning callback unfreezes it looks the same, and is the stack to take."""
+    if any(_trains(container) for _, container in chosen):
+        return
+    trained = [name for name, container, _ in containers if _trains(container)]
+    if trained:
+        taken = ", ".join(f"{name}.*" for name, _ in chosen)
+        rank_zero_warn(f"blocks='auto' took {taken} (the largest stack), no parameter of which trains, over "
+                       f"{', '.join(f'{name}.*' for name in trained)}, which train: where the first runs under no_grad "
+                       f"(a frozen teacher or reference model) it saves nothing to checkpoint; give "
+                       f"blocks={[f'{name}.*' for name in trained]!r}")
 
 
 def block_candidates(model: nn.Module) -> list[str]:
@@ -69,8 +82,8 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
         model: the model (a LightningModule or any ``nn.Module``).
         blocks: ``"auto"`` — the children of the largest ModuleList/Sequential whose children are all of
             one class (every such container of that largest size, so an encoder-decoder's two stacks
-            are both found), or where there is none, of the largest hybrid stack of several classes; of the
-            stacks holding a parameter that trains where there are any (not a frozen teacher's); or
+            are both found), or where there is none, of the largest hybrid stack of several classes (a warning
+            where no parameter of theirs trains and another stack's does: a frozen teacher beside its student); or
             a list of class names (``"GPT2Block"``; a block sharded with FSDP2's ``fully_shard``, of class
             ``FSDPGPT2Block``, matches either name) and ``fnmatch`` patterns of qualified names
             (``"model.layers.*"``).
@@ -89,6 +102,7 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
         chosen = [(n, c) for n, c, _ in containers if len(c) == largest]
         # a container nested in another chosen block (a block's own repeated sub-layers) is not a block
         chosen = [(n, c) for n, c in chosen if not any(n != o and n.startswith(o + ".") for o, _ in chosen)]
+        _warn_of_a_frozen_stack_beside_one_that_trains(chosen, containers)
         return [(f"{name}.{i}" if name else str(i), child) for name, c in chosen for i, child in enumerate(c.children())]
     if isinstance(blocks, str) or not blocks or not all(isinstance(b, str) for b in blocks):
         raise ValueError(f"blocks={blocks!r} is not allowed: expected 'auto' or a list of class names / name patterns")

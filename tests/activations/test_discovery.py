@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 from lightning.pytorch.demos import Transformer
@@ -104,12 +106,18 @@ class _Distillation(torch.nn.Module):
             self.student.requires_grad_(False)
 
 
-def test_auto_takes_the_layers_that_train_over_a_larger_frozen_teachers():
-    # a new user's trial: the frozen teacher's 4 layers were taken, and the student's, which save activations, were not
-    assert [n for n, _ in find_blocks(_Distillation())] == ["student.blocks.0", "student.blocks.1"]
-    # nothing trains (a backbone frozen until a fine-tuning callback unfreezes it): the largest stack, as before
-    assert [n for n, _ in find_blocks(_Distillation(frozen_student=True))] == [f"teacher.blocks.{i}" for i in range(4)]
-    # a stack with one layer that trains counts as trained (the others unfrozen later)
-    model = _Distillation(frozen_student=True)
-    model.student.blocks[1].requires_grad_(True)
-    assert [n for n, _ in find_blocks(model)] == ["student.blocks.0", "student.blocks.1"]
+def test_auto_warns_where_the_largest_stack_is_frozen_beside_one_that_trains():
+    # a new user's trial: a frozen teacher's 4 layers (run under no_grad) were taken over the student's 2, silently; a
+    # backbone frozen until a fine-tuning callback unfreezes it looks the same and is the stack to take (a review): the
+    # largest is taken, with a warning naming the stack that trains
+    with pytest.warns(UserWarning, match=r"blocks='auto' took teacher\.blocks\.\* .* over student\.blocks\.\*, which train.*"
+                                         r"blocks=\['student\.blocks\.\*'\]"):
+        found = find_blocks(_Distillation())
+    assert [n for n, _ in found] == [f"teacher.blocks.{i}" for i in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        find_blocks(_Distillation(frozen_student=True))  # nothing trains: nothing to say
+        model = _Distillation()
+        model.teacher.blocks[3].requires_grad_(True)  # the largest stack trains (in part): nothing to say
+        assert [n for n, _ in find_blocks(model)] == [f"teacher.blocks.{i}" for i in range(4)]
+        assert [n for n, _ in find_blocks(_Distillation(), ["student.blocks.*"])] == ["student.blocks.0", "student.blocks.1"]
