@@ -840,13 +840,15 @@ class AutoFit(Callback):
             plan = search(profiles, policies=policies, **settings)
 
         def again(found: list[RankProfile], margin: float | None = None) -> FitPlan:
-            if margin is not None:  # (a pick read above its prediction: the rest of the planning keeps the wider margin)
-                settings["margin"] = margin
-            if self._unprofiled is not None and blocks_matter(found, **settings):  # the pick's reading moved the line
+            # a pick's peak read above the budget: the rest of the planning keeps the wider margin, once a plan meets it
+            trial = settings if margin is None else {**settings, "margin": margin}
+            if self._unprofiled is not None and blocks_matter(found, **trial):  # the pick's reading moved the line
                 found = self._with_blocks(found, strategy, self._unprofiled)
                 self._unprofiled, self._profiles = None, found
                 notes.remove(NOT_PROFILED)
-            return search(found, policies=policies, **settings)
+            planned = search(found, policies=policies, **trial)
+            settings.update(trial)
+            return planned
 
         def beyond_measured(plan: FitPlan) -> bool:
             # measured where it is safe to: every block kept at the pick is predicted within the budget
@@ -1075,9 +1077,12 @@ class AutoFit(Callback):
             except BudgetTooSmall:
                 if margin is None:
                     raise
-                # nothing fits the wider margin: the pick stays, and the peak measured in the fit says what it does
-                notes[-1] = (f"an earlier pick's block policies ({counts}) peaked {over:.1%} of the budget above its "
+                # nothing fits the wider margin: the pick stays (its block prices as read), at the margin it was planned
+                # with, and the peak measured in the fit says what it does
+                notes[-1] = (f"the pick's block policies ({counts}) peaked {over:.1%} of the budget above its "
                              f"prediction when read, above the budget; with margin {margin:.2f} no plan fits: kept")
+                if any(r is not None for r in repriced):
+                    notes[-2] = notes[-2].replace("an earlier pick's", "the pick's").replace(" and planned again", "")
                 return plan
         return plan
 

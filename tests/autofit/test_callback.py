@@ -114,6 +114,30 @@ def test_a_pick_whose_block_policies_peak_above_the_budget_when_read_is_planned_
         assert "forward" not in vars(block)  # the read micro-steps' policies taken off again
 
 
+def test_a_pick_read_above_the_budget_that_no_wider_margin_meets_stays_at_the_margin_it_was_planned_with(
+        small_datamodule_kwargs):
+    # a review: the wider margin stayed in the search's settings after its search failed, for the checks after it
+    model_kwargs = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 2, "seq_len": 256}
+    data_kwargs = {**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}
+    settings = {"activation_policies": ["keep", "checkpoint"], "optimizer_options": ["32-bit"], "micro_batches": [8],
+                "plan_only": True}
+
+    def plan(budget):
+        lightning.seed_everything(0)
+        fitter = AutoFit(budget=budget, **settings)
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                                    callbacks=[fitter])
+        trainer.fit(HeavyRecompute(**model_kwargs), CorpusDataModule(**data_kwargs))
+        return fitter.plan
+
+    kept = plan("8GiB").ranks[0].peak_bytes
+    found = plan(int((kept - 30 * MiB) / 0.9))  # micro-batch 8 only: blocks recomputed, and each holds 80 MiB more
+    assert found.micro_batches == [8] and "checkpoint" in found.ranks[0].policies
+    assert any(note.endswith("no plan fits: kept") for note in found.notes), found.notes
+    assert found.margin == 0.1
+
+
 #: a head over a large vocabulary (the data's tokens use the first 512) on long sequences: activations of several
 #: tens of MiB per sample, well above the ~20 MiB RSS readings wander by inside a test process, so budgets between micro-batch sizes are unambiguous
 WIDE_HEAD = {**tiny_gpt_kwargs(), "vocab_size": 8192, "seq_len": 256}
