@@ -452,11 +452,8 @@ class Balancer:
         samples, Lightning's evaluation counts counting those chunks (:mod:`~lightning_efficient.balance.evaluation`);
         None: left as it is."""
         cap = self._evaluation_cap_built = self.evaluation_batch_cap()
-        capped = capped_evaluation_loader(dataloader, cap)
-        if capped is None:
-            return None
-        loader, chunked = capped
-        self.evaluation_counts.count_in_chunks(trainer, trainer.state.stage, chunked)
+        loader, chunked = capped_evaluation_loader(dataloader, cap) or (None, None)
+        self.evaluation_counts.loader_processed(trainer, trainer.state.stage, chunked)
         return loader
 
     def build_evaluation_loaders_again_if_the_cap_changed(self, trainer: Any) -> None:
@@ -465,6 +462,7 @@ class Balancer:
         if self._evaluation_cap_built is not _NOT_BUILT and self.evaluation_batch_cap() != self._evaluation_cap_built:
             trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
             self._evaluation_cap_built = _NOT_BUILT
+            self.evaluation_counts.setup_ran()
 
     def _count_micro_batches(self, trainer: Any, requested: int, samples: int, drop_last: bool) -> None:
         """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
@@ -1007,6 +1005,16 @@ class BalancedStrategy:
         self.balancer.build_evaluation_loaders_again_if_the_cap_changed(self.lightning_module.trainer)
         self.balancer.scheduler_frequencies.before_batch(self.lightning_module.trainer, batch_idx)
         self.balancer.resumed_step_saved.before_batch(self.lightning_module.trainer)
+
+    def on_validation_start(self) -> None:
+        """The strategy's; the validation DataLoaders processed so far are one set (:class:`EvaluationCounts`)."""
+        super().on_validation_start()
+        self.balancer.evaluation_counts.setup_ran()
+
+    def on_test_start(self) -> None:
+        """The strategy's; the test DataLoaders processed so far are one set (:class:`EvaluationCounts`)."""
+        super().on_test_start()
+        self.balancer.evaluation_counts.setup_ran()
 
     def teardown(self) -> None:
         """Remove the timing hooks, put back the trainer's ``accumulate_grad_batches``, then the strategy's teardown."""

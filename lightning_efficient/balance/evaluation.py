@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 #: Lightning's settings that count evaluation batches
@@ -37,9 +38,10 @@ def chunks(batch: list[Any], cap: int) -> list[list[Any]]:
 
 class ChunkedBatchSampler(Sampler[list[int]]):
     """Each batch of ``batches`` (a DataLoader's own :class:`~torch.utils.data.BatchSampler`) as its :func:`chunks` of
-    at most ``cap`` samples. ``sampler`` is the batches' sampler, so that Lightning's ``set_epoch`` reaches it."""
+    at most ``cap`` samples (``cap`` None: whole). ``sampler`` is the batches' sampler, so that Lightning's
+    ``set_epoch`` reaches it."""
 
-    def __init__(self, batches: BatchSampler, cap: int) -> None:
+    def __init__(self, batches: BatchSampler, cap: int | None) -> None:
         self.batches = batches
         self.cap = cap
         self.sampler = batches.sampler
@@ -52,11 +54,11 @@ class ChunkedBatchSampler(Sampler[list[int]]):
 
     def chunks_in(self, batches: int) -> int:
         """The chunks of the first ``batches`` DataLoader batches."""
-        return sum(math.ceil(size / self.cap) for size in self.batch_sizes()[:batches])
+        return sum(1 if self.cap is None else math.ceil(size / self.cap) for size in self.batch_sizes()[:batches])
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.batches:
-            yield from chunks(list(batch), self.cap)
+            yield from ([list(batch)] if self.cap is None else chunks(list(batch), self.cap))
 
     def __len__(self) -> int:
         return self.chunks_in(len(self.batches))
@@ -64,11 +66,16 @@ class ChunkedBatchSampler(Sampler[list[int]]):
 
 def capped_evaluation_loader(dataloader: object, cap: int | None) -> tuple[DataLoader, ChunkedBatchSampler] | None:
     """``dataloader`` with its batches split into chunks of at most ``cap`` samples, and its chunking; None where nothing
-    is capped, its batches are no larger than ``cap``, or it is not a DataLoader batching a map-style dataset by
-    ``batch_size`` (an IterableDataset, a batch sampler of the user's own, no batching: left as they are)."""
-    if cap is None or not isinstance(dataloader, DataLoader) or dataloader.batch_size is None or dataloader.batch_size <= cap:
+    is capped, its batches are no larger than ``cap``, or it is not a plain DataLoader batching a map-style dataset of a
+    known length by ``batch_size`` (a DataLoader subclass, whose class and arguments a rebuild would lose; an
+    IterableDataset; a batch sampler of the user's own; no batching: left as they are)."""
+    if cap is None or type(dataloader) is not DataLoader or dataloader.batch_size is None or dataloader.batch_size <= cap:
         return None
     if type(dataloader.batch_sampler) is not BatchSampler or isinstance(dataloader.dataset, IterableDataset):
+        return None
+    try:
+        len(dataloader.batch_sampler.sampler)
+    except TypeError:  # (a sampler of no length: Lightning counts its batches as infinite)
         return None
     chunked = ChunkedBatchSampler(dataloader.batch_sampler, cap)
     workers = dataloader.num_workers
@@ -76,36 +83,78 @@ def capped_evaluation_loader(dataloader: object, cap: int | None) -> tuple[DataL
                     "multiprocessing_context": dataloader.multiprocessing_context,
                     "persistent_workers": dataloader.persistent_workers} if workers else {}
     loader = DataLoader(dataloader.dataset, batch_sampler=chunked, num_workers=workers, collate_fn=dataloader.collate_fn,
-                        pin_memory=dataloader.pin_memory, worker_init_fn=dataloader.worker_init_fn,
+                        pin_memory=dataloader.pin_memory, pin_memory_device=dataloader.pin_memory_device,
+                        in_order=dataloader.in_order, worker_init_fn=dataloader.worker_init_fn,
                         generator=dataloader.generator, **with_workers)
     return loader, chunked
 
 
 class EvaluationCounts:
-    """Lightning's evaluation batch counts (:data:`COUNTED`) in chunks while a capped DataLoader runs: each counts the
-    chunks of the DataLoader batches the user's setting counts (as Lightning counts them: an integer, a fraction of the
-    batches, the sanity check's steps), so the same samples are validated; :meth:`put_back` restores the user's."""
+    """Lightning's evaluation batch counts (:data:`COUNTED`) in chunks while capped DataLoaders run.
+
+    Each count is set to the chunks of the DataLoader batches your setting counts (as Lightning counts them: an integer,
+    a fraction of the batches, the sanity check's steps), so the same samples are evaluated. Lightning reads one
+    setting for every DataLoader of a stage: where the DataLoaders of one stage need different counts (several
+    validation DataLoaders chunked otherwise, or one chunked beside one left whole, under an integer or fractional
+    limit), one number cannot follow each, so they all run whole, with a warning (a review: the last one's count was
+    taken for every one); the sanity check takes the most any needs (a few more batches checked on the others).
+    :meth:`put_back` restores your settings."""
 
     def __init__(self) -> None:
         self._users: tuple[Any, dict[str, Any]] | None = None  # (the trainer, its settings before any were changed)
+        self._setup: list[ChunkedBatchSampler | None] = []  # the stage's DataLoaders processed since its last run
+        self._setup_stage: RunningStage | None = None
+        self._next_setup = True
+        self._warned = False
 
-    def count_in_chunks(self, trainer: Any, stage: RunningStage, chunked: ChunkedBatchSampler) -> None:
-        """Set the counts of ``stage``'s DataLoader (validation, its sanity check, or test) in ``chunked``'s chunks."""
+    def setup_ran(self) -> None:
+        """The DataLoaders processed so far ran (an evaluation started): the next one starts another stage's set."""
+        self._next_setup = True
+
+    def loader_processed(self, trainer: Any, stage: RunningStage, chunked: ChunkedBatchSampler | None) -> None:
+        """Record one validation (or sanity check) or test DataLoader of this set (``chunked``: its chunking; None: left
+        whole) and set Lightning's counts for every one recorded."""
+        counted = RunningStage.TESTING if stage == RunningStage.TESTING else RunningStage.VALIDATING
+        if self._next_setup or counted != self._setup_stage:
+            self._setup, self._setup_stage, self._next_setup = [], counted, False
+        self._setup.append(chunked)
         if self._users is None or self._users[0] is not trainer:
-            self.put_back()
+            if all(c is None for c in self._setup):
+                return
+            self._put_back_settings()
             self._users = (trainer, {name: getattr(trainer, name) for name in COUNTED})
         users = self._users[1]
-        counted = RunningStage.TESTING if stage == RunningStage.TESTING else RunningStage.VALIDATING
         name = f"limit_{counted.dataloader_prefix}_batches"
-        batches = _parse_num_batches(counted, len(chunked.batches), users[name])  # (its refusals in the user's numbers)
-        if not (isinstance(users[name], float) and users[name] == 1.0):  # (1.0: every batch; the integer 1: one)
-            setattr(trainer, name, chunked.chunks_in(batches))
+        limit = users[name]
+        every = isinstance(limit, float) and limit == 1.0  # (1.0: every batch; the integer 1: one)
+        wanted = {limit if c is None else c.chunks_in(self._batches(counted, c, limit)) for c in self._setup}
+        if not every and len(wanted) > 1:
+            for c in self._setup:
+                if c is not None:
+                    c.cap = None
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(f"{name}={limit!r} counts the batches of each {counted.dataloader_prefix} DataLoader, which "
+                               "the micro-batch caps would split into chunks otherwise: one count cannot follow each, so "
+                               "they run whole, at your batch sizes")
+            wanted = {limit}
+        setattr(trainer, name, limit if every else wanted.pop())
         sanity = users["num_sanity_val_steps"]  # (-1, every batch, is infinity to Lightning)
         if counted == RunningStage.VALIDATING and sanity != math.inf:
-            trainer.num_sanity_val_steps = chunked.chunks_in(min(sanity, batches))
+            trainer.num_sanity_val_steps = max(sanity if c is None or c.cap is None else
+                                               c.chunks_in(min(sanity, self._batches(counted, c, limit))) for c in self._setup)
+
+    @staticmethod
+    def _batches(counted: RunningStage, chunked: ChunkedBatchSampler, limit: int | float) -> int:
+        """The DataLoader batches Lightning counts under ``limit`` (its refusals in your numbers)."""
+        return _parse_num_batches(counted, len(chunked.batches), limit)
 
     def put_back(self) -> None:
-        """The user's counts, where they were changed."""
+        """Your counts, where they were changed (at the end of a fit, validate or test, or its failure)."""
+        self._put_back_settings()
+        self._setup, self._next_setup = [], True
+
+    def _put_back_settings(self) -> None:
         if self._users is not None:
             trainer, users = self._users
             for name, value in users.items():
