@@ -24,8 +24,8 @@ from typing_extensions import override
 import lightning_efficient  # noqa: F401  (registers the package's strategies)
 from lightning_efficient._distributed import destroy_process_group_at_exit
 from lightning_efficient._validation import SettingRefused
+from lightning_efficient.activations.policies import policy_counts
 from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan
-from lightning_efficient.autofit.model import _counts
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -346,7 +346,7 @@ def why_autofit_stays(plan: FitPlan, batch_counting: list[str]) -> list[str]:
     :attr:`AutoFit.batch_counting`). Empty where the plan's settings replace it."""
     why = []
     if len({tuple(r.policies) for r in plan.ranks}) > 1:
-        each = "; ".join(f"rank {rank}: {_counts(r.policies)}" for rank, r in enumerate(plan.ranks))
+        each = "; ".join(f"rank {rank}: {policy_counts(r.policies)}" for rank, r in enumerate(plan.ranks))
         why.append(f"The ranks plan their blocks differently ({each}), which one config's callbacks cannot hold: AutoFit "
                    "stays, and plans them again when the fit starts.")
     if batch_counting:

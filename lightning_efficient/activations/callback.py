@@ -19,16 +19,12 @@ from lightning_efficient._validation import require, require_bool, require_int, 
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
 from lightning_efficient.activations.planner import BlockProfile, Plan, parse_budget, plan_blocks
-from lightning_efficient.activations.policies import POLICIES, unwrap_block, wrap_block
+from lightning_efficient.activations.policies import POLICIES, policy_counts, unwrap_block, wrap_block
 from lightning_efficient.activations.profile import profile_blocks
 from lightning_efficient.memory import ParameterStorages, SavedTensorCounter, outside_training
 
 Policy = Literal["keep", "checkpoint", "selective", "offload", "disk"]
 _RECOMPUTED = ("checkpoint", "selective")
-
-
-def _counts(plan: list[str]) -> str:
-    return ", ".join(f"{plan.count(p)} {p}" for p in dict.fromkeys(plan))
 
 
 class ActivationMemory(Callback):
@@ -169,7 +165,7 @@ class ActivationMemory(Callback):
         elif restored is not None and restored.get("plan") is not None and restored["plan"] != self._plan:
             now = (f"{self._policies_chosen_by}'s plan sets the policies now" if self._policies_chosen_by is not None
                    else f"policy={self._policy_text()} set now wins")
-            rank_zero_info(f"ActivationMemory: the checkpoint's plan ({_counts(restored['plan'])}) is not restored: {now}.")
+            rank_zero_info(f"ActivationMemory: the checkpoint's plan ({policy_counts(restored['plan'])}) is not restored: {now}.")
 
     def _policy_text(self) -> str:
         return repr(self.policy[0] if len(self.policy) == 1 else self.policy)
@@ -194,7 +190,7 @@ class ActivationMemory(Callback):
         elif len(plans) != trainer.world_size:
             reason = f"it was made for {len(plans)} ranks, not {trainer.world_size}"
         if reason is not None:
-            rank_zero_info(f"ActivationMemory: the checkpoint's plan ({_counts(saved)}) is not restored: {reason}; "
+            rank_zero_info(f"ActivationMemory: the checkpoint's plan ({policy_counts(saved)}) is not restored: {reason}; "
                            "planning again on the first batch.")
             return None
         mine = plans[trainer.global_rank]
@@ -203,7 +199,7 @@ class ActivationMemory(Callback):
         if mine.get("held_bytes") is not None:
             self._plan_summary = Plan(list(mine["policies"]), mine["held_bytes"], mine["cost_s"], mine["baseline_bytes"])
         self._rank_plans = [dict(p) for p in plans]
-        rank_zero_info(f"ActivationMemory: the checkpoint's auto plan is restored ({_counts(saved)}, budget={self.budget!r}); "
+        rank_zero_info(f"ActivationMemory: the checkpoint's auto plan is restored ({policy_counts(saved)}, budget={self.budget!r}); "
                        "not profiled again while the parameters that train are those it was profiled with.")
         return list(mine["policies"])
 
@@ -268,7 +264,7 @@ class ActivationMemory(Callback):
             wrap_block(block, effective, hooks=self._hooks_for(effective, index), reentrant=self.reentrant)
         self._plan = list(plan)
         self._turn_off_use_cache(pl_module, [block for (_, block), policy in zip(self._block_list, plan) if policy in _RECOMPUTED])
-        rank_zero_info(f"ActivationMemory: {len(plan)} blocks ({self._block_list[0][0]} ...): {_counts(plan)}")
+        rank_zero_info(f"ActivationMemory: {len(plan)} blocks ({self._block_list[0][0]} ...): {policy_counts(plan)}")
 
     def _take_over_transformers_checkpointing(self, pl_module: LightningModule,
                                               blocks: list[tuple[str, Any]] | None = None) -> None:
@@ -382,7 +378,7 @@ class ActivationMemory(Callback):
             lines.append(f"  {name:<28} {policy:<11} {saved / 2**20:>10.2f} {cost * 1e3:>9.2f}")
         if len(outcomes) > 1:
             lines.append("  per rank: " + "; ".join(
-                f"rank {rank} (micro-batch {o['micro_batch']}): {_counts(o['policies'])}, planned {o['held_bytes'] / 2**20:,.2f} MiB"
+                f"rank {rank} (micro-batch {o['micro_batch']}): {policy_counts(o['policies'])}, planned {o['held_bytes'] / 2**20:,.2f} MiB"
                 for rank, o in enumerate(outcomes)))
         rank_zero_info("\n".join(lines))
 

@@ -201,3 +201,8 @@ def unwrap_block(block: nn.Module) -> None:
     wrapper = vars(block).get("forward")
     if isinstance(wrapper, InstanceWrapper):  # (a forward set on the instance before, someone else's wrapper, is kept)
         put_back(block, "forward", wrapper._original)
+
+
+def policy_counts(policies: list[str]) -> str:
+    """A plan's policies counted in the order they first appear (``"3 keep, 1 checkpoint"``; ``"none"`` for no block)."""
+    return ", ".join(f"{policies.count(p)} {p}" for p in dict.fromkeys(policies)) or "none"

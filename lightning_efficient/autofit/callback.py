@@ -48,7 +48,7 @@ from lightning_efficient._validation import refuse_unless, require, require_int
 from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.planner import BlockProfile
-from lightning_efficient.activations.policies import POLICIES
+from lightning_efficient.activations.policies import POLICIES, policy_counts
 from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget, validate_budget
 from lightning_efficient.autofit.fit_inputs import (
     StreamsAtTheLastBuild,
@@ -74,7 +74,6 @@ from lightning_efficient.autofit.model import (
     FitPlan,
     RankChoice,
     RankProfile,
-    _counts,
     blocks_matter,
     divisors,
     peak_read_over,
@@ -1061,7 +1060,7 @@ class AutoFit(Callback):
                              f"{', '.join(map(str, ran_out))}): planned again below it")
             elif all(r is None for r in repriced) and over is None:
                 return plan
-            counts = "; ".join(_counts(r.policies) for r in plan.ranks)
+            counts = "; ".join(policy_counts(r.policies) for r in plan.ranks)
             if any(r is not None for r in repriced):
                 self._profiles = [p if r is None else r for p, r in zip(self._profiles, repriced)]
                 slowest = max(s / c.micro_step_s for s, c, r in zip(seconds, plan.ranks, repriced) if r is not None)

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_efficient.activations.planner import BlockProfile, plan_blocks
+from lightning_efficient.activations.policies import policy_counts
 
 CLOSE = 0.03
 """Predicted step times within this fraction of the best count as equal; the largest micro-batch among them is
@@ -555,16 +556,12 @@ def _infeasible_message(profiles: list[RankProfile], micro_batches: list[int], m
         if needed > profile.budget_bytes:
             lines.append(
                 f"rank {rank}: budget {profile.budget_bytes / 2**20:,.1f} MiB, but the leanest plan (micro-batch {choice.micro_batch}, "
-                f"optimizer {option}, blocks {_counts(choice.policies)}) is predicted to peak at {choice.peak_bytes / 2**20:,.1f} MiB, "
+                f"optimizer {option}, blocks {policy_counts(choice.policies)}) is predicted to peak at {choice.peak_bytes / 2**20:,.1f} MiB, "
                 f"so it is predicted to need a budget of at least {needed / 2**20:,.1f} MiB ({needed:,} bytes) with margin {margin:g}; "
                 f"give {math.ceil(needed * (1 + RETRY_HEADROOM) / 2**20):,} MiB, {RETRY_HEADROOM:.0%} more, for what the "
                 "readings vary by between runs"
             )
     return "AutoFit: no configuration fits the budget. " + "; ".join(lines or ["every rank's leanest plan misses it"])
-
-
-def _counts(policies: list[str]) -> str:
-    return ", ".join(f"{policies.count(p)} {p}" for p in dict.fromkeys(policies)) or "none"
 
 
 def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) -> str:
@@ -583,7 +580,7 @@ def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) ->
     # no policies: blocks kept unprofiled, or none found, or the user's ActivationMemory's (the notes say which)
     unplanned = "every block kept" if any(n.startswith("blocks not profiled") for n in plan.notes) else "-"
     for rank, (choice, budget) in enumerate(zip(plan.ranks, plan.budgets)):
-        blocks = _counts(choice.policies) if choice.policies else unplanned
+        blocks = policy_counts(choice.policies) if choice.policies else unplanned
         row = (f"  {rank:<5} {budget / 2**20:>11,.1f} {choice.micro_batch:>6}  {blocks:<28} "
                f"{choice.peak_bytes / 2**20:>10,.1f} {choice.step_s * 1e3:>9,.1f}")
         if measured:
