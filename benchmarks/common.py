@@ -1,4 +1,4 @@
-"""Helpers shared by benchmark cases: a measured demo fit and the honest-RSS warm-up."""
+"""Helpers shared by benchmark cases: a measured demo fit, the honest-RSS warm-up, optimizer-step timing and round-by-round ratios."""
 
 from __future__ import annotations
 
@@ -60,3 +60,12 @@ def measured_fit(
     )
     trainer.fit(model, datamodule=datamodule)
     return {k: float(v) for k, v in report.report().items() if isinstance(v, (int, float))}
+
+
+def paired_ratios(results: dict[str, dict[str, Any]], variant: str, against: str = "baseline") -> list[float]:
+    """``variant``'s step time over ``against``'s in each round (empty with one round). The machine's speed wanders by
+    up to 30% over minutes; processes of the same round ran a minute apart at most, so their ratio is steadier than
+    the ratio of medians taken over different rounds."""
+    base = results.get(against, {}).get("step_time_s_rounds") or []
+    other = results.get(variant, {}).get("step_time_s_rounds") or []
+    return [o / b for o, b in zip(other, base)] if len(base) == len(other) > 1 else []

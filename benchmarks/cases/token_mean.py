@@ -22,7 +22,7 @@ from typing import Any
 import lightning
 import torch
 
-from benchmarks.common import OptimizerStepClock
+from benchmarks.common import OptimizerStepClock, paired_ratios
 from benchmarks.harness import Case, register
 
 MODEL = {"vocab_size": 4096, "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128}
@@ -139,8 +139,7 @@ def report(results: dict[str, Any], out_dir: Any, quick: bool) -> str:
         plain, ours = results.get(f"lightning_{split}", {}), results.get(f"step_token_mean_{split}", {})
         if "error" in plain or "error" in ours or not plain or not ours:
             continue
-        rounds = list(zip(ours.get("step_time_s_rounds", [ours["step_time_s"]]), plain.get("step_time_s_rounds", [plain["step_time_s"]])))
-        ratios = [a / b for a, b in rounds]
+        ratios = paired_ratios(results, f"step_token_mean_{split}", f"lightning_{split}") or [ours["step_time_s"] / plain["step_time_s"]]
         lines.append(f"| {split} | {plain['grad_rel_error']:.3g} | {ours['grad_rel_error']:.3g} | "
                      f"{unsplit.get('grad_rel_error', float('nan')):.3g} | {', '.join(f'{r:.3f}' for r in ratios)} | "
                      f"{statistics.median(ratios):.3f} |")

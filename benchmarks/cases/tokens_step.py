@@ -29,6 +29,7 @@ from typing import Any
 import lightning
 
 from benchmarks.cases.tokens_quality import MODEL, _data, _sizes
+from benchmarks.common import paired_ratios
 from benchmarks.harness import Case, register
 
 KEEP_RATIO = 0.7
@@ -176,15 +177,6 @@ def report(results: dict[str, dict[str, Any]], out_dir: Path, quick: bool) -> st
         lines += ["", f"Goal: eslm at keep {KEEP_RATIO} on the streaming path <= {GOAL}x the baseline's step time "
                   f"({judged}): {ratio:.3f}x, {verdict}" + (" (--quick: too few steps to judge)" if quick else "") + "."]
     return "\n".join(lines)
-
-
-def paired_ratios(results: dict[str, dict[str, Any]], variant: str) -> list[float]:
-    """``variant``'s step time over the baseline's in each round (empty with one round). The machine's
-    speed wanders by up to 30% over minutes; processes of the same round ran a minute apart at most,
-    so their ratio is steadier than the ratio of medians taken over different rounds."""
-    base = results.get("baseline", {}).get("step_time_s_rounds") or []
-    other = results.get(variant, {}).get("step_time_s_rounds") or []
-    return [o / b for o, b in zip(other, base)] if len(base) == len(other) > 1 else []
 
 
 register(

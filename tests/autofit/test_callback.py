@@ -15,7 +15,9 @@ import sys
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning
 import numpy as np
@@ -58,54 +60,97 @@ class Recorder(lightning.Callback):
 
 
 RECOMPUTE_HOLDS = 80 * MiB  # well above what RSS readings wander by inside a test process (~20 MiB)
+RECOMPUTE_S = 0.5  # well above what a micro-step of this model wanders by on 2 busy cores (up to ~0.3 s in CI)
+#: a demo GPT whose blocks hold 60-70 MiB at 8 samples of 256 tokens
+RECOMPUTING_GPT = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 2, "seq_len": 256}
 
 
-@functools.cache
-def _recomputed_heavily(block_class: type) -> type:
-    class RecomputedHeavily(block_class):
-        def forward(self, *args, **kwargs):
+@contextlib.contextmanager
+def _holding(x: torch.Tensor) -> Iterator[None]:
+    held = torch.ones(RECOMPUTE_HOLDS // 4)  # (touched: resident)
+    yield
+    del held
+
+
+@contextlib.contextmanager
+def _sleeping(x: torch.Tensor) -> Iterator[None]:
+    time.sleep(RECOMPUTE_S)
+    yield
+
+
+@contextlib.contextmanager
+def _running_out_above_4_samples(x: torch.Tensor) -> Iterator[None]:
+    # on this device the recomputation (beside the gradients flowing back) runs out of memory above 4 samples, while
+    # every block kept does not
+    if x.shape[0] > 4:
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to recompute {x.shape[0]} samples")
+    yield
+
+
+@functools.cache  # one class for every block: the blocks are found as repeats of one class
+def _recomputed_doing(block_class: type, work: Callable[[torch.Tensor], contextlib.AbstractContextManager]) -> type:
+    class RecomputedDoing(block_class):
+        def forward(self, x, *args, **kwargs):
             if torch._C._current_graph_task_id() != -1:  # inside a backward: a checkpointed block recomputed
-                held = torch.ones(RECOMPUTE_HOLDS // 4)  # (touched: resident)
-                return super().forward(*args, **kwargs) + 0 * held[0]
-            return super().forward(*args, **kwargs)
+                with work(x):
+                    return super().forward(x, *args, **kwargs)
+            return super().forward(x, *args, **kwargs)
 
-    return RecomputedHeavily
+    return RecomputedDoing
 
 
-class HeavyRecompute(DemoGPT):
-    """The demo GPT whose blocks hold :data:`RECOMPUTE_HOLDS` more while their forward runs again in backward: memory
-    the block profile does not see (it counts the tensors a block saves), as it does not see the transients of a
-    recomputation or a read-back beyond them."""
+class _RecomputeDoes(DemoGPT):
+    """The demo GPT whose blocks run ``work`` (given the block's input) around their forward whenever it runs again in
+    backward."""
+
+    work: Callable[[torch.Tensor], contextlib.AbstractContextManager]
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         for _, block in find_blocks(self):
-            block.__class__ = _recomputed_heavily(type(block))
+            block.__class__ = _recomputed_doing(type(block), type(self).work)
+
+
+class HeavyRecompute(_RecomputeDoes):
+    """Blocks that hold :data:`RECOMPUTE_HOLDS` more while recomputed: memory the block profile does not see (it
+    counts the tensors a block saves), as it does not see the transients of a recomputation or a read-back beyond
+    them."""
+
+    work = staticmethod(_holding)
+
+
+class SlowRecompute(_RecomputeDoes):
+    """Blocks that sleep :data:`RECOMPUTE_S` whenever recomputed: work the block profile does not see (it prices
+    recomputation from the forward), as it does not see the saved-tensor hooks' own work or a writer thread competing
+    with compute."""
+
+    work = staticmethod(_sleeping)
+
+
+def _autofit_recomputing(model_class: type, datamodule_kwargs: dict, budget: Any, *, steps: int = 0,
+                         **settings) -> tuple[AutoFit, DemoGPT]:
+    """``AutoFit(budget, **settings)`` choosing between keeping and recomputing the blocks of a :data:`RECOMPUTING_GPT`
+    of ``model_class`` (32-bit states) at 8 samples a batch: a plan-only fit where ``steps`` is 0, else a fit of that
+    many steps. Returns the AutoFit and the model."""
+    lightning.seed_everything(0)
+    fitter = AutoFit(budget=budget, activation_policies=["keep", "checkpoint"], optimizer_options=["32-bit"],
+                     plan_only=steps == 0, **settings)
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=max(steps, 1), logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[fitter])
+    model = model_class(**RECOMPUTING_GPT)
+    trainer.fit(model, CorpusDataModule(**{**datamodule_kwargs, "batch_size": 8, "seq_len": RECOMPUTING_GPT["seq_len"]}))
+    return fitter, model
 
 
 def test_a_pick_whose_block_policies_peak_above_the_budget_when_read_is_planned_again_before_the_first_step(
         small_datamodule_kwargs, lightning_caplog):
     # a new user's 3-layer LSTM under hetero_ddp, one block on disk at 16 samples: predicted 49 MiB, 86 measured once
     # the fit ran (AutoFit re-planned after its first steps, above the budget already)
-    model_kwargs = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 2, "seq_len": 256}
-    data_kwargs = {**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}
     # micro-batch 8, or 1 (slower than 8 with a block or two recomputed: the pick at 8 recomputes)
-    settings = {"activation_policies": ["keep", "checkpoint"], "optimizer_options": ["32-bit"], "micro_batches": [8, 1],
-                "report_after_steps": 2}
-
-    def fit(budget, model_class, steps):
-        lightning.seed_everything(0)
-        fitter = AutoFit(budget=budget, plan_only=steps == 0, **settings)
-        trainer = lightning.Trainer(accelerator="cpu", max_steps=max(steps, 1), logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                                    callbacks=[fitter])
-        model = model_class(**model_kwargs)
-        trainer.fit(model, CorpusDataModule(**data_kwargs))
-        return fitter, model
-
-    kept = fit("8GiB", HeavyRecompute, 0)[0].plan.ranks[0].peak_bytes  # micro-batch 8, every block kept
+    settings = {"micro_batches": [8, 1], "report_after_steps": 2}
+    kept = _autofit_recomputing(HeavyRecompute, small_datamodule_kwargs, "8GiB", **settings)[0].plan.ranks[0].peak_bytes
     budget = int((kept - 30 * MiB) / 0.9)  # blocks must be recomputed at 8 (they hold 60-70 MiB at 8 samples)
-    fitter, model = fit(budget, HeavyRecompute, 3)
+    fitter, model = _autofit_recomputing(HeavyRecompute, small_datamodule_kwargs, budget, steps=3, **settings)
     assert any("above its prediction when read" in note for note in fitter.plan.notes), fitter.plan.notes
     assert fitter.measured[0]["peak_bytes"] <= budget, (fitter.measured, fitter.plan)
     # what the readings added is in the plan before the first step, not found by the fit (no re-plan after its steps)
@@ -117,22 +162,9 @@ def test_a_pick_whose_block_policies_peak_above_the_budget_when_read_is_planned_
 def test_a_pick_read_above_the_budget_that_no_wider_margin_meets_stays_at_the_margin_it_was_planned_with(
         small_datamodule_kwargs):
     # a review: the wider margin stayed in the search's settings after its search failed, for the checks after it
-    model_kwargs = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 2, "seq_len": 256}
-    data_kwargs = {**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}
-    settings = {"activation_policies": ["keep", "checkpoint"], "optimizer_options": ["32-bit"], "micro_batches": [8],
-                "plan_only": True}
-
-    def plan(budget):
-        lightning.seed_everything(0)
-        fitter = AutoFit(budget=budget, **settings)
-        trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                                    callbacks=[fitter])
-        trainer.fit(HeavyRecompute(**model_kwargs), CorpusDataModule(**data_kwargs))
-        return fitter.plan
-
-    kept = plan("8GiB").ranks[0].peak_bytes
-    found = plan(int((kept - 30 * MiB) / 0.9))  # micro-batch 8 only: blocks recomputed, and each holds 80 MiB more
+    kept = _autofit_recomputing(HeavyRecompute, small_datamodule_kwargs, "8GiB", micro_batches=[8])[0].plan.ranks[0].peak_bytes
+    # micro-batch 8 only: blocks recomputed, and each holds 80 MiB more
+    found = _autofit_recomputing(HeavyRecompute, small_datamodule_kwargs, int((kept - 30 * MiB) / 0.9), micro_batches=[8])[0].plan
     assert found.micro_batches == [8] and "checkpoint" in found.ranks[0].policies
     assert any(note.endswith("no plan fits: kept") for note in found.notes), found.notes
     assert found.margin == 0.1
@@ -1285,50 +1317,12 @@ def test_a_resume_hands_the_checkpoint_state_of_the_activation_memory_autofit_ad
 
 
 
-RECOMPUTE_S = 0.5  # well above what a micro-step of this model wanders by on 2 busy cores (up to ~0.3 s in CI)
-
-
-@functools.cache  # one class for every block: the blocks are found as repeats of one class
-def _recomputed_slowly(block_class: type) -> type:
-    class RecomputedSlowly(block_class):
-        def forward(self, *args, **kwargs):
-            if torch._C._current_graph_task_id() != -1:  # inside a backward: a checkpointed block recomputed
-                time.sleep(RECOMPUTE_S)
-            return super().forward(*args, **kwargs)
-
-    return RecomputedSlowly
-
-
-class SlowRecompute(DemoGPT):
-    """The demo GPT whose blocks sleep :data:`RECOMPUTE_S` whenever their forward runs again in backward: work the
-    block profile does not see (it prices recomputation from the forward), as it does not see the saved-tensor
-    hooks' own work or a writer thread competing with compute."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        for _, block in find_blocks(self):
-            block.__class__ = _recomputed_slowly(type(block))
-
-
 def test_a_pick_whose_block_policies_run_slower_than_priced_is_priced_by_a_timed_micro_step_and_planned_again(
         small_datamodule_kwargs, lightning_caplog):
-    model_kwargs = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 2, "seq_len": 256}
-    data_kwargs = {**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}
-    settings = {"activation_policies": ["keep", "checkpoint"], "optimizer_options": ["32-bit"], "search_micro_batch": False,
-                "plan_only": True}
-
-    def plan(budget):
-        lightning.seed_everything(0)
-        fit = AutoFit(budget=budget, **settings)
-        trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[fit])
-        model = SlowRecompute(**model_kwargs)
-        trainer.fit(model, CorpusDataModule(**data_kwargs))
-        return fit, model
-
-    kept = plan("8GiB")[0].plan.ranks[0].peak_bytes  # every block kept at micro-batch 8
-    # a budget 35 MiB below that (the blocks hold 60-70 MiB at 8 samples): some blocks must be recomputed
-    fit, model = plan(int((kept - 35 * MiB) / 0.9))
+    kept = _autofit_recomputing(SlowRecompute, small_datamodule_kwargs, "8GiB", search_micro_batch=False)[0].plan.ranks[0].peak_bytes
+    # a budget 35 MiB below every block kept at micro-batch 8 (the blocks hold 60-70 MiB at 8 samples): some blocks must
+    # be recomputed
+    fit, model = _autofit_recomputing(SlowRecompute, small_datamodule_kwargs, int((kept - 35 * MiB) / 0.9), search_micro_batch=False)
     choice, profile = fit.plan.ranks[0], fit.profiles[0]
     recomputed = choice.policies.count("checkpoint")
     assert recomputed > 0
@@ -1598,28 +1592,12 @@ def test_a_micro_batch_the_user_fixed_that_runs_out_of_memory_while_measuring_is
     assert record.samples == [] and record._samples == 0
 
 
-@functools.cache  # one class for every block: the blocks are found as repeats of one class
-def _recomputing_runs_out(block_class: type, samples: int) -> type:
-    class RecomputingRunsOut(block_class):
-        def forward(self, x, *args, **kwargs):
-            # inside a backward, a checkpointed block recomputed: on this device the recomputation (beside the
-            # gradients flowing back) runs out of memory above ``samples`` samples, while every block kept does not
-            if torch._C._current_graph_task_id() != -1 and x.shape[0] > samples:
-                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to recompute {x.shape[0]} samples")
-            return super().forward(x, *args, **kwargs)
-
-    return RecomputingRunsOut
-
-
-class RecomputeRunsOut(DemoGPT):
+class RecomputeRunsOut(_RecomputeDoes):
     """The demo GPT whose blocks run out of memory when recomputed in backward above 4 samples; each forward costs
     0.5 s more (a launch overhead, larger than 2 CPU cores' compute at these sizes), so that the largest micro-batch,
     with some blocks recomputed, is the fastest."""
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        for _, block in find_blocks(self):
-            block.__class__ = _recomputing_runs_out(type(block), 4)
+    work = staticmethod(_running_out_above_4_samples)
 
     def forward(self, input_ids, *args, **kwargs):
         time.sleep(0.5)
@@ -1628,8 +1606,7 @@ class RecomputeRunsOut(DemoGPT):
 
 def test_a_pick_whose_block_policies_run_out_of_memory_when_timed_is_planned_below_it_and_the_fit_equals_plain_lightning(
         small_datamodule_kwargs):
-    model_kwargs = {"vocab_size": 512, "n_layers": 4, "d_model": 256, "n_heads": 2, "seq_len": 256}
-    data_kwargs = {**small_datamodule_kwargs, "batch_size": 8, "seq_len": 256}
+    data_kwargs = {**small_datamodule_kwargs, "batch_size": 8, "seq_len": RECOMPUTING_GPT["seq_len"]}
     settings = {"activation_policies": ["keep", "checkpoint"], "optimizer_options": ["32-bit"]}
 
     def fit(callbacks, **loop):
@@ -1637,7 +1614,7 @@ def test_a_pick_whose_block_policies_run_out_of_memory_when_timed_is_planned_bel
         trainer = lightning.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                                     callbacks=callbacks, **loop)
-        model = RecomputeRunsOut(**model_kwargs)
+        model = RecomputeRunsOut(**RECOMPUTING_GPT)
         trainer.fit(model, CorpusDataModule(**{**data_kwargs, **({"batch_size": loop["accumulate_grad_batches"] and 4}
                                                                   if loop else {})}))
         return model
