@@ -851,11 +851,11 @@ class AutoFit(Callback):
 
         def beyond_measured(plan: FitPlan) -> bool:
             # measured where it is safe to: every block kept at the pick is predicted within the budget
-            return searched and any(r.micro_batch > p.sizes[1] and sum(p.line(p.peak_bytes)[k] * r.micro_batch ** k for k in (0, 1))
-                                    <= p.budget_bytes for r, p in zip(plan.ranks, self._profiles))
+            return searched and any(r.micro_batch > p.largest_read and p.peak_at(r.micro_batch) <= p.budget_bytes
+                                    for r, p in zip(plan.ranks, self._profiles))
 
         def to_read(plan: FitPlan) -> list[int]:
-            return [max(r.micro_batch, p.sizes[1]) for r, p in zip(plan.ranks, self._profiles)]
+            return [max(r.micro_batch, p.largest_read) for r, p in zip(plan.ranks, self._profiles)]
 
         def confirmed(plan: FitPlan) -> FitPlan:
             # each reading that moves the pick onto another micro-batch beyond the measured sizes (one that ran out of
@@ -954,14 +954,14 @@ class AutoFit(Callback):
 
     def _confirmed(self, plan: FitPlan, profiles: list[RankProfile], strategy: Any, batches: Any, notes: list[str],
                    again: Any) -> FitPlan:
-        """A micro-batch beyond the measured sizes is measured too (every block kept): where its peak reads above the
-        line, the line is fitted through it and the larger measured size; its time joins the timed sizes; where either
+        """A micro-batch beyond the measured sizes is measured too (every block kept): its peak joins the read peaks
+        and its time the timed sizes (:meth:`~lightning_efficient.autofit.model.RankProfile.peak_at`); where either
         reads above the prediction (the time by more than :data:`~lightning_efficient.autofit.model.CLOSE`), the
         search runs again."""
         rank = strategy.global_rank
         mine, profile = plan.ranks[rank], profiles[rank]
         reading, failure = None, None
-        size = max(mine.micro_batch, profile.sizes[1])
+        size = max(mine.micro_batch, profile.largest_read)
         try:
             reading = (size, *measure_peak(strategy, batches, size, self._meter))
         except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
@@ -976,23 +976,19 @@ class AutoFit(Callback):
         moved: dict[int, set[str]] = {}  # each size whose reading moved the prediction: what moved (peak, time)
         ran_out: list[str] = []  # each size that ran out of memory, and on which rank
         for rank_read, ((size, peak, seconds), p) in enumerate(zip(readings, profiles)):
+            largest = p.largest_read
             if peak is None:  # no plan on this rank goes half way (or more) from the largest measured size to it
                 ran_out.append(f"{size} on rank {rank_read}")
-                updated.append(_ran_out(p, max(p.sizes[1] + 1, (size + p.sizes[1] + 1) // 2)))
+                updated.append(_ran_out(p, max(largest + 1, (size + largest + 1) // 2)))
                 continue
-            if size <= p.sizes[1]:
+            if size <= largest:
                 updated.append(p)
                 continue
-            p0, p1 = p.line(p.peak_bytes)
             if seconds > p.micro_step_seconds(size) * (1 + CLOSE):
                 moved.setdefault(size, set()).add("time")
-            if peak > p0 + p1 * size:
+            if peak > p.peak_at(size):
                 moved.setdefault(size, set()).add("peak")
-                p = replace(p, sizes=(p.sizes[1], size), peak_bytes=(p.peak_bytes[1], peak), step_s=(p.step_s[1], seconds),
-                            times=[*p.times, (p.sizes[0], p.step_s[0])])
-            else:
-                p = replace(p, times=[*p.times, (size, seconds)])
-            updated.append(p)
+            updated.append(replace(p, peaks=[*p.peaks, (size, peak)], times=[*p.times, (size, seconds)]))
         self._profiles = updated
         if not moved and not ran_out:
             return plan

@@ -114,6 +114,9 @@ def measure_rank(
             size reading above it moves both sizes down, and a larger one is not read again. Every line a plan near
             the budget is predicted from is then fitted where such plans run, the same for any budget above them (the
             line through larger sizes over-predicted small ones, so the least budget a refusal named was refused in turn).
+            The sizes read above it before moving down are kept beside them (``peaks``, ``times``): the model
+            predicts larger micro-batches (a plan recomputing its blocks there) from them, not from a line through
+            the smaller sizes.
         fixed_policies: the block policies the user fixed (carried in the profile).
         min_offload_bytes: as for :class:`~lightning_efficient.ActivationMemory` (what offload leaves on the device).
         offload_dir: where the disk policy's bandwidth is measured.
@@ -190,9 +193,13 @@ def measure_rank(
             # the larger one is not run (on a device of that size it would not fit), both sizes move down
             usable = budget_bytes if usable_bytes is None else usable_bytes
             out_of_memory_at: int | None = None  # the least size that ran out of memory: no plan may use it or more
+            above: list[tuple[int, int, float]] = []  # sizes read above usable that the sizes moved below: kept
+            peak2, time2 = None, math.inf  # the larger size: not read yet
             while (peak1 is None or peak1 > usable) and m1 > smallest and not lockstep:
                 if peak1 is None:
                     out_of_memory_at = m1
+                if peak2 is not None:  # the larger size's reading (read as the smaller one before moving down)
+                    above.append((m2, peak2, time2))
                 m1, m2 = max(smallest, m1 // 2), m1
                 peak2, time2 = peak1, time1
                 peak1, time1 = timed(m1, as_in_a_fit=True)
@@ -243,8 +250,9 @@ def measure_rank(
     return RankProfile(
         sizes=(m1, m2), peak_bytes=(peak1, peak2), step_s=(time1, time2), run_state_bytes=run_state,
         blocks=profiles, blocks_size=m1, options=measured, budget_bytes=budget_bytes,
-        tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies, times=times,
-        smallest_micro_batch=smallest, out_of_memory_at=out_of_memory_at,
+        tokens_per_sample=tokens_per_sample(batches(1)), fixed_policies=fixed_policies,
+        times=[*times, *((size, seconds) for size, _, seconds in above)], smallest_micro_batch=smallest,
+        out_of_memory_at=out_of_memory_at, peaks=[(size, peak) for size, peak, _ in above],
     )
 
 

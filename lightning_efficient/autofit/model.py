@@ -67,6 +67,19 @@ class OptimizerOption:
     step_peak_bytes: int
 
 
+def _line_through(sizes: tuple[int, int], values: tuple[float, float]) -> tuple[float, float]:
+    """``(intercept, slope)`` through ``values`` at ``sizes``, never below either reading: with one size, or a slope that
+    is not positive (noise), the larger reading and slope 0; an intercept that would be negative is 0, the slope kept (a
+    cost growing faster than the micro-batch is not extrapolated into a negative fixed cost)."""
+    (m1, m2), (v1, v2) = sizes, values
+    if m1 == m2:
+        return float(max(v1, v2)), 0.0
+    slope = (v2 - v1) / (m2 - m1)
+    if slope <= 0:  # noise: the smaller size read higher; never predict below either reading
+        return float(max(v1, v2)), 0.0
+    return float(max(0.0, v2 - slope * m2)), float(slope)
+
+
 @dataclass
 class RankProfile:
     """What one rank measured: two micro-batch sizes, its blocks, its optimizer options.
@@ -90,6 +103,9 @@ class RankProfile:
             a BatchNorm's statistics).
         out_of_memory_at: the least micro-batch that ran out of device memory while measuring (None: none did); no
             plan uses it or a larger one on this rank.
+        peaks: ``(micro-batch, peak bytes)`` of a forward and backward at more sizes (every block kept): sizes read
+            above the budget less the margin before the sizes moved below them, a pick's micro-batch read beyond the
+            sizes; with ``sizes`` and ``peak_bytes`` they make the memory model (:meth:`peak_at`).
     """
 
     sizes: tuple[int, int]
@@ -106,6 +122,7 @@ class RankProfile:
     times: list[tuple[int, float]] = field(default_factory=list)
     smallest_micro_batch: int = 1
     out_of_memory_at: int | None = None
+    peaks: list[tuple[int, int]] = field(default_factory=list)
 
     def fits_device(self, micro: int) -> bool:
         """Whether ``micro`` is below the least micro-batch that ran out of memory while measuring."""
@@ -141,17 +158,44 @@ class RankProfile:
                 return t1 + (t2 - t1) * (micro - m1) / (m2 - m1)
         raise AssertionError("unreachable: micro lies between the first and last timed sizes")
 
+    def peak_points(self) -> list[tuple[int, int]]:
+        """Every micro-batch size whose peak was read (every block kept) with its largest reading, in increasing size."""
+        most: dict[int, int] = {}
+        for size, peak in [*zip(self.sizes, self.peak_bytes), *self.peaks]:
+            most[int(size)] = max(int(peak), most.get(int(size), 0))
+        return sorted(most.items())
+
+    @property
+    def largest_read(self) -> int:
+        """The largest micro-batch whose peak was read."""
+        return self.peak_points()[-1][0]
+
+    def peak_at(self, micro: int) -> float:
+        """Predicted peak bytes of a forward and backward at ``micro`` samples, every block kept: up to the second read
+        size, :meth:`line` through the two smallest; between larger read sizes, linear between the two around it;
+        beyond the largest, the steeper of the line through the last two and the chord from the smallest (as for
+        time); never below a smaller size's reading. Through two sizes, :meth:`line`.
+
+        A peak may grow more slowly at larger sizes (a loss computed in chunks of a fixed number of tokens): the
+        benchmark's Llama read 62.5 and 81.8 MiB at 2 and 4 samples and 99 at 8, where the line through the two
+        smallest predicted 120 at 8 and 197 at 16 (143 read)."""
+        points = self.peak_points()
+        (m1, v1), (m2, v2) = points[0], points[min(1, len(points) - 1)]
+        if micro <= m2 or len(points) <= 2:
+            p0, p1 = _line_through((m1, m2), (v1, v2))
+            predicted = p0 + p1 * micro
+        elif micro >= points[-1][0]:
+            (mk, vk), (ml, vl) = points[-2], points[-1]
+            slope = max((vl - vk) / (ml - mk), (vl - v1) / (ml - m1))
+            predicted = vl + max(slope, 0.0) * (micro - ml)
+        else:
+            (ma, va), (mb, vb) = next((a, b) for a, b in itertools.pairwise(points) if a[0] <= micro <= b[0])
+            predicted = va + (vb - va) * (micro - ma) / (mb - ma)
+        return float(max([predicted, *(v for m, v in points if m <= micro)]))
+
     def line(self, values: tuple[float, float]) -> tuple[float, float]:
-        """``(intercept, slope)`` through ``values`` at :attr:`sizes`, never below either reading: with one size, or a
-        slope that is not positive (noise), the larger reading and slope 0; an intercept that would be negative is 0,
-        the slope kept (a cost growing faster than the micro-batch is not extrapolated into a negative fixed cost)."""
-        (m1, m2), (v1, v2) = self.sizes, values
-        if m1 == m2:
-            return float(max(v1, v2)), 0.0
-        slope = (v2 - v1) / (m2 - m1)
-        if slope <= 0:  # noise: the smaller size read higher; never predict below either reading
-            return float(max(v1, v2)), 0.0
-        return float(max(0.0, v2 - slope * m2)), float(slope)
+        """``(intercept, slope)`` through ``values`` at :attr:`sizes` (:func:`_line_through`)."""
+        return _line_through(self.sizes, values)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (for all-gathering and checkpoints)."""
@@ -165,6 +209,7 @@ class RankProfile:
         data["options"] = [OptimizerOption(**o) for o in data["options"]]
         data["sizes"], data["peak_bytes"], data["step_s"] = tuple(data["sizes"]), tuple(data["peak_bytes"]), tuple(data["step_s"])
         data["times"] = [(int(m), float(t)) for m, t in data.get("times", [])]
+        data["peaks"] = [(int(m), int(v)) for m, v in data.get("peaks", [])]
         return cls(**data)
 
 
@@ -269,10 +314,9 @@ def _read_ahead(policies: list[str], index: int) -> list[int]:
 
 def _predict(profile: RankProfile, blocks: list[BlockProfile], policies: list[str], micro: int, option: OptimizerOption) -> tuple[int, float]:
     """(predicted peak bytes, predicted micro-step seconds) on this rank."""
-    p0, p1 = profile.line(profile.peak_bytes)
     kept = sum(b.held_bytes["keep"] for b in blocks)
     held = sum(b.held_bytes[p] for b, p in zip(blocks, policies))
-    forward_backward = p0 + p1 * micro - kept + held + _brought_back(blocks, policies) + option.state_bytes - profile.run_state_bytes
+    forward_backward = profile.peak_at(micro) - kept + held + _brought_back(blocks, policies) + option.state_bytes - profile.run_state_bytes
     cost = sum(b.cost_s[p] for b, p in zip(blocks, policies))
     return int(max(forward_backward, option.step_peak_bytes) + profile.unmeasured_bytes), profile.micro_step_seconds(micro) + cost
 

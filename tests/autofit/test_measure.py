@@ -177,6 +177,19 @@ def test_sizes_move_down_while_the_smaller_misses_the_budget_less_the_margin_not
     assert fit.profiles[0].sizes == (4, 8) and fit.plan.ranks[0].micro_batch == 4
 
 
+def test_a_size_read_above_the_budget_less_the_margin_before_the_sizes_moved_below_it_stays_in_the_memory_model(monkeypatch):
+    # 64 MiB a sample and 250 MiB: 8 and then 4 miss (225 MiB usable), so the sizes become 2 and 4; the reading of 8
+    # is kept, and a micro-batch of 8 (a plan recomputing its blocks there) is predicted from it, not from the line
+    # through 2 and 4 (the benchmark's Llama: 120 MiB predicted at 8 from 2 and 4, 99 read)
+    sizes, fit = _planned_sizes(monkeypatch, "250MiB", overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=64 * MiB)
+    assert sizes[:5] == [1, 1, 8, 1, 4]
+    profile = fit.profiles[0]
+    assert profile.sizes == (2, 4) and [size for size, _ in profile.peak_points()] == [2, 4, 8]
+    read_at_8 = dict(profile.peak_points())[8]
+    assert profile.peak_at(8) == read_at_8 and 7 * 64 * MiB < read_at_8 < 10 * 64 * MiB
+    assert (8, pytest.approx(0.04 + 8 * 0.0015)) in profile.time_points()
+
+
 def test_one_size_where_the_micro_batch_is_not_searched_is_read_twice(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))

@@ -100,6 +100,25 @@ def test_a_line_through_two_sizes_never_predicts_below_either_reading():
     assert p.line(p.step_s) == (pytest.approx(0.5), 0.0)
 
 
+def test_the_peak_is_the_line_through_two_read_sizes_and_piecewise_linear_through_more():
+    p = profile(10**9)  # sizes 4 and 8: 84 and 148 MiB
+    for micro in (1, 2, 4, 6, 8, 16):  # two sizes read: the line through them
+        assert p.peak_at(micro) == pytest.approx(sum(c * micro**k for k, c in enumerate(p.line(p.peak_bytes))))
+    # a peak growing more slowly at larger sizes (a loss computed in chunks of a fixed number of tokens), read at 16 and 32
+    p.peaks = [(16, 212 * MiB), (32, 244 * MiB), (16, 200 * MiB)]  # two readings of 16: the larger counts
+    assert p.peak_points() == [(4, 84 * MiB), (8, 148 * MiB), (16, 212 * MiB), (32, 244 * MiB)] and p.largest_read == 32
+    assert p.peak_at(2) == pytest.approx(52 * MiB)  # up to the second size: the line through the two smallest
+    assert p.peak_at(12) == pytest.approx(180 * MiB)  # between read sizes: linear between the two around it
+    assert p.peak_at(24) == pytest.approx(228 * MiB)
+    # beyond the largest: the steeper of the last segment (1 MiB a sample) and the chord from the smallest (5.7)
+    assert p.peak_at(40) == pytest.approx(244 * MiB + (244 - 84) / 28 * 8 * MiB)
+    p.peaks = [(16, 140 * MiB)]  # noise: read below a smaller size; never predicted below a smaller size's reading
+    assert p.peak_at(12) == pytest.approx(148 * MiB) and p.peak_at(16) == pytest.approx(148 * MiB)
+    assert p.peak_at(32) == pytest.approx(140 * MiB + (140 - 84) / 12 * 16 * MiB)
+    again = RankProfile.from_dict(p.to_dict())
+    assert again.peak_points() == p.peak_points()
+
+
 def test_time_is_piecewise_linear_between_timed_sizes_and_the_least_reading_counts():
     p = profile(10**9)  # sizes 4 and 8: 0.13 s and 0.21 s
     p.times = [(1, 0.09), (2, 0.08), (2, 0.10), (1, 0.07)]  # each ladder size twice: the least reading counts
