@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -149,8 +150,10 @@ def gather_or_raise_together(value: Any, error: BaseException | None, what: str,
     hang). Each rank passes what it computed, or the error it caught; the message names each failed
     rank (with its ``context``, e.g. ``"micro-batch 6"``) and its error. A rank that failed raises its
     own error, with that message as a note (so a user's ``except`` catches their own exception, as
-    without the plugin; a new user's trial); the others raise a ValueError with the message when every
-    failure was one (a setting that cannot work), else a RuntimeError.
+    without the plugin; a new user's trial); the others raise the failed ranks' class with the message
+    where they all failed with one class of ValueError (a setting that cannot work: a ``BudgetTooSmall``
+    is then one on every rank, which the command line says in one line), a ValueError where every failure
+    was some ValueError, else a RuntimeError.
 
     Args:
         value: this rank's result (None when it failed).
@@ -158,7 +161,7 @@ def gather_or_raise_together(value: Any, error: BaseException | None, what: str,
         what: the start of the message, e.g. ``"ActivationMemory(policy='auto') could not plan"``.
         context: this rank's detail shown beside its rank number.
     """
-    outcome = {"value": value, "context": context, "error": None if error is None else (type(error).__name__, str(error))}
+    outcome = {"value": value, "context": context, "error": None if error is None else (_class_path(type(error)), str(error))}
     outcomes = gather_objects(outcome)
     failed = [(rank, o) for rank, o in enumerate(outcomes) if o["error"] is not None]
     if failed:
@@ -167,6 +170,33 @@ def gather_or_raise_together(value: Any, error: BaseException | None, what: str,
         if error is not None:
             _add_note(error, message)
             raise error
-        kind = ValueError if all(o["error"][0] == "ValueError" for _, o in failed) else RuntimeError
-        raise kind(message)
+        raise _raised_on_the_other_ranks({o["error"][0] for _, o in failed}, message)
     return [o["value"] for o in outcomes]
+
+
+def _class_path(kind: type) -> str:
+    """``module:qualname`` of an exception class, for another rank to find it by."""
+    return f"{kind.__module__}:{kind.__qualname__}"
+
+
+def _value_error_class(path: str) -> type[ValueError] | None:
+    """The ValueError class at ``path`` (:func:`_class_path`), or None where it is not one or cannot be found."""
+    module, _, qualname = path.partition(":")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return None
+    return found if isinstance(found, type) and issubclass(found, ValueError) else None
+
+
+def _raised_on_the_other_ranks(paths: set[str], message: str) -> Exception:
+    """What a rank that did not fail raises beside the failed ones (see :func:`gather_or_raise_together`)."""
+    classes = [_value_error_class(path) for path in paths]
+    if len(classes) == 1 and classes[0] is not None:
+        try:
+            return classes[0](message)
+        except Exception:  # noqa: BLE001 - a class whose constructor takes more than a message
+            return ValueError(message)
+    return ValueError(message) if all(kind is not None for kind in classes) else RuntimeError(message)
