@@ -110,6 +110,18 @@ RAN_OUT = -1.0
 """A timed reading that ran out of memory (gathered from every rank in place of its seconds)."""
 
 
+def _unread(profile: RankProfile, micro: int) -> bool:
+    """Whether ``micro`` is above the measured sizes and its peak was not read (beyond them, or between larger sizes
+    read: predicted from a line between two readings, which a peak growing more slowly at larger sizes is above)."""
+    return micro > profile.sizes[1] and micro not in dict(profile.peak_points())
+
+
+def _size_to_read(profile: RankProfile, micro: int) -> int:
+    """The micro-batch a rank reads when the pick is checked: its pick where that is unread, else the larger measured
+    size (a reading nothing is learnt from, as every rank reads one)."""
+    return micro if _unread(profile, micro) else max(micro, profile.sizes[1])
+
+
 def _ran_out(profile: RankProfile, size: int) -> RankProfile:
     """``profile`` where no plan uses ``size`` or more (a reading there ran out of memory, or one above it did)."""
     return replace(profile, out_of_memory_at=min(size, profile.out_of_memory_at or size))
@@ -851,11 +863,11 @@ class AutoFit(Callback):
 
         def beyond_measured(plan: FitPlan) -> bool:
             # measured where it is safe to: every block kept at the pick is predicted within the budget
-            return searched and any(r.micro_batch > p.largest_read and p.peak_at(r.micro_batch) <= p.budget_bytes
+            return searched and any(_unread(p, r.micro_batch) and p.peak_at(r.micro_batch) <= p.budget_bytes
                                     for r, p in zip(plan.ranks, self._profiles))
 
         def to_read(plan: FitPlan) -> list[int]:
-            return [max(r.micro_batch, p.largest_read) for r, p in zip(plan.ranks, self._profiles)]
+            return [_size_to_read(p, r.micro_batch) for r, p in zip(plan.ranks, self._profiles)]
 
         def confirmed(plan: FitPlan) -> FitPlan:
             # each reading that moves the pick onto another micro-batch beyond the measured sizes (one that ran out of
@@ -954,14 +966,15 @@ class AutoFit(Callback):
 
     def _confirmed(self, plan: FitPlan, profiles: list[RankProfile], strategy: Any, batches: Any, notes: list[str],
                    again: Any) -> FitPlan:
-        """A micro-batch beyond the measured sizes is measured too (every block kept): its peak joins the read peaks
+        """A pick above the measured sizes whose peak was not read (beyond them, or between larger sizes read) is
+        measured too (every block kept): its peak joins the read peaks
         and its time the timed sizes (:meth:`~lightning_efficient.autofit.model.RankProfile.peak_at`); where either
         reads above the prediction (the time by more than :data:`~lightning_efficient.autofit.model.CLOSE`), the
         search runs again."""
         rank = strategy.global_rank
         mine, profile = plan.ranks[rank], profiles[rank]
         reading, failure = None, None
-        size = max(mine.micro_batch, profile.largest_read)
+        size = _size_to_read(profile, mine.micro_batch)
         try:
             reading = (size, *measure_peak(strategy, batches, size, self._meter))
         except Exception as error:  # noqa: BLE001 - every rank learns of it and raises it together
@@ -976,12 +989,12 @@ class AutoFit(Callback):
         moved: dict[int, set[str]] = {}  # each size whose reading moved the prediction: what moved (peak, time)
         ran_out: list[str] = []  # each size that ran out of memory, and on which rank
         for rank_read, ((size, peak, seconds), p) in enumerate(zip(readings, profiles)):
-            largest = p.largest_read
-            if peak is None:  # no plan on this rank goes half way (or more) from the largest measured size to it
+            if peak is None:  # no plan on this rank goes half way (or more) from the largest size that trained to it
+                below = max((m for m, _ in p.time_points() if m < size), default=size) if _unread(p, size) else size
                 ran_out.append(f"{size} on rank {rank_read}")
-                updated.append(_ran_out(p, max(largest + 1, (size + largest + 1) // 2)))
+                updated.append(_ran_out(p, max(below + 1, (size + below + 1) // 2)))
                 continue
-            if size <= largest:
+            if not _unread(p, size):
                 updated.append(p)
                 continue
             if seconds > p.micro_step_seconds(size) * (1 + CLOSE):

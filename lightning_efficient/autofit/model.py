@@ -4,8 +4,9 @@ of every configuration, and the fastest configuration that fits the budget.
 Pure functions over :class:`RankProfile` figures (no Lightning), so they can be tested on synthetic
 profiles. The model, per rank, for micro-batch ``m``, a policy per block and an optimizer option ``o``:
 
-* forward and backward peak: ``peak(m) = p0 + p1 * m`` fitted through the peaks measured at two
-  micro-batch sizes with every block kept and the run's own optimizer states held; each block's
+* forward and backward peak: ``peak(m)``, piecewise linear through the peaks read with every block kept and the
+  run's own optimizer states held (the line ``p0 + p1 * m`` through the two measured micro-batch sizes, and
+  beyond them the larger sizes read; :meth:`RankProfile.peak_at`); each block's
   activations scale with ``m`` from the block profile (measured at one size): a plan subtracts what
   its policies free, adds the most that backward brings back at once (the block whose backward runs, whole
   again, with the blocks before it at their policies' bytes, a moved block below it already read back where
@@ -82,7 +83,7 @@ def _line_through(sizes: tuple[int, int], values: tuple[float, float]) -> tuple[
 
 @dataclass
 class RankProfile:
-    """What one rank measured: two micro-batch sizes, its blocks, its optimizer options.
+    """What one rank measured: two micro-batch sizes (and the larger ones read), its blocks, its optimizer options.
 
     Attributes:
         sizes: the two micro-batch sizes measured (equal when only one could be).
@@ -174,17 +175,20 @@ class RankProfile:
         """Predicted peak bytes of a forward and backward at ``micro`` samples, every block kept: up to the second read
         size, :meth:`line` through the two smallest; between larger read sizes, linear between the two around it;
         beyond the largest, the steeper of the line through the last two and the chord from the smallest (as for
-        time); never below a smaller size's reading. Through two sizes, :meth:`line`.
+        time); never below the prediction at a smaller size. Through two sizes, :meth:`line`.
 
-        A peak may grow more slowly at larger sizes (a loss computed in chunks of a fixed number of tokens): the
-        benchmark's Llama read 62.5 and 81.8 MiB at 2 and 4 samples and 99 at 8, where the line through the two
-        smallest predicted 120 at 8 and 197 at 16 (143 read)."""
+        A peak may grow more slowly at larger sizes (a loss computed in chunks of a fixed number of tokens): AutoFit
+        read the benchmark's Llama at 62.3 and 82.1 MiB at 2 and 4 samples and 103.6 at 8, where the line through the
+        two smallest predicted 122 at 8 and 201 at 16 (fits of 16 peak at 143)."""
         points = self.peak_points()
         (m1, v1), (m2, v2) = points[0], points[min(1, len(points) - 1)]
+        p0, p1 = _line_through((m1, m2), (v1, v2))
         if micro <= m2 or len(points) <= 2:
-            p0, p1 = _line_through((m1, m2), (v1, v2))
-            predicted = p0 + p1 * micro
-        elif micro >= points[-1][0]:
+            return float(p0 + p1 * micro)
+        # beyond the second size, from the line's value there (above its reading where the line's intercept was
+        # raised to 0 or a noisy slope made it flat): no larger micro-batch is predicted below a smaller one
+        points[1] = (m2, max(v2, p0 + p1 * m2))
+        if micro >= points[-1][0]:
             (mk, vk), (ml, vl) = points[-2], points[-1]
             slope = max((vl - vk) / (ml - mk), (vl - v1) / (ml - m1))
             predicted = vl + max(slope, 0.0) * (micro - ml)

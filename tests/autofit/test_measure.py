@@ -33,9 +33,10 @@ class TimedRegression(lightning.LightningModule):
     sample through it, recording every batch size its ``training_step`` sees."""
 
     def __init__(self, clock: Clock, overhead_s: float, per_sample_s: float, bytes_per_sample: int = 0,
-                 one_off: dict[int, float] | None = None) -> None:
+                 one_off: dict[int, float] | None = None, bytes_above: dict[int, int] | None = None) -> None:
         super().__init__()
         self.one_off = dict(one_off or {})  # size -> seconds its first step costs more (a compilation on a new shape)
+        self.bytes_above = dict(bytes_above or {})  # size -> bytes its steps hold beyond bytes_per_sample's
         self.layer = torch.nn.Linear(8, 1)
         self.batch_size = 16
         self.clock, self.overhead_s, self.per_sample_s, self.bytes_per_sample = clock, overhead_s, per_sample_s, bytes_per_sample
@@ -47,7 +48,7 @@ class TimedRegression(lightning.LightningModule):
         self.sizes.append(len(x))
         self.gradients_unset.append(self.layer.weight.grad is None)
         self.clock.now += self.overhead_s + self.per_sample_s * len(x) + self.one_off.pop(len(x), 0.0)
-        held = torch.ones(len(x) * self.bytes_per_sample // 4)  # written: resident
+        held = torch.ones((len(x) * self.bytes_per_sample + self.bytes_above.get(len(x), 0)) // 4)  # written: resident
         loss = torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), y)
         return loss + 0 * held[-1:].sum() if len(held) else loss
 
@@ -262,6 +263,28 @@ def test_a_model_that_cannot_train_on_one_sample_is_measured_and_trains(monkeypa
     trainer.fit(module)
     assert trainer.global_step == 2 and fit.plan.micro_batches == [16]
     assert min(module.sizes) >= 2
+    if loader_batch == 4:  # the pick's reading joins the memory model beside the measured sizes
+        assert fit.profiles[0].sizes == (2, 4) and [size for size, _ in fit.profiles[0].peak_points()] == [2, 4, 16]
+
+
+def test_a_pick_between_larger_sizes_read_is_read_too(monkeypatch):
+    # a review: a pick between the measured sizes and a larger size read was predicted from the line between the two
+    # readings and not read (a peak growing more slowly at larger sizes is above that line). Loader batch 4 x 6: sizes
+    # 2 and 4; the fastest per sample, 24, is read beyond them and holds 1 GiB more (above the budget less the margin),
+    # so the pick moves to 12, predicted between 4 and 24, and read before the first step
+    clock = Clock()
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    module = TimedRegression(clock, overhead_s=0.04, per_sample_s=0.0015, bytes_per_sample=4 * MiB, bytes_above={24: 1024 * MiB})
+    module.batch_size = 4
+    fit = AutoFit(budget="1GiB", optimizer_options=["32-bit"])
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, accumulate_grad_batches=6, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[fit])
+    trainer.fit(module)
+    profile = fit.profiles[0]
+    assert fit.plan.micro_batches == [12] and profile.sizes == (2, 4)
+    read = dict(profile.peak_points())
+    assert sorted(read) == [2, 4, 12, 24] and read[12] < 100 * MiB < 1024 * MiB < read[24]
+    assert any("read above its prediction (24: peak)" in note for note in fit.plan.notes), fit.plan.notes
 
 
 def _batchnorm_fit(monkeypatch, budget: str, bytes_per_sample: int) -> tuple[lightning.Trainer, AutoFit, WithBatchNorm]:

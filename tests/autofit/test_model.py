@@ -117,6 +117,14 @@ def test_the_peak_is_the_line_through_two_read_sizes_and_piecewise_linear_throug
     assert p.peak_at(32) == pytest.approx(140 * MiB + (140 - 84) / 12 * 16 * MiB)
     again = RankProfile.from_dict(p.to_dict())
     assert again.peak_points() == p.peak_points()
+    # a review: where the line through the two smallest had its intercept raised to 0 (10 and 30 MiB at 2 and 4: 40 at
+    # 4), the segment beyond started from the reading at 4, and 5 was predicted below 4
+    p.sizes, p.peak_bytes, p.peaks = (2, 4), (10 * MiB, 30 * MiB), [(8, 50 * MiB)]
+    predicted = [p.peak_at(micro) for micro in range(1, 13)]
+    assert predicted == sorted(predicted) and p.peak_at(4) == pytest.approx(40 * MiB)
+    assert p.peak_at(6) == pytest.approx(45 * MiB) and p.peak_at(8) == pytest.approx(50 * MiB)
+    p.sizes, p.peak_bytes, p.peaks = (4, 4), (30 * MiB, 30 * MiB), []  # one size read: that reading at every size
+    assert p.peak_at(1) == p.peak_at(16) == 30 * MiB
 
 
 def test_time_is_piecewise_linear_between_timed_sizes_and_the_least_reading_counts():
