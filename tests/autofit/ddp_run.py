@@ -18,7 +18,8 @@ Each runs, on a tiny demo GPT (4 optimizer steps of a global batch of 16, 2 epoc
    ``ddp`` and ``fsdp2`` also a checkpoint at the end of epoch 0);
 4. ``reference``: a plain Lightning fit of the same strategy with the plan's settings set by hand
    (micro-batch and accumulation, or the caps; ``ActivationMemory(policy=[...])`` of this rank's
-   policies; ``EightBitOptimizer(bits=8)`` when the plan chose 8-bit states): each micro-batch's loss;
+   policies; ``EightBitOptimizer(bits=8)`` when the plan chose 8-bit states; ``StepTokenMean()`` where it
+   splits the batch): each micro-batch's loss;
 5. ``resumed`` (``ddp`` and ``fsdp2``): a fresh AutoFit with the same settings resumed from the epoch-0
    checkpoint (its profiles, plan, settings, info lines, Lightning's warnings of checkpointed callbacks
    missing, and losses), and the plain fit resumed the same way; under ``ddp`` also ``resumed_unread``, the same
@@ -88,7 +89,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_efficient import ActivationMemory, DemoGPT, EightBitOptimizer, HeterogeneousDDPStrategy
+from lightning_efficient import ActivationMemory, DemoGPT, EightBitOptimizer, HeterogeneousDDPStrategy, StepTokenMean
 from lightning_efficient._step import first_samples_batch
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.autofit import AutoFit, BudgetTooSmall, FitPlan, RankProfile
@@ -455,9 +456,15 @@ def run_estimated_steps(rank: int) -> dict[str, Any]:
 
 
 def by_hand(plan: FitPlan, rank: int, min_8bit_size: int, resumed_from: FitPlan | None = None) -> list:
-    """The callbacks that set ``plan``'s block policies (this rank's) and optimizer states by hand; resumed from a
-    checkpoint of ``resumed_from`` with 8-bit states into a 32-bit plan, the states dequantized as they load."""
-    callbacks: list = []
+    """The callbacks that set ``plan``'s block policies (this rank's) and optimizer states by hand, and where it splits
+    the batch (more micro-steps than ``ACCUMULATE``), ``StepTokenMean`` (as ``lightning-efficient plan`` prints it: the
+    step's token mean AutoFit keeps);
+    resumed from a checkpoint of ``resumed_from`` with 8-bit states into a 32-bit plan, the states dequantized as they
+    load."""
+    # (without StepTokenMean: FSDP2 resumed from the end of epoch 0 at micro-batch 2 x 4, where Lightning trains one
+    # micro-batch as a step of its own, plain Lightning weighs it 1/4 and AutoFit as the mean of its tokens; a plan of
+    # 2 x 4 came with a busy machine's timings)
+    callbacks: list = [StepTokenMean()] if (plan.accumulation or 0) > ACCUMULATE else []
     mine = plan.ranks[rank]
     if any(p != "keep" for p in mine.policies):
         callbacks.append(ActivationMemory(policy=list(mine.policies)))
