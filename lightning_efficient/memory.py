@@ -13,6 +13,7 @@ import ctypes
 import functools
 import gc
 import os
+import platform
 import resource
 import sys
 import time
@@ -382,6 +383,16 @@ def release_free_memory(device: torch.device | None = None) -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc (musl): nothing to trim
             pass
+
+
+def freed_heap_stays_resident() -> bool:
+    """Whether this process's RSS keeps heap that was freed: glibc's allocator with its default mmap threshold (set
+    neither by ``MALLOC_MMAP_THRESHOLD_`` nor by ``GLIBC_TUNABLES``' ``glibc.malloc.mmap_threshold``), which serves
+    large tensors from a heap it keeps once it has grown. Then a fit's peak RSS depends on what ran before in the
+    process, and readings of the same step differ between processes."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    return "MALLOC_MMAP_THRESHOLD_" not in os.environ and "glibc.malloc.mmap_threshold" not in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def fit_start_rss_bytes() -> int:

@@ -90,6 +90,7 @@ from lightning_efficient.memory import (
     automatic_collection_paused,
     collect_garbage_made_since,
     fit_start_rss_bytes,
+    freed_heap_stays_resident,
     is_fsdp2,
     older_collections,
     optimizer_state_bytes,
@@ -204,8 +205,14 @@ def _cannot_build(name: str, optimizers: list[torch.optim.Optimizer]) -> str | N
 
 
 #: what the advice to fit again with a wider margin leads to (a new user took it for a promise that a plan would fit)
-_WIDER_MARGIN = (", which plans for peaks that much above the predictions, or, where no plan fits then, refuses the budget "
-                 "before the first step, naming the least that would do")
+_WIDER_MARGIN = (" (as wide as this miss: a new fit chooses its micro-batch and optimizer states again too), which plans for "
+                 "peaks that much above the predictions, or, where no plan fits then, refuses the budget before the first "
+                 "step, naming the least that would do")
+#: the plan's note on CPU where glibc's allocator keeps freed heap in the RSS (a new user's trial: measured peaks 14-80%
+#: above the predictions, above tight budgets in about half the fits; within 13% with the threshold set)
+FREED_HEAP_RESIDENT = ("on CPU memory is the process's RSS, in which glibc's allocator keeps the heap it freed: fits can read "
+                       "well above these predictions (new users' models: 14-80%); MALLOC_MMAP_THRESHOLD_=131072 in the "
+                       "environment the process starts with makes the RSS count what is held (fits then run 1.2-2x slower)")
 
 #: the plan's note when the blocks were not profiled before the first step
 NOT_PROFILED = "blocks not profiled: the fastest plan fits with every block kept"
@@ -771,6 +778,8 @@ class AutoFit(Callback):
         world = trainer.world_size
         check_budget_ranks(self.budget, world)  # the same on every rank: raised before anything is measured
         notes: list[str] = []
+        if pl_module.device.type == "cpu" and freed_heap_stays_resident():
+            notes.append(FREED_HEAP_RESIDENT)
         resizable = can_resize(loader)
         samples = self._samples_per_step(trainer, loader)
         if heterogeneous:
@@ -1404,6 +1413,7 @@ class AutoFit(Callback):
                   f"prediction, {plan.ranks[worst].peak_bytes / 2**20:,.1f} MiB, by {over:.1%} of its budget "
                   f"({plan.budgets[worst] / 2**20:,.1f} MiB)")
         margin = min(0.95, plan.margin + over)
+        widened = f"{margin:.2f} (the plan's {plan.margin:.2f} widened by the miss)"
         above_usable = any(m["peak_bytes"] > b * (1 - plan.margin) for m, b in zip(measured, plan.budgets))
         above_budget = any(m["peak_bytes"] > b for m, b in zip(measured, plan.budgets))
         # the margin is for what a prediction misses: a plan measured within its budget fits, and the next fit needs a
@@ -1417,7 +1427,7 @@ class AutoFit(Callback):
                          "margin took the miss, and the fit goes on as planned")
         if unprofiled is not None and self._profiles:
             if _keep_still_fits(plan, self._profiles, margin):
-                rank_zero_info(f"{missed}; with margin {margin:.2f} every block kept still fits: the plan stays as it is.")
+                rank_zero_info(f"{missed}; with margin {widened} every block kept still fits: the plan stays as it is.")
                 return
             rank_zero_info(f"{missed}: profiling the blocks (not needed before the first step)")
             # as before the first step: no collection frees the fit's garbage between readings, and the code only
@@ -1456,20 +1466,20 @@ class AutoFit(Callback):
             again = replan(plan, self._profiles, margin=margin, policies=policies)
         except ValueError:
             if not above_usable:  # a wider margin than the plan's own is what no block plan meets: the plan fits
-                rank_zero_info(f"{missed}; with margin {margin:.2f} no block plan fits at this micro-batch and precision, and "
+                rank_zero_info(f"{missed}; with margin {widened} no block plan fits at this micro-batch and precision, and "
                                f"it is within the budget less the margin ({plan.margin:.2f}) on every rank: the fit goes "
                                "on as planned.")
                 return
             if not above_budget:
-                rank_zero_info(f"{missed}; with margin {margin:.2f} no block plan fits at this micro-batch and precision"
+                rank_zero_info(f"{missed}; with margin {widened} no block plan fits at this micro-batch and precision"
                                f"{took_the_miss}.")
                 return
-            rank_zero_warn(f"{missed}, and with margin {margin:.2f} no block plan fits at this micro-batch and precision "
+            rank_zero_warn(f"{missed}, and with margin {widened} no block plan fits at this micro-batch and precision "
                            f"(AutoFit changes only block policies mid-fit): the fit goes on as planned; for a plan that "
                            f"fits, {fits}.")
             return
         if [r.policies for r in again.ranks] == [r.policies for r in plan.ranks]:
-            rank_zero_info(f"{missed}; with margin {margin:.2f} the block policies stay as they are.")
+            rank_zero_info(f"{missed}; with margin {widened} the block policies stay as they are.")
             return
         again.notes.append(f"block policies planned again with margin {margin:.2f} after a measured peak {over:.1%} of the "
                            "budget above its prediction")

@@ -43,12 +43,14 @@ which favours fewer, larger micro-steps."""
 
 
 def _pick(plans: list[FitPlan]) -> FitPlan | None:
-    """The plan of least step time, or the largest micro-batch among those within :data:`CLOSE` of it."""
+    """The plan of least step time, or among those within :data:`CLOSE` of it, one keeping the optimizer states at
+    full precision where one does (8-bit states are lossy: a new user's GPT-2, with room for 32-bit ones, got 8-bit
+    states on a busy machine's timings), then the largest micro-batch."""
     if not plans:
         return None
     fastest = min(p.step_s for p in plans)
     close = [p for p in plans if p.step_s <= fastest * (1 + CLOSE)]
-    return max(close, key=lambda p: (p.ranks[0].micro_batch, -p.step_s))
+    return max(close, key=lambda p: (not p.optimizer.startswith("8-bit"), p.ranks[0].micro_batch, -p.step_s))
 
 
 @dataclass

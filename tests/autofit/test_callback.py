@@ -9,6 +9,7 @@ import gc
 import json
 import logging
 import math
+import platform
 import random
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport, SelectiveTokenLoss
 from lightning_efficient.activations.discovery import find_blocks
+from lightning_efficient.autofit.callback import FREED_HEAP_RESIDENT
 from lightning_efficient.autofit.model import BudgetTooSmall
 from tests.autofit.test_token_mean import FirstGradients, PaddedGPT
 from tests.conftest import tiny_gpt_kwargs
@@ -317,6 +319,19 @@ def test_plan_only_fits_return_before_training_and_leave_the_module_as_it_was(sm
     assert fit.planning_s > 0
     for _, block in find_blocks(model):
         assert "forward" not in vars(block)  # not wrapped
+
+
+@pytest.mark.parametrize("environment", [{}, {"MALLOC_MMAP_THRESHOLD_": "131072"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}])
+def test_a_plan_on_cpu_says_where_glibcs_allocator_keeps_freed_heap_in_the_rss(small_datamodule_kwargs, monkeypatch, environment):
+    # a new user's trial: under glibc's default allocator measured peaks were 14-80% above the predictions, above tight
+    # budgets in about half the fits, and nothing said why (within 13% with the threshold set)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    fit = AutoFit(budget="2GiB", plan_only=True)
+    _fit(small_datamodule_kwargs, [fit])
+    assert (FREED_HEAP_RESIDENT in fit.plan.notes) == (not environment and platform.libc_ver()[0] == "glibc")
 
 
 def test_the_plan_is_saved_in_checkpoints_and_a_resume_with_the_same_budget_reuses_it(small_datamodule_kwargs, tmp_path):
@@ -1742,10 +1757,6 @@ def test_a_shuffled_dataloader_built_while_the_optimizers_are_configured_trains_
     stream as it stood later trained plain Lightning's second epoch's order. A review: a LearningRateFinder builds it
     again before AutoFit plans, and that build is the one plain Lightning trains; Python's and NumPy's streams, drawn
     from in train_dataloader(), moved on."""
-    profile = _profile_figures(small_datamodule_kwargs)
-    p0, p1 = profile.line(profile.peak_bytes)
-    budget = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)
-
     def trained(callbacks):
         from lightning.pytorch.callbacks import LearningRateFinder
 
@@ -1759,9 +1770,11 @@ def test_a_shuffled_dataloader_built_while_the_optimizers_are_configured_trains_
         trainer.fit(OneCycleGPT(**WIDE_HEAD), data)
         return seen.steps, data.draws, (torch.rand(1), random.random(), float(np.random.rand()))
 
-    fit = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
+    # the batch split by micro_batches, not by a budget between two micro-batches: read late in a test process (its
+    # heap grown by the tests before), micro-batch 8 fitted a budget set from an earlier reading to fit 6 at most
+    fit = AutoFit(budget="8GiB", micro_batches=[4], activation_policies=["keep"], optimizer_options=["32-bit"])
     mine = trained([fit])
-    assert fit.plan.accumulation > 1
+    assert fit.plan.accumulation == 2
     theirs = trained([])
     assert len(mine[0]) == 3 and mine[0] == theirs[0]
     assert set(theirs[1]) <= set(mine[1])  # the build again drew what the last build drew (AutoFit reads it too, put back)

@@ -192,6 +192,18 @@ def test_a_budget_only_8bit_states_meet_is_met_with_them():
     assert plan.optimizer == "8-bit"
 
 
+@pytest.mark.parametrize("eight_bit_step_s, picked", [(0.0095, "32-bit"), (0.002, "8-bit")])
+def test_among_plans_within_close_of_the_fastest_full_precision_states_are_kept(eight_bit_step_s, picked):
+    # a new user's trial: with room for 32-bit states, a busy machine's timings put 8-bit ones a little ahead and they
+    # were taken; lossy states are taken only where they are faster by more than CLOSE (or where only they fit)
+    p = profile(10**10)
+    p.options = [OptimizerOption("32-bit", 8 * MiB, 0.010, 0), OptimizerOption("8-bit", 2 * MiB, eight_bit_step_s, 0)]
+    plan = search([p], samples_per_step=8, heterogeneous=False, margin=0.1, policies=POLICIES)
+    assert plan.optimizer == picked and plan.micro_batches == [8]
+    faster = [replace(p, options=[p.options[1]])]
+    assert search(faster, samples_per_step=8, heterogeneous=False, margin=0.1, policies=POLICIES).step_s < plan.step_s * (1 + CLOSE)
+
+
 def test_an_infeasible_budget_names_the_smallest_that_works_and_that_one_does():
     p = profile(10 * MiB)
     with pytest.raises(BudgetTooSmall, match=r"need a budget of at least [0-9.,]+ MiB \(([0-9,]+) bytes\)") as raised:
