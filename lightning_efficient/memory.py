@@ -392,7 +392,18 @@ def freed_heap_stays_resident() -> bool:
     process, and readings of the same step differ between processes."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return False
-    return "MALLOC_MMAP_THRESHOLD_" not in os.environ and "glibc.malloc.mmap_threshold" not in os.environ.get("GLIBC_TUNABLES", "")
+    started_with = _environment_at_start()  # (glibc reads it when the process starts: a later os.environ does nothing)
+    return "MALLOC_MMAP_THRESHOLD_" not in started_with and "glibc.malloc.mmap_threshold" not in started_with.get("GLIBC_TUNABLES", "")
+
+
+def _environment_at_start() -> dict[str, str]:
+    """The environment this process started with (``/proc/self/environ``; ``os.environ`` where it cannot be read)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return dict(os.environ)
+    return dict(entry.decode(errors="replace").partition("=")[::2] for entry in entries if b"=" in entry)
 
 
 def fit_start_rss_bytes() -> int:

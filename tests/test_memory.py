@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 
@@ -177,3 +178,21 @@ def test_freed_memory_is_handed_back_without_mkl_as_before(monkeypatch, missing)
         memory.release_free_memory()  # nothing raised
     finally:
         memory._mkl_free_buffers.cache_clear()
+
+
+@pytest.mark.parametrize(("environment", "set_after_start", "resident"), [
+    ({}, False, True),
+    ({"MALLOC_MMAP_THRESHOLD_": "131072"}, False, False),
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}, False, False),
+    ({}, True, True),  # set in os.environ after the start: glibc read its environment then, and keeps freed heap
+])
+def test_freed_heap_stays_resident_under_glibcs_default_allocator_read_from_the_environment_the_process_started_with(
+        environment, set_after_start, resident):
+    code = ("import os\n"
+            + ("os.environ['MALLOC_MMAP_THRESHOLD_'] = '131072'\n" if set_after_start else "")
+            + "from lightning_efficient.memory import freed_heap_stays_resident\nprint(freed_heap_stays_resident())")
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    done = subprocess.run([sys.executable, "-c", code], env={**env, **environment}, capture_output=True, text=True, timeout=120,
+                          check=True)
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert done.stdout.strip() == str(resident and glibc)

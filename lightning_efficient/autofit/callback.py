@@ -210,7 +210,7 @@ _WIDER_MARGIN = (" (as wide as this miss: a new fit chooses its micro-batch and 
                  "step, naming the least that would do")
 #: the plan's note on CPU where glibc's allocator keeps freed heap in the RSS (a new user's trial: measured peaks 14-80%
 #: above the predictions, above tight budgets in about half the fits; within 13% with the threshold set)
-FREED_HEAP_RESIDENT = ("on CPU memory is the process's RSS, in which glibc's allocator keeps the heap it freed: fits can read "
+FREED_HEAP_RESIDENT = ("on CPU, memory is the process's RSS, in which glibc's allocator keeps the heap it freed: fits can read "
                        "well above these predictions (new users' models: 14-80%); MALLOC_MMAP_THRESHOLD_=131072 in the "
                        "environment the process starts with makes the RSS count what is held (fits then run 1.2-2x slower)")
 
@@ -601,6 +601,10 @@ class AutoFit(Callback):
         reused = plan is not None
         if reused:
             rank_zero_info("AutoFit: the checkpoint's plan is reused (same budget and settings); not measured again.")
+            # the notes of the process that planned, but this one's allocator
+            plan.notes = [n for n in plan.notes if n != FREED_HEAP_RESIDENT]
+            if pl_module.device.type == "cpu" and freed_heap_stays_resident():
+                plan.notes.insert(0, FREED_HEAP_RESIDENT)
             self._micro_searched = self.search_micro_batch
         try:
             if plan is None:
@@ -1413,7 +1417,7 @@ class AutoFit(Callback):
                   f"prediction, {plan.ranks[worst].peak_bytes / 2**20:,.1f} MiB, by {over:.1%} of its budget "
                   f"({plan.budgets[worst] / 2**20:,.1f} MiB)")
         margin = min(0.95, plan.margin + over)
-        widened = f"{margin:.2f} (the plan's {plan.margin:.2f} widened by the miss)"
+        widened = f"{margin:.2f} (the plan's margin plus the miss, {over:.1%} of the budget)"
         above_usable = any(m["peak_bytes"] > b * (1 - plan.margin) for m, b in zip(measured, plan.budgets))
         above_budget = any(m["peak_bytes"] > b for m, b in zip(measured, plan.budgets))
         # the margin is for what a prediction misses: a plan measured within its budget fits, and the next fit needs a

@@ -37,9 +37,9 @@ from lightning_efficient.activations.planner import BlockProfile, plan_blocks
 from lightning_efficient.activations.policies import policy_counts
 
 CLOSE = 0.03
-"""Predicted step times within this fraction of the best count as equal; the largest micro-batch among them is
-taken: the model times forward and backward, not the loop's own work per micro-step (hooks, loading a batch),
-which favours fewer, larger micro-steps."""
+"""Predicted step times within this fraction of the best count as equal: among them one keeping full-precision
+optimizer states where one does (8-bit states are lossy), then the largest micro-batch (the model times forward and
+backward, not the loop's own work per micro-step: hooks, loading a batch, which favours fewer, larger micro-steps)."""
 
 
 def _pick(plans: list[FitPlan]) -> FitPlan | None:
@@ -50,7 +50,12 @@ def _pick(plans: list[FitPlan]) -> FitPlan | None:
         return None
     fastest = min(p.step_s for p in plans)
     close = [p for p in plans if p.step_s <= fastest * (1 + CLOSE)]
-    return max(close, key=lambda p: (not p.optimizer.startswith("8-bit"), p.ranks[0].micro_batch, -p.step_s))
+    return max(close, key=lambda p: (not _lossy(p), p.ranks[0].micro_batch, -p.step_s))
+
+
+def _lossy(plan: FitPlan) -> bool:
+    """Whether ``plan`` quantizes the optimizer states (8-bit, paged or offloaded)."""
+    return plan.optimizer.startswith("8-bit")
 
 
 @dataclass
@@ -462,7 +467,9 @@ def blocks_matter(profiles: list[RankProfile], *, samples_per_step: int, heterog
         kept = search(profiles, **settings)
     except BudgetTooSmall:
         return True
-    return kept.step_s > unlimited.step_s
+    # (or where keeping every block fits only with lossy states that the fastest plan does without: block policies may
+    # make room for full-precision ones, which the pick prefers among near-equal plans)
+    return kept.step_s > unlimited.step_s or (_lossy(kept) and not _lossy(unlimited))
 
 
 def _fitting_or_leanest(profile: RankProfile, micro: int, option: OptimizerOption, policies: tuple[str, ...], margin: float) -> RankChoice:

@@ -126,7 +126,8 @@ class BatchTokenMean:
             f"tokens whose count varies from sample to sample (padding, -100 labels), the micro-batches weigh them "
             f"otherwise than {batch_words} (Lightning divides each micro-batch's own mean by the accumulation). Return "
             "lightning_efficient.TokenLosses(per_token_losses, mask) for the batch's token mean. A mean over samples that "
-            "weigh the same (a classifier's cross-entropy) splits exactly: nothing to do."
+            "weigh the same (a classifier's cross-entropy) is the batch's mean over micro-batches of equal size: "
+            "nothing to do for it."
         )
 
 
