@@ -173,11 +173,6 @@ class RankProfile:
             most[int(size)] = max(int(peak), most.get(int(size), 0))
         return sorted(most.items())
 
-    @property
-    def largest_read(self) -> int:
-        """The largest micro-batch whose peak was read."""
-        return self.peak_points()[-1][0]
-
     def peak_at(self, micro: int) -> float:
         """Predicted peak bytes of a forward and backward at ``micro`` samples, every block kept: up to the second read
         size, :meth:`line` through the two smallest; between larger read sizes, linear between the two around it;
