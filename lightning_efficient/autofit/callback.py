@@ -123,6 +123,11 @@ def _size_to_read(profile: RankProfile, micro: int) -> int:
     return micro if _unread(profile, micro) else max(micro, profile.sizes[1])
 
 
+def _allocator_notes(pl_module: LightningModule) -> list[str]:
+    """The plan's note on this process's allocator: on CPU where freed heap stays in the RSS (none otherwise)."""
+    return [FREED_HEAP_RESIDENT] if pl_module.device.type == "cpu" and freed_heap_stays_resident() else []
+
+
 def _ran_out(profile: RankProfile, size: int) -> RankProfile:
     """``profile`` where no plan uses ``size`` or more (a reading there ran out of memory, or one above it did)."""
     return replace(profile, out_of_memory_at=min(size, profile.out_of_memory_at or size))
@@ -602,9 +607,7 @@ class AutoFit(Callback):
         if reused:
             rank_zero_info("AutoFit: the checkpoint's plan is reused (same budget and settings); not measured again.")
             # the notes of the process that planned, but this one's allocator
-            plan.notes = [n for n in plan.notes if n != FREED_HEAP_RESIDENT]
-            if pl_module.device.type == "cpu" and freed_heap_stays_resident():
-                plan.notes.insert(0, FREED_HEAP_RESIDENT)
+            plan.notes = [*_allocator_notes(pl_module), *(n for n in plan.notes if n != FREED_HEAP_RESIDENT)]
             self._micro_searched = self.search_micro_batch
         try:
             if plan is None:
@@ -781,9 +784,7 @@ class AutoFit(Callback):
         batch_size = self._users_batch_size = loader_batch_size(loader)
         world = trainer.world_size
         check_budget_ranks(self.budget, world)  # the same on every rank: raised before anything is measured
-        notes: list[str] = []
-        if pl_module.device.type == "cpu" and freed_heap_stays_resident():
-            notes.append(FREED_HEAP_RESIDENT)
+        notes: list[str] = _allocator_notes(pl_module)
         resizable = can_resize(loader)
         samples = self._samples_per_step(trainer, loader)
         if heterogeneous:

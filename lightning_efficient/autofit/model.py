@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -88,6 +89,14 @@ def _line_through(sizes: tuple[int, int], values: tuple[float, float]) -> tuple[
     return float(max(0.0, v2 - slope * m2)), float(slope)
 
 
+def _per_size(readings: list[tuple[int, Any]], keep: Callable[[Any, Any], Any], kind: type) -> list[tuple[int, Any]]:
+    """One reading per micro-batch size (``keep`` of a size's readings, as ``kind``), in increasing size."""
+    kept: dict[int, Any] = {}
+    for size, value in readings:
+        kept[int(size)] = kind(value) if int(size) not in kept else keep(kept[int(size)], kind(value))
+    return sorted(kept.items())
+
+
 @dataclass
 class RankProfile:
     """What one rank measured: two micro-batch sizes (and the larger ones read), its blocks, its optimizer options.
@@ -138,10 +147,7 @@ class RankProfile:
 
     def time_points(self) -> list[tuple[int, float]]:
         """Every timed micro-batch size with its least reading, in increasing size."""
-        least: dict[int, float] = {}
-        for size, seconds in [*zip(self.sizes, self.step_s), *self.times]:
-            least[int(size)] = min(float(seconds), least.get(int(size), math.inf))
-        return sorted(least.items())
+        return _per_size([*zip(self.sizes, self.step_s), *self.times], min, float)
 
     def micro_step_seconds(self, micro: int) -> float:
         """Predicted seconds of a forward and backward at ``micro`` samples, every block kept: linear between the
@@ -168,10 +174,7 @@ class RankProfile:
 
     def peak_points(self) -> list[tuple[int, int]]:
         """Every micro-batch size whose peak was read (every block kept) with its largest reading, in increasing size."""
-        most: dict[int, int] = {}
-        for size, peak in [*zip(self.sizes, self.peak_bytes), *self.peaks]:
-            most[int(size)] = max(int(peak), most.get(int(size), 0))
-        return sorted(most.items())
+        return _per_size([*zip(self.sizes, self.peak_bytes), *self.peaks], max, int)
 
     def peak_at(self, micro: int) -> float:
         """Predicted peak bytes of a forward and backward at ``micro`` samples, every block kept: up to the second read
