@@ -87,9 +87,10 @@ class BatchTokenMean:
                 return output
             if _gradients_are_local_until_the_last_backward(trainer):
                 loss = self.rank_mean.micro_batch_loss(*found, accumulation, first=first,
-                                                       last=not trainer.fit_loop._should_accumulate(), optimizers=trainer.optimizers)
+                                                       last=not trainer.fit_loop._should_accumulate(), optimizers=trainer.optimizers,
+                                                       shown=output["loss"])
             else:
-                loss = self.normaliser.micro_batch_loss(*found, accumulation, batch_idx=batch_idx)
+                loss = self.normaliser.micro_batch_loss(*found, accumulation, batch_idx=batch_idx, shown=output["loss"])
             return {**output, "loss": loss}
 
         def normalise(optimizer: Any) -> None:

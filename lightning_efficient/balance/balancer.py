@@ -68,7 +68,7 @@ from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
 from lightning_efficient.resumable import EpochShuffleSampler, load_pending_position
-from lightning_efficient.tokens.normalize import StepTokenNormaliser
+from lightning_efficient.tokens.normalize import StepTokenNormaliser, shown_as
 from lightning_efficient.tokens.output import NormalisedTokenLoss, loss_sum_and_count
 
 _MAX_UNREAD = 8  # micro-steps whose marks may wait to be read before the oldest is read anyway
@@ -714,7 +714,8 @@ class Balancer:
         token *sum* by ``W * A / K`` and the gradients by ``K / count`` once the step's last backward is
         done (:meth:`normalise_gradients`), with one all-reduce a step. A
         :class:`~lightning_efficient.tokens.output.NormalisedTokenLoss` (``SelectiveTokenLoss``'s
-        output) is already weighted so by the callback and is left as it is.
+        output) is already weighted so by the callback and is left as it is. The weighted loss's value is the
+        micro-batch's own (:func:`~lightning_efficient.tokens.normalize.shown_as`), as a plain fit hands it on.
         """
         if not self.strategy.lightning_module.automatic_optimization:
             if not self._warned_manual:
@@ -730,20 +731,20 @@ class Balancer:
             loss = output["loss"]
             found = loss_sum_and_count(output)
             if found is not None:
-                return {**output, "loss": self._token_weighted(*found)}
+                return {**output, "loss": self._token_weighted(*found, shown=loss)}
         elif isinstance(output, Tensor):
             loss = output
         else:
             return output
         step_samples = self.sampler.step_samples((self.micro_done - 1) // self.plan.accumulation)  # (this micro-step's)
-        scaled = loss * (samples * self.world * self.plan.accumulation / step_samples)
+        scaled = shown_as(loss * (samples * self.world * self.plan.accumulation / step_samples), loss)
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
-    def _token_weighted(self, local_sum: Tensor, count: Tensor) -> Tensor:
-        """This micro-batch's token-loss sum, scaled by ``W * A / K`` (see :meth:`_scaled`)."""
+    def _token_weighted(self, local_sum: Tensor, count: Tensor, shown: Tensor) -> Tensor:
+        """This micro-batch's token-loss sum, scaled by ``W * A / K`` (see :meth:`_scaled`), showing ``shown``."""
         # what Lightning divides by: a GradientAccumulationScheduler's (over whole global batches), else the plan's
         accumulation = self.strategy.lightning_module.trainer.accumulate_grad_batches
-        return self.token_normaliser.micro_batch_loss(local_sum, count, accumulation)
+        return self.token_normaliser.micro_batch_loss(local_sum, count, accumulation, shown=shown)
 
     def normalise_gradients(self, optimizer: Any) -> None:
         """Divide token-weighted gradients by the step's global token count (after its last backward)."""

@@ -89,6 +89,19 @@ def globally_normalised_loss(token_losses: Tensor, keep: Tensor, global_count: T
     return kept_sum * factor.to(kept_sum.dtype)
 
 
+def shown_as(weighted: Tensor, value: Tensor) -> Tensor:
+    """A loss with ``weighted``'s gradient and ``value``'s value, exactly: a micro-batch's loss weighted for its step
+    (by a count that stands in for the step's until its last backward, a share of the global batch) is handed on by
+    Lightning (``on_train_batch_end``'s ``outputs["loss"]``) as the micro-batch's own loss, the one a plain fit hands on
+    (a trial: under FSDP2 the step after an epoch's short last step handed on 4 times the loss at 2 x 4)."""
+    return value.detach() + (weighted - weighted.detach())
+
+
+def _own_mean(local_sum: Tensor, local_count: Tensor | int) -> Tensor:
+    """A micro-batch's own token mean (0 over no tokens)."""
+    return local_sum.detach() / torch.as_tensor(local_count, device=local_sum.device).clamp_min(1)
+
+
 def optimizer_step_normalising(original_optimizer_step: Callable[..., Any], normalise: Callable[[Any], None]) -> Callable[..., Any]:
     """A LightningModule's ``optimizer_step`` that runs ``normalise(optimizer)`` inside the optimizer closure, after the
     step's last backward: before AMP unscaling, ``on_before_optimizer_step`` hooks, gradient clipping and the optimizer."""
@@ -166,8 +179,9 @@ class StepTokenNormaliser(_NotesBackward):
         self._backward_ran = False
 
     def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int,
-                         non_finite: Tensor | int = 0, *, batch_idx: int | None = None) -> Tensor:
-        """This micro-batch's loss: its local token-loss sum times ``W * A / K``.
+                         non_finite: Tensor | int = 0, *, batch_idx: int | None = None, shown: Tensor | None = None) -> Tensor:
+        """This micro-batch's loss: its local token-loss sum times ``W * A / K``, whose value is ``shown`` (by default
+        the micro-batch's own token mean on this rank, :func:`shown_as`).
 
         Args:
             local_sum: the sum of this rank's (kept) token losses in the micro-batch.
@@ -178,6 +192,7 @@ class StepTokenNormaliser(_NotesBackward):
                 one rank raising while the others wait in a collective.
             batch_idx: the micro-batch's index in the epoch, where the caller runs in Lightning's loop: at a step's
                 first micro-batch, what a call outside the loop (a profile) counted is forgotten (:meth:`begin_step`).
+            shown: the value the loss shows (the module's own loss of the micro-batch, where it returned one).
         """
         if batch_idx is not None and batch_idx % accumulation == 0:
             self.begin_step()
@@ -188,13 +203,14 @@ class StepTokenNormaliser(_NotesBackward):
             # here and normalise_gradients has no pass over the gradients to make (the step's one host sync moves here)
             tokens, non_finite_count = counts.tolist()
             self.scale, self.step_tokens, self._known_non_finite = float(max(tokens, 1)), None, int(non_finite_count)
-            return local_sum.to(_loss_dtype(local_sum.dtype)) / self.scale
+            weighted = local_sum.to(_loss_dtype(local_sum.dtype)) / self.scale  # (the own mean already)
+            return weighted if shown is None else shown_as(weighted, shown)
         if self.scale is None:  # the first step: one all-reduce (and one host sync) estimates the step's count
             self.scale = float(max(int(global_sum(counts[:1])) * accumulation, 1))
         self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
         loss = local_sum * (distributed_world_size() * accumulation / self.scale)
-        return self._watched(loss)
+        return shown_as(self._watched(loss), _own_mean(local_sum, local_count) if shown is None else shown)
 
     def normalise_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Multiply the optimizer's gradients by ``K / T`` (``T``: the step's global token count), then
@@ -260,8 +276,9 @@ class RankStepTokenMean(_NotesBackward):
         self._backward_ran = False
 
     def micro_batch_loss(self, local_sum: Tensor, local_count: Tensor | int, accumulation: int, *, first: bool, last: bool,
-                         optimizers: Iterable[torch.optim.Optimizer]) -> Tensor:
-        """This micro-batch's loss (see the class docstring).
+                         optimizers: Iterable[torch.optim.Optimizer], shown: Tensor | None = None) -> Tensor:
+        """This micro-batch's loss (see the class docstring), whose value is ``shown`` (by default the micro-batch's own
+        token mean, :func:`shown_as`).
 
         Args:
             local_sum: the sum of this rank's token losses in the micro-batch.
@@ -270,7 +287,9 @@ class RankStepTokenMean(_NotesBackward):
             first: whether the micro-batch is its step's first (what is counted is forgotten).
             last: whether it is its step's last (the one whose backward synchronises the ranks' gradients).
             optimizers: the optimizers whose gradients the step's earlier micro-batches accumulated.
+            shown: the value the loss shows (the module's own loss of the micro-batch, where it returned one).
         """
+        shown = _own_mean(local_sum, local_count) if shown is None else shown
         device = local_sum.device
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
         count = torch.as_tensor(local_count, device=device).to(torch.int64).reshape(())
@@ -290,9 +309,9 @@ class RankStepTokenMean(_NotesBackward):
             total = total.to(local_sum.dtype)
             if backward_ran:  # (else nothing of this step is held: a first micro-batch, or a step no backward ran in)
                 _multiply_gradients(optimizers, scale / total)
-            return local_sum * (accumulation / total)
+            return shown_as(local_sum * (accumulation / total), shown)
         loss = local_sum * (accumulation / scale)
-        return self._watched(loss)
+        return shown_as(self._watched(loss), shown)
 
 
 def _multiply_gradients(optimizers: Iterable[torch.optim.Optimizer], factor: Tensor | float) -> None:

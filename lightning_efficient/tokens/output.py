@@ -256,8 +256,9 @@ class NormalisedTokenLoss(_PytreeOutput, dict):
     """The step loss :class:`~lightning_efficient.tokens.SelectiveTokenLoss` returns in place of the
     module's ``training_step`` output.
 
-    Keys: ``"loss"`` (already weighted so that the step's gradient is the mean over every kept
-    token of the step, see :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`),
+    Keys: ``"loss"`` (its gradient already weighted so that the step's gradient is the mean over every kept
+    token of the step, see :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`; its value the
+    micro-batch's mean over its kept tokens on this rank),
     ``"mask"`` (the valid tokens), ``"keep"`` (the kept ones) and the module output's extra keys.
     A strategy that re-weights token losses itself (``hetero_ddp``) recognises it by type and
     leaves it as it is.

@@ -194,6 +194,38 @@ def test_under_fsdp2_the_step_is_the_mean_over_every_ranks_valid_tokens(tmp_path
                         lambda step: [list(range(8 * step, 8 * step + 4)), list(range(8 * step + 4, 8 * step + 8))])
 
 
+def test_under_fsdp2_lightning_hands_on_each_micro_batchs_own_loss_also_after_a_short_step(tmp_path):
+    """A session's trial: the step after a short one (an epoch's last) handed ``on_train_batch_end`` each micro-batch's
+    loss times the step's accumulation (its stand-in count was the short step's); what a plain fit hands on is the
+    module's own loss over the accumulation, and its gradients are weighed for the step all the same."""
+    out = tmp_path / "shown.pt"
+    run_script(TOKENS / "fsdp_accumulate.py", out, "shown")
+    for rank in (0, 1):
+        saved = torch.load(f"{out}.{rank}")
+        assert saved["steps"] == [0, 0, 0, 1, 2, 2, 2]  # 4 micro-batches an epoch: steps of 3, 1 (short), then 3
+        for shown, own in saved["pairs"]:
+            assert shown == own
+
+
+def test_in_one_process_lightning_hands_on_each_micro_batchs_own_loss():
+    """With the rank's own token mean (one process, DDP), too: the loss handed on is the module's own, bitwise as a plain
+    fit's, where the weighted loss's value was its stand-in count's (a step's earlier micro-batches) or the step's."""
+    from tests.tokens.accumulation_model import KeepsOwnLoss, OwnLossShown
+
+    def fit_recording(callbacks):
+        torch.manual_seed(0)
+        losses = OwnLossShown()
+        lightning.Trainer(accelerator="cpu", max_steps=4, accumulate_grad_batches=3, precision="64-true", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[losses, *callbacks]).fit(KeepsOwnLoss())
+        return losses
+
+    plain, mine = fit_recording([]), fit_recording([StepTokenMean()])
+    assert mine.steps == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3]  # 8 micro-batches an epoch: steps of 3, 3, 2 (short), 3
+    assert mine.pairs == plain.pairs
+    assert all(shown == own for shown, own in mine.pairs)
+
+
 class WrapsTheStepToo(lightning.Callback):
     """Another callback that wraps ``training_step`` on the instance for a fit, on top of the token mean's, and puts
     back what it found when the fit ends."""
@@ -258,9 +290,14 @@ def test_the_rank_means_stand_in_count_is_the_previous_steps_so_a_short_first_ro
     for i, count in enumerate([100, 160]):  # a first step of 260 tokens
         mean.micro_batch_loss(weight * count, count, 2, first=i == 0, last=i == 1, optimizers=[optimizer]).backward()
     first_of_next = mean.micro_batch_loss(weight * 1, 1, 2, first=True, last=False, optimizers=[optimizer])
-    assert float(first_of_next) == 1 * 2 / 260  # not 1 * 2 / (1 * 2)
+    assert _gradient(first_of_next, weight) == 1 * 2 / 260  # not 1 * 2 / (1 * 2)
     mean.reset()  # a new fit starts from its first micro-batch's count
-    assert float(mean.micro_batch_loss(weight * 1, 1, 2, first=True, last=False, optimizers=[optimizer])) == 1.0
+    assert _gradient(mean.micro_batch_loss(weight * 1, 1, 2, first=True, last=False, optimizers=[optimizer]), weight) == 1.0
+
+
+def _gradient(loss: torch.Tensor, weight: torch.Tensor) -> float:
+    """d loss / d weight (a weighted micro-batch loss's value is its own mean; its gradient carries the weight)."""
+    return float(torch.autograd.grad(loss, weight)[0])
 
 
 class SkipsTwo(Tiny):
@@ -290,4 +327,4 @@ def test_the_rank_means_stand_in_is_per_micro_batch_so_another_accumulation_keep
     mean = RankStepTokenMean()
     mean.micro_batch_loss(weight * 10, 10, 1, first=True, last=True, optimizers=[optimizer]).backward()  # 10 a micro-batch
     first_of_next = mean.micro_batch_loss(weight * 8, 8, 4, first=True, last=False, optimizers=[optimizer])
-    assert float(first_of_next) == 8 * 4 / (10 * 4)  # not 8 * 4 / 10
+    assert _gradient(first_of_next, weight) == 8 * 4 / (10 * 4)  # not 8 * 4 / 10

@@ -129,6 +129,7 @@ class Module(lightning.LightningModule):
         if self.mode == "rebalance_direct":
             summed = out.detach().clone()
             torch.distributed.all_reduce(summed)
+        self.own_loss = (out["loss"] if isinstance(out, TokenLosses) else out).detach().clone()
         return out
 
     def configure_optimizers(self):
@@ -192,6 +193,7 @@ class MemoryLimit(lightning.Callback):
 class Record(lightning.Callback):
     def __init__(self, out, mode):
         self.out, self.mode, self.shares, self.steps = out, mode, [], []
+        self.shown: list[tuple[float, float]] = []  # rank 0's: the loss handed on, the module's own over the accumulation
 
     def on_fit_start(self, trainer, pl_module):
         self.init = {k: v.clone() for k, v in pl_module.state_dict().items()}
@@ -211,14 +213,17 @@ class Record(lightning.Callback):
             micro = [sampler.rank_slice(step, permutation, rank) for rank in range(trainer.world_size)]
             grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
             self.steps.append({"grads": grads, "indices": indices, "micro": micro, "shares": strategy.current_shares})
-            torch.save({"init": self.init, "steps": self.steps}, self.out)
+            torch.save({"init": self.init, "steps": self.steps, "shown": self.shown}, self.out)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not self.mode.startswith("rebalance") and trainer.global_rank == 0:
+            self.shown.append((float(outputs["loss"]), float(pl_module.own_loss / trainer.accumulate_grad_batches)))
+            torch.save({"init": self.init, "steps": self.steps, "shown": self.shown}, self.out)
         # (the batch that ended the step: its optimizer step saved it; a later micro-batch belongs to the next step)
         if self.mode in ("samples", "samples_acc") and trainer.global_rank == 0 and self.steps and "logged" not in self.steps[-1]:
             self.steps[-1]["logged"] = float(trainer.callback_metrics["logged_loss"])  # the step's last micro-batch's
             self.steps[-1]["reduced_half"] = pl_module.reduced_half
-            torch.save({"init": self.init, "steps": self.steps}, self.out)
+            torch.save({"init": self.init, "steps": self.steps, "shown": self.shown}, self.out)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ def test_shares_two_to_one_give_the_global_batch_gradient(tmp_path, mode):
     assert len(saved["steps"]) == 2
     for step in saved["steps"]:
         _assert_global_batch_gradient(mode, saved["init"], step)
+    # each micro-batch's loss handed on (on_train_batch_end) is the module's own, as a plain fit hands it on, where its
+    # gradient is weighed by the rank's share (it showed the weighted value: 1.33x and 0.67x at shares 2:1)
+    assert len(saved["shown"]) == 2 * len(saved["steps"][0]["micro"][0])
+    if not mode.startswith("selective"):  # (SelectiveTokenLoss's is the mean over its kept tokens)
+        assert all(shown == own for shown, own in saved["shown"])
 
 
 @pytest.mark.parametrize("batch_type", ["dataclass", "encoding"])

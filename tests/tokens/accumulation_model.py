@@ -142,3 +142,29 @@ def reference_step_grads(init, method, micro_steps, clip=None):
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     return {n: p.grad for n, p in model.named_parameters()}
+
+
+class OwnLossShown(lightning.Callback):
+    """Per micro-batch on this rank: the loss Lightning hands ``on_train_batch_end`` (``outputs["loss"]``) and the
+    module's own loss divided by the accumulation (what a plain fit hands on), from a module whose
+    ``training_step`` keeps its output's ``"loss"`` in ``own_loss`` (:class:`KeepsOwnLoss`)."""
+
+    def __init__(self):
+        self.pairs: list[tuple[float, float]] = []
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.pairs.append((float(outputs["loss"]), float(pl_module.own_loss / trainer.accumulate_grad_batches)))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append(trainer.global_step)  # (the step the micro-batch trains in)
+
+
+class KeepsOwnLoss(Tiny):
+    """:class:`Tiny` keeping its output's own ``"loss"`` (the micro-batch's token mean) in ``own_loss``."""
+
+    def training_step(self, batch, batch_idx):
+        output = super().training_step(batch, batch_idx)
+        self.own_loss = output["loss"].detach().clone()
+        return output
+
