@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 _LOOKED_AT = 4096  # values looked at in a batch at most (a batch that holds a tokenizer or raw text is not walked whole)
@@ -75,6 +76,16 @@ def batch_samples(batch: Any) -> int | None:
     if isinstance(batch, list | tuple) and batch and all(isinstance(item, str | bytes | int | float) for item in batch):
         return len(batch)
     return None
+
+
+def token_ids(batch: Any) -> Tensor | None:
+    """The batch's token ids: its :func:`token_tensor` where that holds integers in two or more dimensions, None else (a
+    batch of float features, images, 1-D values: a new user's trial, an MLP's "tokens/s" in the AutoFit plan and in
+    ``MemoryReport`` were its features a second)."""
+    tensor = token_tensor(batch)
+    if tensor is None or tensor.dim() < 2 or tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        return None
+    return tensor
 
 
 def token_tensor(batch: Any) -> Tensor | None:

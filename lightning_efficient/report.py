@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_efficient._samples import batch_samples, token_tensor
+from lightning_efficient._samples import batch_samples, token_ids
 from lightning_efficient._torch import synchronize
 from lightning_efficient._validation import require, require_bool, require_int, require_path
 from lightning_efficient.memory import (
@@ -113,8 +113,9 @@ class MemoryReport(Callback):
     gradient bytes (which a sampled first micro-batch of an accumulation window has not made yet).
 
     Tokens per step are the valid tokens of a :class:`~lightning_efficient.tokens.TokenLosses`
-    output, else the elements of the batch's ``[samples, sequence]`` tensor
-    (:func:`~lightning_efficient._samples.token_tensor`) when it has two or more dimensions.
+    output, else the elements of the batch's ``[samples, sequence]`` tensor of token ids
+    (:func:`~lightning_efficient._samples.token_ids`: integers in two or more dimensions); a batch of float features
+    or images has no tokens, and its figures are ``samples_per_s``/``samples_per_step``.
 
     Under several processes (DDP, ``hetero_ddp``) the figures are the run's, gathered from every
     rank on the sampled steps and at the end of fit: ``samples_per_s``/``tokens_per_s`` and
@@ -316,10 +317,10 @@ class MemoryReport(Callback):
 
     def _count_tokens(self, outputs: Any, batch: Any) -> None:
         mask = outputs.get("mask") if isinstance(outputs, Mapping) else None
-        tokens = token_tensor(batch)
+        tokens = token_ids(batch)
         if isinstance(mask, torch.Tensor):
             self._tokens.append(int(mask.sum()))
-        elif tokens is not None and tokens.dim() >= 2:
+        elif tokens is not None:
             self._tokens.append(tokens.numel())
         samples = batch_samples(batch)
         if samples is not None:

@@ -42,6 +42,26 @@ def test_fit_reports_exact_optimizer_bytes_and_prints_the_table(small_datamodule
     assert json.loads((tmp_path / "report.json").read_text())["optimizer_state_bytes"] == figures["optimizer_state_bytes"]
 
 
+def test_a_model_of_float_features_is_reported_in_samples_not_tokens():
+    """A new user's trial: Lightning's BoringModel (32 float features a sample) was reported at 32 "tokens" a sample; a
+    batch without token ids has no tokens, and AutoFit's plan says samples/s for it too."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_efficient import AutoFit
+    from lightning_efficient.autofit.model import plan_table
+
+    report = MemoryReport(every_n_steps=2, print_table=False)
+    fitter = AutoFit(budget="1GiB", activation_policies=["keep"], optimizer_options=["32-bit"])
+    lightning.Trainer(accelerator="cpu", max_steps=4, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[report, fitter]).fit(BoringModel())
+    figures = report.report()
+    assert figures["samples_per_step"] == fitter.plan.micro_batches[0] and figures["samples_per_s"] > 0  # (a micro-batch)
+    assert "tokens_per_s" not in figures and "tokens_per_step" not in figures
+    assert fitter.plan.rate_of == "samples"
+    assert fitter.plan.tokens_per_s == pytest.approx(fitter.plan.samples_per_step / fitter.plan.step_s)
+    assert " samples/s, " in plan_table(fitter.plan)
+
+
 def test_other_callbacks_add_their_figures(small_datamodule_kwargs):
     class Extra(lightning.Callback):
         def memory_figures(self):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_efficient._samples import token_tensor
+from lightning_efficient._samples import token_ids
 from lightning_efficient._step import restored_run_state, run_state_tensors, step_loss
 from lightning_efficient._torch import synchronize
 from lightning_efficient.activations.planner import BlockProfile
@@ -66,12 +66,12 @@ def can_resize(dataloader: DataLoader) -> bool:
         and hasattr(dataloader.dataset, "__len__") and dataloader.batch_size is not None
 
 
-def tokens_per_sample(batch: Any) -> float:
-    """Tokens in one sample of ``batch`` (:func:`~lightning_efficient._samples.token_tensor`'s elements per row; 1 for a
-    batch of 1-D tensors only)."""
-    tensor = token_tensor(batch)
-    if tensor is None or tensor.dim() == 0 or tensor.shape[0] == 0:
-        return 1.0
+def tokens_per_sample(batch: Any) -> float | None:
+    """Tokens in one sample of ``batch`` (:func:`~lightning_efficient._samples.token_ids`' elements per row); None for a
+    batch without token ids (float features, images, 1-D values: the plan's rate is then in samples)."""
+    tensor = token_ids(batch)
+    if tensor is None or tensor.shape[0] == 0:
+        return None
     return tensor.numel() / tensor.shape[0]
 
 

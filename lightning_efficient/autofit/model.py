@@ -110,7 +110,8 @@ class RankProfile:
         blocks_size: the micro-batch the blocks were profiled at.
         options: the optimizer options measured.
         budget_bytes: this rank's budget.
-        tokens_per_sample: tokens in one sample (for tokens/s).
+        tokens_per_sample: tokens in one sample (for tokens/s); None for a batch without token ids (the rate is then
+            in samples).
         fixed_policies: a policy per block the user set (None: AutoFit chooses).
         unmeasured_bytes: held during training but not while measuring (DDP's gradient buckets: the measured
             steps run outside DDP's forward, which allocates them); added to every prediction.
@@ -133,7 +134,7 @@ class RankProfile:
     blocks_size: int
     options: list[OptimizerOption]
     budget_bytes: int
-    tokens_per_sample: float = 1.0
+    tokens_per_sample: float | None = 1.0
     fixed_policies: list[str] | None = None
     unmeasured_bytes: int = 0
     times: list[tuple[int, float]] = field(default_factory=list)
@@ -243,10 +244,12 @@ class FitPlan:
         accumulation: micro-steps per optimizer step (uniform micro-batch; None under the
             heterogeneous strategies, whose balancer decides it).
         step_s: predicted seconds per optimizer step.
-        tokens_per_s: predicted tokens per second over all ranks.
+        tokens_per_s: predicted tokens per second over all ranks (samples per second where ``rate_of`` says so).
         samples_per_step: the global batch.
         margin: the fraction of each budget left free.
         budgets: each rank's budget in bytes.
+        notes: what the plan says beside its table.
+        rate_of: what ``tokens_per_s`` counts: ``"tokens"``, or ``"samples"`` for batches without token ids.
     """
 
     optimizer: str
@@ -258,6 +261,7 @@ class FitPlan:
     margin: float
     budgets: list[int]
     notes: list[str] = field(default_factory=list)
+    rate_of: str = "tokens"
 
     @property
     def micro_batches(self) -> list[int]:
@@ -554,8 +558,14 @@ def peak_read_over(plan: FitPlan, profiles: list[RankProfile], peaks: list[int |
 
 
 def _tokens_per_s(profiles: list[RankProfile], samples: int, step_s: float) -> float:
-    tokens = sum(p.tokens_per_sample for p in profiles) / len(profiles)
+    """Tokens a second over every rank (samples a second where a rank's batches hold no token ids)."""
+    tokens = 1.0 if _rate_of(profiles) == "samples" else sum(p.tokens_per_sample for p in profiles) / len(profiles)
     return samples * tokens / max(step_s, 1e-12)
+
+
+def _rate_of(profiles: list[RankProfile]) -> str:
+    """What a plan's rate counts: tokens, or samples where a rank's batches hold no token ids."""
+    return "samples" if any(p.tokens_per_sample is None for p in profiles) else "tokens"
 
 
 def _uniform(profiles, options, micro_batches, per_rank, margin, policies, choose=choose_rank) -> list[FitPlan]:
@@ -572,7 +582,7 @@ def _uniform(profiles, options, micro_batches, per_rank, margin, policies, choos
         step_s = max(c.step_s for c in chosen)
         samples = per_rank * len(profiles)
         plans.append(FitPlan(options[0].name, chosen, steps, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
-                             [p.budget_bytes for p in profiles]))
+                             [p.budget_bytes for p in profiles], rate_of=_rate_of(profiles)))
     return plans
 
 
@@ -591,7 +601,7 @@ def _heterogeneous(profiles, options, micro_batches, samples, margin, policies, 
     for c in chosen:
         c.step_s = step_s
     return [FitPlan(options[0].name, chosen, None, step_s, _tokens_per_s(profiles, samples, step_s), samples, margin,
-                    [p.budget_bytes for p in profiles])]
+                    [p.budget_bytes for p in profiles], rate_of=_rate_of(profiles))]
 
 
 RETRY_HEADROOM = 0.05
@@ -627,7 +637,7 @@ def plan_table(plan: FitPlan, measured: list[dict[str, float]] | None = None) ->
         f"AutoFit plan: optimizer states {plan.optimizer}, global batch {plan.samples_per_step}"
         + ((f", micro-batch {plan.ranks[0].micro_batch} x {plan.accumulation} accumulated" if plan.accumulation > 1
             else f", micro-batch {plan.ranks[0].micro_batch} (no accumulation)") if plan.accumulation is not None else ", caps per rank, shares by speed")
-        + f", margin {plan.margin:.3g}; predicted {plan.tokens_per_s:,.0f} tokens/s, {plan.step_s * 1e3:,.1f} ms/step",
+        + f", margin {plan.margin:.3g}; predicted {plan.tokens_per_s:,.0f} {plan.rate_of}/s, {plan.step_s * 1e3:,.1f} ms/step",
         # under the heterogeneous strategies a rank's micro-batch is at most its cap (its share may take less)
         f"  {'rank':<5} {'budget MiB':>11} {'micro' if plan.accumulation is not None else 'cap':>6}  {'blocks':<28} {'peak MiB':>10} {'ms/step':>9}"
         + (f" {'measured MiB':>13} {'measured ms':>12}" if measured else ""),

@@ -437,12 +437,15 @@ def test_tokens_per_sample_reads_the_token_rows_not_a_one_dimensional_index_befo
     # tokens/s were its samples/s
     batch = {"idx": torch.arange(4), "input_ids": torch.zeros(4, 32, dtype=torch.long), "labels": torch.zeros(4, 32)}
     assert tokens_per_sample(batch) == 32
-    assert tokens_per_sample((torch.arange(4),)) == 1  # nothing but an index: one a sample
+    assert tokens_per_sample((torch.arange(4),)) is None  # nothing but an index: no tokens, the rate is in samples
     # the review: a Hugging Face BatchEncoding (a UserDict) was not looked into; a float mask before the ids does not
     # decide; tensors whose rows are not the samples (packed 1-D ids with [1, N] positions, images) read as before
     from transformers import BatchEncoding
 
     encoded = BatchEncoding({"attention_mask": torch.ones(4, 16), "input_ids": torch.zeros(4, 16, dtype=torch.long)})
     assert tokens_per_sample(encoded) == 16
-    assert tokens_per_sample({"input_ids": torch.zeros(64, dtype=torch.long), "position_ids": torch.zeros(1, 64)}) == 1
-    assert tokens_per_sample({"labels": torch.zeros(4), "pixel_values": torch.zeros(4, 3, 8, 8)}) == 1
+    assert tokens_per_sample({"input_ids": torch.zeros(64, dtype=torch.long), "position_ids": torch.zeros(1, 64)}) is None
+    assert tokens_per_sample({"labels": torch.zeros(4), "pixel_values": torch.zeros(4, 3, 8, 8)}) is None
+    # a later trial: an MLP's float feature columns were counted as its tokens (its "tokens/s" its features/s)
+    assert tokens_per_sample({"x": torch.randn(4, 20), "y": torch.randint(0, 3, (4,))}) is None
+    assert tokens_per_sample((torch.randn(4, 20), torch.zeros(4, 20, dtype=torch.bool))) is None
