@@ -176,7 +176,8 @@ class SelectiveTokenLoss(Callback):
     unscaling, any ``on_before_optimizer_step`` hook, gradient clipping and the optimizer see them
     (the callback wraps the optimizer closure in the module's ``optimizer_step``; see
     :class:`~lightning_efficient.tokens.normalize.StepTokenNormaliser`). The ``"loss"`` Lightning
-    sees per micro-batch is therefore a scaled sum, not a mean: read ``selection/mean_loss``.
+    hands on per micro-batch shows the micro-batch's mean over its kept tokens on the rank (divided by the accumulation,
+    as Lightning divides any loss); only its gradient is weighed for the step.
     Manual optimization is refused: the selection, made after ``training_step``, would not reach its backward.
     Extra keys of the module's output (``TokenLosses(..., accuracy=acc)``) reach
     ``on_train_batch_end``'s ``outputs`` alongside ``"loss"``, ``"mask"`` and ``"keep"``.

@@ -89,12 +89,31 @@ def globally_normalised_loss(token_losses: Tensor, keep: Tensor, global_count: T
     return kept_sum * factor.to(kept_sum.dtype)
 
 
+class _Shown(torch.autograd.Function):
+    """Forward: ``value`` (in the dtype ``weighted`` and ``value`` promote to); backward: the gradient to ``weighted``
+    as it comes."""
+
+    @staticmethod
+    def forward(ctx: Any, weighted: Tensor, value: Tensor) -> Tensor:
+        ctx.dtype = weighted.dtype
+        return value.to(torch.promote_types(weighted.dtype, value.dtype), copy=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad.to(ctx.dtype), None
+
+
 def shown_as(weighted: Tensor, value: Tensor) -> Tensor:
-    """A loss with ``weighted``'s gradient and ``value``'s value, exactly: a micro-batch's loss weighted for its step
-    (by a count that stands in for the step's until its last backward, a share of the global batch) is handed on by
-    Lightning (``on_train_batch_end``'s ``outputs["loss"]``) as the micro-batch's own loss, the one a plain fit hands on
-    (a trial: under FSDP2 the step after an epoch's short last step handed on 4 times the loss at 2 x 4)."""
-    return value.detach() + (weighted - weighted.detach())
+    """A loss with ``weighted``'s gradient and ``value``'s value, exactly (an infinite one too): a micro-batch's loss
+    weighted for its step (by a count that stands in for the step's until its last backward, a share of the global
+    batch) is handed on by Lightning (``on_train_batch_end``'s ``outputs["loss"]``) as the micro-batch's own loss, the
+    one a plain fit hands on (a trial: under FSDP2 the step after an epoch's short last step handed on 4 times the loss
+    at 2 x 4). Its dtype is the two's promotion: float32 at least for a weighted token-loss sum, where a half-precision
+    fit's own loss is in half precision. Not ``value + (weighted - weighted.detach())``, where an infinite weighted loss
+    showed NaN."""
+    if not weighted.requires_grad:
+        return value.detach().to(torch.promote_types(weighted.dtype, value.dtype), copy=True)
+    return _Shown.apply(weighted, value.detach())
 
 
 def _own_mean(local_sum: Tensor, local_count: Tensor | int) -> Tensor:

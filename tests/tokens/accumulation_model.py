@@ -167,4 +167,3 @@ class KeepsOwnLoss(Tiny):
         output = super().training_step(batch, batch_idx)
         self.own_loss = output["loss"].detach().clone()
         return output
-

@@ -89,3 +89,64 @@ def test_one_micro_batch_a_step_is_divided_by_its_own_count_and_its_gradients_ar
     normaliser.micro_batch_loss((weight * 3.0).sum(), torch.tensor(4), accumulation=1, non_finite=torch.tensor(2))
     with pytest.raises(FloatingPointError, match="2 per-token losses are not finite"):
         normaliser.normalise_gradients(optimizer)
+
+
+def test_a_weighted_loss_shows_its_value_and_carries_the_weighted_gradient_exactly():
+    """``shown_as``: the loss handed on is the value given (an infinite one too: a review found it NaN), in the dtypes'
+    promotion; the gradient is the weighted loss's, bitwise, also under a GradScaler's scale and a half-precision value."""
+    from lightning_efficient.tokens.normalize import shown_as
+
+    weight = torch.nn.Parameter(torch.tensor([0.3, -1.7], dtype=torch.float64))
+    inf = float("inf")
+    for coefficient, value in (([3.0, 5.0], torch.tensor(0.25, dtype=torch.float64)), ([3.0, inf], torch.tensor(inf, dtype=torch.float64)),
+                               ([3.0, 5.0], torch.tensor(0.25, dtype=torch.bfloat16))):
+        weighted = (weight * torch.tensor(coefficient, dtype=torch.float64)).sum() * 7.0
+        shown = shown_as(weighted, value)
+        assert shown.dtype == torch.float64 and float(shown) == float(value)
+        (got,) = torch.autograd.grad(shown * 1024.0, weight, retain_graph=True)  # (a GradScaler's scale on top)
+        (want,) = torch.autograd.grad(weighted * 1024.0, weight)
+        assert torch.equal(got, want)
+    single = torch.nn.Parameter(torch.ones(2))  # float32 weighted, bfloat16 value: float32 shown, float32 gradient
+    shown = shown_as((single * 3.0).sum(), torch.tensor(0.5, dtype=torch.bfloat16))
+    assert shown.dtype == torch.float32 and float(shown) == 0.5
+    shown.backward()
+    assert torch.equal(single.grad, torch.full((2,), 3.0))
+
+
+def test_selective_token_loss_hands_on_each_micro_batchs_mean_over_its_kept_tokens():
+    """The loss ``on_train_batch_end`` gets from SelectiveTokenLoss is the micro-batch's mean over its kept tokens over
+    the accumulation (a review: nothing held it to that), where its gradient is weighed for the step; with every token
+    kept (``method="none"``), bitwise plain Lightning's."""
+    from tests.tokens.accumulation_model import KeepsOwnLoss, OwnLossShown
+
+    class KeepsTokenLosses(KeepsOwnLoss):
+        def training_step(self, batch, batch_idx):
+            output = super().training_step(batch, batch_idx)
+            self.own_token_losses = output.token_losses.detach().clone()
+            return output
+
+    class KeptMean(lightning.Callback):
+        def __init__(self):
+            self.pairs = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            keep = outputs["keep"]
+            kept_mean = pl_module.own_token_losses[keep].sum() / keep.sum().clamp_min(1)
+            self.pairs.append((float(outputs["loss"]), float(kept_mean / trainer.accumulate_grad_batches)))
+
+    def fit_recording(callbacks):
+        torch.manual_seed(0)
+        shown, kept = OwnLossShown(), KeptMean()
+        lightning.Trainer(accelerator="cpu", max_steps=3, accumulate_grad_batches=3, precision="64-true", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[shown, kept, *callbacks] if callbacks else [shown]).fit(KeepsTokenLosses())
+        return shown, kept
+
+    from lightning_efficient import SelectiveTokenLoss
+
+    _, topk = fit_recording([SelectiveTokenLoss(method="topk", keep_ratio=0.5, threshold="exact")])
+    assert len(topk.pairs) == 8 and all(shown == pytest.approx(want, rel=1e-12, abs=0) for shown, want in topk.pairs)
+    plain, _ = fit_recording([])
+    every, _ = fit_recording([SelectiveTokenLoss(method="none")])
+    assert every.pairs == plain.pairs
+
