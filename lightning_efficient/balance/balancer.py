@@ -63,7 +63,7 @@ from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import SettingRefused, require, require_bool, require_int
 from lightning_efficient.balance.datasets import check_same_dataset
 from lightning_efficient.balance.evaluation import EvaluationCounts, capped_evaluation_loader
-from lightning_efficient.balance.planner import SharePlan, plan_shares
+from lightning_efficient.balance.planner import SharePlan, held_from_speed, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
@@ -423,7 +423,8 @@ class Balancer:
         self._count_micro_batches(trainer, requested, len(dataloader.dataset), drop_last)
         workers = dataloader.num_workers
         self.lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self.plan.accumulation)
-        rank_zero_info(f"{name}: global batch {global_batch}, shares {list(self.plan.shares)}")
+        rank_zero_info(f"{name}: global batch {global_batch}, shares {list(self.plan.shares)}"
+                       + held_from_speed(self.plan, self.initial_weights(), self.caps()))
         # the user's prefetching with workers (a review: the default's 2 where the user set 1 fetched global batches
         # beyond the lookahead, sliced by shares a re-plan then changed), timeout and worker start method
         with_workers = {"prefetch_factor": dataloader.prefetch_factor, "timeout": dataloader.timeout,

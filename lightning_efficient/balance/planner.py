@@ -139,6 +139,21 @@ def plan_shares(
     return best
 
 
+def held_from_speed(plan: SharePlan, speeds: Sequence[float], caps: Sequence[int | None]) -> str:
+    """Why ``plan``'s shares are not in proportion to ``speeds``, where a bound holds a rank's share away: ``""``, or
+    ``" (rank 1: a sample in each of its 3 micro-batches; rank 0: its cap, 2 a micro-batch)"`` (a new user's trial:
+    shares 3:1 over 8 samples under caps [2, 8] trained 5:3, and nothing said why)."""
+    total, global_batch = sum(speeds), sum(plan.shares)
+    said = []
+    for rank, (share, speed, cap) in enumerate(zip(plan.shares, speeds, caps)):
+        even = global_batch * speed / total
+        if share == plan.accumulation and even < share:
+            said.append(f"rank {rank}: a sample in each of its {plan.accumulation} micro-batches")
+        elif cap is not None and share == cap * plan.accumulation and even > share:
+            said.append(f"rank {rank}: its cap, {cap} a micro-batch")
+    return f" ({'; '.join(said)}; in proportion to the speeds: {[round(global_batch * s / total, 2) for s in speeds]})" if said else ""
+
+
 def _shrunk_upper(plan: SharePlan, accumulation: int) -> list[int]:
     """Each rank's most samples in ``accumulation`` micro-batches none larger than ``plan``'s largest on that rank."""
     return [min(share, accumulation * -(-share // plan.accumulation)) for share in plan.shares]
