@@ -202,7 +202,7 @@ class Balancer:
         global_batch_size: samples per optimizer step over all data-parallel ranks (None: the
             DataLoader's batch size x ranks x ``accumulate_grad_batches``).
         shares: ``"auto"`` (measured) or fixed positive weights, one per rank.
-        max_micro_batch: the largest micro-batch per rank (int, list, ``"auto"`` or None).
+        max_micro_batch: the largest micro-batch per rank (int, list of ints or None per rank, ``"auto"`` or None).
         rebalance_every: optimizer steps between re-plans (>= 1).
         warmup_steps: steps measured before the first plan (>= 1).
         hysteresis: the least predicted gain (fraction of step time) that changes the shares.
@@ -220,7 +220,7 @@ class Balancer:
         name: str,
         global_batch_size: int | None = None,
         shares: Literal["auto"] | list[float] = "auto",
-        max_micro_batch: int | list[int] | Literal["auto"] | None = None,
+        max_micro_batch: int | list[int | None] | Literal["auto"] | None = None,
         rebalance_every: int = 50,
         warmup_steps: int = 10,
         hysteresis: float = 0.05,
@@ -238,12 +238,12 @@ class Balancer:
         if isinstance(max_micro_batch, str):
             require(max_micro_batch == "auto", "max_micro_batch", max_micro_batch, "an int, a list of ints, 'auto' or None")
         elif isinstance(max_micro_batch, (list, tuple)):
-            require(all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in max_micro_batch), "max_micro_batch",
-                    max_micro_batch, "an int, a list of ints >= 1 (one per rank), 'auto' or None")
+            require(all(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1) for c in max_micro_batch),
+                    "max_micro_batch", max_micro_batch, "an int, a list of ints >= 1 or None (one per rank, None: no cap), 'auto' or None")
             max_micro_batch = list(max_micro_batch)
         elif max_micro_batch is not None:
             require(isinstance(max_micro_batch, int) and not isinstance(max_micro_batch, bool) and max_micro_batch >= 1,
-                    "max_micro_batch", max_micro_batch, "an int >= 1, a list of ints (one per rank), 'auto' or None")
+                    "max_micro_batch", max_micro_batch, "an int >= 1, a list of ints or None (one per rank), 'auto' or None")
         require_int("seed", seed, 0)
         require_bool("shuffle", shuffle)
         require_bool("drop_last", drop_last)

@@ -45,8 +45,8 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
         global_batch_size: samples per optimizer step over all data-parallel ranks (None: the
             DataLoader's batch size times the ranks times ``accumulate_grad_batches``).
         shares: ``"auto"`` (measured) or fixed positive weights, one per rank.
-        max_micro_batch: the largest micro-batch per rank (an int for all, a list, or None for no
-            cap); larger shares are split with gradient accumulation. ``"auto"`` (the memory probe of
+        max_micro_batch: the largest micro-batch per rank (an int for all, a list with None for a rank without a
+            cap, or None for no cap); larger shares are split with gradient accumulation. ``"auto"`` (the memory probe of
             ``hetero_ddp``) is refused: the probe trains each rank alone until it runs out of memory,
             and under FSDP2 every forward and backward all-gathers parameters with every rank, so a
             rank that ran out of memory mid-step would leave the others waiting in a collective.
@@ -78,7 +78,7 @@ class HeterogeneousFSDPStrategy(BalancedStrategy, ModelParallelStrategy):
         self,
         global_batch_size: int | None = None,
         shares: Literal["auto"] | list[float] = "auto",
-        max_micro_batch: int | list[int] | None = None,
+        max_micro_batch: int | list[int | None] | None = None,
         rebalance_every: int = 50,
         warmup_steps: int = 10,
         hysteresis: float = 0.05,

@@ -31,9 +31,10 @@ class HeterogeneousDDPStrategy(BalancedStrategy, DDPStrategy):
         global_batch_size: samples per optimizer step over all ranks (None: the DataLoader's batch
             size times the number of ranks times ``accumulate_grad_batches``, what plain DDP trains a step).
         shares: ``"auto"`` (measured) or fixed positive weights, one per rank.
-        max_micro_batch: the largest micro-batch per rank (an int for all, a list, ``"auto"`` to probe
-            each rank's memory before the first step — :mod:`~lightning_efficient.balance.probe` —
-            or None for no cap); larger shares are split with gradient accumulation.
+        max_micro_batch: the largest micro-batch per rank (an int for all, a list with None for a rank without a
+            cap, ``"auto"`` to probe each rank's memory before the first step —
+            :mod:`~lightning_efficient.balance.probe` — or None for no cap); larger shares are split with gradient
+            accumulation.
         rebalance_every: optimizer steps between re-plans (>= 1).
         warmup_steps: steps measured before the first plan (>= 1).
         hysteresis: the least predicted gain (fraction of step time) that changes the shares.
@@ -64,7 +65,7 @@ class HeterogeneousDDPStrategy(BalancedStrategy, DDPStrategy):
         self,
         global_batch_size: int | None = None,
         shares: Literal["auto"] | list[float] = "auto",
-        max_micro_batch: int | list[int] | Literal["auto"] | None = None,
+        max_micro_batch: int | list[int | None] | Literal["auto"] | None = None,
         rebalance_every: int = 50,
         warmup_steps: int = 10,
         hysteresis: float = 0.05,

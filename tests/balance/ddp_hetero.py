@@ -231,7 +231,8 @@ if __name__ == "__main__":
     lightning.seed_everything(0)
     kwargs = {"global_batch_size": 6, "shares": [2.0, 1.0]}
     if mode.endswith("_acc"):
-        kwargs = {"global_batch_size": 10, "shares": [2.0, 1.0], "max_micro_batch": 3}
+        caps = [None if c == "None" else int(c) for c in os.environ.get("HETERO_CAPS", "3").split(",")]
+        kwargs = {"global_batch_size": 10, "shares": [2.0, 1.0], "max_micro_batch": caps[0] if len(caps) == 1 else caps}
     if mode.startswith("rebalance"):
         kwargs = {"global_batch_size": 24, "shares": "auto", "warmup_steps": 2, "rebalance_every": 2, "hysteresis": 0.02}
     if mode.startswith("probe"):  # probe_fixed: the caps rank 1's probe finds, given, to compare the RNG with

@@ -15,10 +15,10 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_hetero.py"
 LR = 0.1  # (midstep_resume.py's)
 
 
-def _launch(mode, out, *extra, batch_type="dict"):
+def _launch(mode, out, *extra, batch_type="dict", caps="3"):
     # one malloc arena and a fixed mmap threshold: freed activations give their address space back
-    return run_script(SCRIPT, mode, out, *extra,
-                      env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "HETERO_BATCH_TYPE": batch_type})
+    return run_script(SCRIPT, mode, out, *extra, env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
+                                                      "HETERO_BATCH_TYPE": batch_type, "HETERO_CAPS": caps})
 
 
 @pytest.mark.parametrize("mode", ["samples", "tokens", "selective", "samples_acc", "tokens_acc", "selective_acc"])
@@ -49,6 +49,18 @@ def test_batches_of_other_types_with_a_0d_value_first_give_the_global_batch_grad
     assert len(saved["steps"]) == 2
     for step in saved["steps"]:
         _assert_global_batch_gradient("samples_acc", saved["init"], step)
+
+
+def test_a_cap_on_one_rank_and_none_on_the_other_gives_the_global_batch_gradient(tmp_path):
+    """A new user's trial: ``max_micro_batch=[3, None]`` (a cap on the small GPU only) was refused, where the docstring
+    read as allowing it. Rank 0's 7 samples run as 3+2+2, rank 1's 3 as 1+1+1, as under caps of 3 on both."""
+    out = tmp_path / "grads.pt"
+    _launch("samples_acc", out, caps="3,None")
+    saved = torch.load(out)
+    assert len(saved["steps"]) == 2
+    for step in saved["steps"]:
+        _assert_global_batch_gradient("samples_acc", saved["init"], step)
+    assert HeterogeneousDDPStrategy(max_micro_batch=[3, None]).max_micro_batch == [3, None]
 
 
 def _assert_global_batch_gradient(mode, init, saved):
