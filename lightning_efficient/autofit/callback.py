@@ -556,6 +556,7 @@ class AutoFit(Callback):
                 "measured": self._measured,
                 # a resumed first step scales its token sums as the uninterrupted run's (the same rounding)
                 "step_token_scale": self._token_mean.normaliser.scale if self._token_mean.installed else None,
+                "rank_token_count": self._token_mean.saved_counts().get("rank_token_count"),
                 "trainable": None if self._trainable_planned is None else list(self._trainable_planned)}
 
     # -- planning -------------------------------------------------------------------------------
@@ -645,7 +646,7 @@ class AutoFit(Callback):
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
         self._checkpoint_micro_batch = self._checkpoints_micro_batch(restored, trainer)
         # (a checkpoint's running token count: a resumed first step rounds as the uninterrupted run's)
-        self._apply(plan, trainer, pl_module, token_scale=(restored or {}).get("step_token_scale"))
+        self._apply(plan, trainer, pl_module, token_counts=restored)
 
     def _checkpoints_micro_batch(self, restored: dict[str, Any] | None, trainer: Trainer) -> int | None:
         """The batch size the checkpoint this fit resumes from counted its DataLoader batches in: its AutoFit plan's
@@ -1197,7 +1198,7 @@ class AutoFit(Callback):
                              builder.drop_overrides)
 
     # -- applying -------------------------------------------------------------------------------
-    def _apply(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule, token_scale: float | None = None) -> None:
+    def _apply(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule, token_counts: dict[str, Any] | None = None) -> None:
         mine = plan.ranks[trainer.global_rank]
         built = trainer.fit_loop._combined_loader is not None
         if self._heterogeneous(trainer):
@@ -1217,7 +1218,7 @@ class AutoFit(Callback):
                 self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
                 # (a StepTokenMean the user set does what this would)
                 if not token_mean_taken_elsewhere(trainer) and not any(isinstance(c, StepTokenMean) for c in trainer.callbacks):
-                    self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_scale)
+                    self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_counts)
                 _warn_of_batch_statistics(pl_module, current, mine.micro_batch)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
             self._users_accumulation = trainer.accumulate_grad_batches

@@ -18,6 +18,7 @@ are known, and each micro-batch's token-loss sum is weighed so that the update i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -48,21 +49,24 @@ class BatchTokenMean:
         self._live = {"on": False}
         self._told = False
         self._who = "AutoFit"
+        self._one_process = True
 
     @property
     def installed(self) -> bool:
         """Whether a module's hooks are wrapped now."""
         return self._module is not None
 
-    def install(self, trainer: Trainer, module: LightningModule, batch_words: str, step_scale: float | None = None,
+    def install(self, trainer: Trainer, module: LightningModule, batch_words: str, counts: Mapping[str, Any] | None = None,
                 who: str = "AutoFit") -> None:
-        """Wrap ``module``'s hooks for the fit ``trainer`` runs; ``step_scale`` is a checkpoint's running token count
-        (so a resumed first step rounds as the uninterrupted run's); ``who`` names the callback in what it says."""
+        """Wrap ``module``'s hooks for the fit ``trainer`` runs; ``counts`` are a checkpoint's running token counts
+        (:meth:`saved_counts`: a resumed first step rounds as the uninterrupted run's); ``who`` names the callback in
+        what it says."""
         self.remove()
         self._who = who
+        self._one_process = trainer.world_size == 1
         self.normaliser.reset()
-        self.normaliser.scale = step_scale
         self.rank_mean.reset()
+        self.restore_counts(counts or {})
         self._told = False
         original_step, original_optimizer_step = module.training_step, module.optimizer_step
         # cleared by remove(): a wrapper another callback set on top of ours puts ours back when it is removed, after
@@ -103,6 +107,22 @@ class BatchTokenMean:
         for name, wrapper in self._wrappers.items():
             setattr(module, name, wrapper)
         self._module = module
+
+    def saved_counts(self) -> dict[str, float]:
+        """The running token counts a checkpoint keeps (none where nothing is installed or counted yet): the global
+        token mean's (FSDP2) and, in one process, the rank mean's (under DDP each rank holds its own, which rank 0's
+        checkpoint cannot: a resume there starts from its first micro-batch's, which changes nothing but rounding)."""
+        counts = {}
+        if self.installed and self.normaliser.scale is not None:
+            counts["step_token_scale"] = self.normaliser.scale
+        if self.installed and self._one_process and self.rank_mean.previous_count is not None:
+            counts["rank_token_count"] = self.rank_mean.previous_count
+        return counts
+
+    def restore_counts(self, counts: Mapping[str, Any]) -> None:
+        """Take :meth:`saved_counts`' counts for the fit in progress (or the one being installed)."""
+        self.normaliser.scale = counts.get("step_token_scale")
+        self.rank_mean.previous_count = counts.get("rank_token_count") if self._one_process else None
 
     def remove(self) -> None:
         """Put the module's hooks back as they were, where ours is still the outermost; ours under a wrapper another
@@ -148,19 +168,19 @@ class StepTokenMean(Callback):
 
     def __init__(self) -> None:
         self._mean = BatchTokenMean()
-        self._restored_scale: float | None = None
+        self._restored: dict[str, Any] = {}
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Wrap the module's hooks for this fit (nothing under a heterogeneous strategy or beside SelectiveTokenLoss)."""
-        scale, self._restored_scale = self._restored_scale, None
+        counts, self._restored = self._restored, {}
         if is_heterogeneous(trainer.strategy) or token_mean_taken_elsewhere(trainer):
             return
-        self._mean.install(trainer, pl_module, "one batch of each step's samples", scale, who="StepTokenMean")
+        self._mean.install(trainer, pl_module, "one batch of each step's samples", counts, who="StepTokenMean")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Put the module's hooks back."""
         self._mean.remove()
-        self._restored_scale = None
+        self._restored = {}
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Put the module's hooks back: Lightning skips teardown when a fit raises (a review: the wrapper left behind
@@ -168,19 +188,18 @@ class StepTokenMean(Callback):
         self.teardown(trainer, pl_module, "fit")
 
     def state_dict(self) -> dict[str, Any]:
-        """The running token count of the global token mean (FSDP2), so a resumed first step rounds as the
-        uninterrupted run's; nothing elsewhere (so a checkpoint does not ask for this callback on a resume without it)."""
-        scale = self._mean.normaliser.scale if self._mean.installed else None
-        return {} if scale is None else {"step_token_scale": scale}
+        """The running token counts (:meth:`BatchTokenMean.saved_counts`: the global token mean's under FSDP2, the
+        rank mean's in one process), so a resumed first step rounds as the uninterrupted run's; nothing where there are
+        none (so a checkpoint does not ask for this callback on a resume without it)."""
+        return self._mean.saved_counts()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Read back :meth:`state_dict`'s count: for this fit where it is loaded after ``on_fit_start``
+        """Read back :meth:`state_dict`'s counts: for this fit where they are loaded after ``on_fit_start``
         (ModelParallelStrategy), else for the next."""
-        scale = state_dict.get("step_token_scale")
         if self._mean.installed:
-            self._mean.normaliser.scale = scale
+            self._mean.restore_counts(state_dict)
         else:
-            self._restored_scale = scale
+            self._restored = dict(state_dict)
 
 
 def is_heterogeneous(strategy: Any) -> bool:

@@ -274,9 +274,9 @@ class RankStepTokenMean(_NotesBackward):
     known: the gradients held are multiplied by ``K / T`` and the last micro-batch contributes its sum times
     ``A / T``. ``K`` sets only the gradients' scale before the last backward, so the previous step's count (which a
     step's seldom strays far from) is taken over a first micro-batch's (a padded row of one valid token made an
-    fp16 GradScaler skip steps). Counts stay on the device (the host never waits for them), no collective is added;
-    a resume starts from the first micro-batch's count, which changes nothing but rounding. Non-finite losses pass
-    on as in plain Lightning.
+    fp16 GradScaler skip steps). Counts stay on the device (the host waits for them only where a checkpoint saves
+    :attr:`previous_count`), no collective is added; a resume without that count starts from the first micro-batch's,
+    which changes nothing but rounding. Non-finite losses pass on as in plain Lightning.
     """
 
     def __init__(self) -> None:
@@ -288,6 +288,16 @@ class RankStepTokenMean(_NotesBackward):
         """Forget any step in progress and the previous step's count (a new fit)."""
         self.forget_step()
         self._previous = None
+
+    @property
+    def previous_count(self) -> float | None:
+        """This rank's previous step's token count per micro-batch (the next step's stand-in; None before a step), to
+        save in a checkpoint: a resume that starts from it rounds as the uninterrupted run."""
+        return None if self._previous is None else float(self._previous)
+
+    @previous_count.setter
+    def previous_count(self, count: float | None) -> None:
+        self._previous = None if count is None else torch.tensor(count, dtype=torch.float32)
 
     def forget_step(self) -> None:
         """Forget the step in progress (a step's first micro-batch that returned no token losses)."""
@@ -313,7 +323,7 @@ class RankStepTokenMean(_NotesBackward):
         local_sum = local_sum.to(_loss_dtype(local_sum.dtype))
         count = torch.as_tensor(local_count, device=device).to(torch.int64).reshape(())
         if first or self._step is None:
-            per_micro_batch = self._previous if self._previous is not None else count.clamp_min(1).to(torch.float32)
+            per_micro_batch = self._previous.to(device) if self._previous is not None else count.clamp_min(1).to(torch.float32)
             self._step = (count, (per_micro_batch * accumulation).to(local_sum.dtype), 1)
             self._backward_ran = False
         else:

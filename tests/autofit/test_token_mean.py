@@ -14,7 +14,7 @@ from lightning_efficient import CorpusDataModule, DemoGPT, SelectiveTokenLoss, S
 from lightning_efficient.autofit.token_mean import BatchTokenMean
 from tests.conftest import tiny_gpt_kwargs
 from tests.ddp import run_script
-from tests.tokens.accumulation_model import Tiny, TinyWithoutBatchIndex, fit, make_rows, reference_step_grads
+from tests.tokens.accumulation_model import Rows, Tiny, TinyWithoutBatchIndex, fit, make_rows, reference_step_grads
 
 TOKENS = Path(__file__).resolve().parent.parent / "tokens"
 
@@ -129,8 +129,9 @@ def test_the_step_token_mean_callback_leaves_nothing_behind_when_a_fit_raises_an
     assert not any("training_step returns dict" in r.getMessage() for r in caplog.records)
     # a count loaded while the callback is installed (ModelParallelStrategy restores after on_fit_start) is this fit's
     mean._mean.install(lightning.Trainer(logger=False), DemoGPT(**tiny_gpt_kwargs()), "one batch")
-    mean.load_state_dict({"step_token_scale": 12.0})
-    assert mean._mean.normaliser.scale == 12.0 and mean._restored_scale is None
+    mean.load_state_dict({"step_token_scale": 12.0, "rank_token_count": 5.5})
+    assert mean._mean.normaliser.scale == 12.0 and mean._restored == {}
+    assert mean._mean.rank_mean.previous_count == 5.5 and mean.state_dict() == {"step_token_scale": 12.0, "rank_token_count": 5.5}
     mean._mean.remove()
 
 
@@ -224,6 +225,48 @@ def test_in_one_process_lightning_hands_on_each_micro_batchs_own_loss():
     assert mine.steps == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3]  # 8 micro-batches an epoch: steps of 3, 3, 2 (short), 3
     assert mine.pairs == plain.pairs
     assert all(shown == own for shown, own in mine.pairs)
+
+
+class LearnsTiny(Tiny):
+    """:class:`Tiny` with a learning rate (the steps move the weights) and a ``batch_size`` to set."""
+
+    def __init__(self, batch_size: int):
+        super().__init__()
+        self.batch_size = batch_size
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(Rows(), batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("via", ["StepTokenMean", "AutoFit"])
+def test_a_resume_in_one_process_weighs_its_first_step_as_the_uninterrupted_run(tmp_path, via):
+    """A new user's trial: a resumed first step's stand-in count was its first micro-batch's, where the uninterrupted
+    run's is the previous step's: weights 2.2e-16 apart in float64 where plain Lightning resumes bitwise. The checkpoint
+    keeps the rank's running count in one process. Resumed at an epoch's end (16 rows): under StepTokenMean after its
+    short step (micro-batches of 2, steps of 3, 3, 2), under AutoFit after 4 batches of 4 split 2 x 2."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_efficient import AutoFit
+
+    batch_size, accumulation, epoch_steps = (2, 3, 3) if via == "StepTokenMean" else (4, 1, 4)
+
+    def fit(ckpt_path=None):
+        torch.manual_seed(0)
+        mean = StepTokenMean() if via == "StepTokenMean" else AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"],
+                                                                        activation_policies=["keep"])
+        saving = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=epoch_steps, save_top_k=-1)] if ckpt_path is None else []
+        model = LearnsTiny(batch_size).double()  # (built in float64: a checkpoint loads into it unrounded)
+        lightning.Trainer(accelerator="cpu", max_steps=epoch_steps + 2, precision="64-true", logger=False,
+                          enable_checkpointing=ckpt_path is None, enable_progress_bar=False, enable_model_summary=False,
+                          accumulate_grad_batches=accumulation, callbacks=[mean, *saving]).fit(model, ckpt_path=ckpt_path)
+        return model
+
+    uninterrupted = fit()
+    resumed = fit(str(tmp_path / f"epoch=0-step={epoch_steps}.ckpt"))
+    assert _largest_difference(resumed, uninterrupted) == 0.0
 
 
 class WrapsTheStepToo(lightning.Callback):
