@@ -78,22 +78,44 @@ def batch_samples(batch: Any) -> int | None:
     return None
 
 
-def token_ids(batch: Any) -> Tensor | None:
-    """The batch's token ids: its :func:`token_tensor` where that holds integers in two or more dimensions, None else (a
-    batch of float features, images, 1-D values: a new user's trial, an MLP's "tokens/s" in the AutoFit plan and in
-    ``MemoryReport`` were its features a second)."""
-    tensor = token_tensor(batch)
-    if tensor is None or tensor.dim() < 2 or tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+_ID_DTYPES = (torch.int32, torch.int64)  # (uint8 images, int16 audio: data, not ids)
+_ID_NAMES = ("input_ids", "token_ids", "ids", "tokens", "input")
+
+
+def _is_ids(tensor: Any) -> bool:
+    """Whether ``tensor`` reads as ``[samples, sequence]`` token ids: 2-D, int32 or int64, longer than one a row."""
+    return isinstance(tensor, Tensor) and tensor.dim() == 2 and tensor.dtype in _ID_DTYPES and tensor.shape[1] > 1
+
+
+def _named_ids(batch: Any) -> Tensor | None:
+    """The token ids a mapping (a ``BatchEncoding`` too) or dataclass batch names: ``input_ids``, ``*_ids``, ..."""
+    if isinstance(batch, Mapping):
+        items = list(itertools.islice(batch.items(), _ITEMS))
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [(f.name, getattr(batch, f.name, None)) for f in dataclasses.fields(batch)][:_ITEMS]
+    else:
         return None
-    return tensor
+    return next((value for name, value in items if isinstance(name, str) and (name in _ID_NAMES or name.endswith("_ids"))
+                 and _is_ids(value)), None)
 
 
-def token_tensor(batch: Any) -> Tensor | None:
-    """The tensor of a batch whose rows are its samples' tokens: a ``[samples, sequence]`` tensor (integer ids before
-    others), else the batch's first tensor; None without one. A batch whose first tensor is a 1-D index or label beside
-    its token ids counted one token a sample (a new user's trial: a plan's tokens/s were its samples/s); images, packed
-    1-D ids and masks of more dimensions are read as before, by the first tensor."""
+def token_ids(batch: Any) -> Tensor | None:
+    """The batch's ``[samples, sequence]`` token ids (int32/int64), or None for a batch without them: its named ids
+    (``input_ids``, ``*_ids``: :func:`_named_ids`), else the first integer 2-D tensor of the samples, unless a float
+    tensor of two or more dimensions comes before it (features or images first: integer tensors after them are labels).
+    Masks (bool), 1-D values, uint8 images and int16 audio are not ids. A new user's trial: an MLP's float features
+    were counted as its tokens, a plan's "tokens/s" its features a second; a review: class labels beside features,
+    uint8 images, a bool mask before the ids."""
+    named = _named_ids(batch)
+    if named is not None:
+        return named
     tensors = list(_tensors(batch))
     samples = _first_samples(tensors)  # (as batch_samples reads them)
-    rows = [t for t in tensors if t.dim() == 2 and _leading(t) == samples]
-    return next((t for t in rows if not t.is_floating_point()), rows[0] if rows else (tensors[0] if tensors else None))
+    for tensor in tensors:
+        if tensor.dtype == torch.bool or tensor.dim() < 2:
+            continue
+        if _is_ids(tensor) and _leading(tensor) == samples:
+            return tensor
+        if tensor.is_floating_point() or tensor.is_complex() or tensor.dim() > 2 or tensor.dtype not in _ID_DTYPES:
+            return None
+    return None

@@ -555,8 +555,7 @@ class AutoFit(Callback):
         return {"settings": self._settings(), "plan": None if self._plan is None else self._plan.to_dict(),
                 "measured": self._measured,
                 # a resumed first step scales its token sums as the uninterrupted run's (the same rounding)
-                "step_token_scale": self._token_mean.normaliser.scale if self._token_mean.installed else None,
-                "rank_token_count": self._token_mean.saved_counts().get("rank_token_count"),
+                **{key: self._token_mean.saved_counts().get(key) for key in ("step_token_scale", "rank_token_count")},
                 "trainable": None if self._trainable_planned is None else list(self._trainable_planned)}
 
     # -- planning -------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class BatchTokenMean:
         self._told = False
         self._who = "AutoFit"
         self._one_process = True
+        self._kept: dict[str, float] = {}  # the last fit's counts, once removed
 
     @property
     def installed(self) -> bool:
@@ -66,6 +67,7 @@ class BatchTokenMean:
         self._one_process = trainer.world_size == 1
         self.normaliser.reset()
         self.rank_mean.reset()
+        self._kept = {}
         self.restore_counts(counts or {})
         self._told = False
         original_step, original_optimizer_step = module.training_step, module.optimizer_step
@@ -109,13 +111,15 @@ class BatchTokenMean:
         self._module = module
 
     def saved_counts(self) -> dict[str, float]:
-        """The running token counts a checkpoint keeps (none where nothing is installed or counted yet): the global
-        token mean's (FSDP2) and, in one process, the rank mean's (under DDP each rank holds its own, which rank 0's
+        """The running token counts a checkpoint keeps (none where nothing is counted yet; after a fit, its last): the
+        global token mean's (FSDP2) and, in one process, the rank mean's (under DDP each rank holds its own, which rank 0's
         checkpoint cannot: a resume there starts from its first micro-batch's, which changes nothing but rounding)."""
+        if not self.installed:  # (a checkpoint saved after the fit: its last counts, a review)
+            return dict(self._kept)
         counts = {}
-        if self.installed and self.normaliser.scale is not None:
+        if self.normaliser.scale is not None:
             counts["step_token_scale"] = self.normaliser.scale
-        if self.installed and self._one_process and self.rank_mean.previous_count is not None:
+        if self._one_process and self.rank_mean.previous_count is not None:
             counts["rank_token_count"] = self.rank_mean.previous_count
         return counts
 
@@ -128,6 +132,7 @@ class BatchTokenMean:
         """Put the module's hooks back as they were, where ours is still the outermost; ours under a wrapper another
         set on top of it since passes every call through from now on."""
         self._live["on"] = False
+        self._kept = self.saved_counts()
         module, self._module = self._module, None
         if module is not None:
             for name in _WRAPPED:
@@ -187,19 +192,33 @@ class StepTokenMean(Callback):
         weighed the next fit's steps by this trainer's accumulation)."""
         self.teardown(trainer, pl_module, "fit")
 
-    def state_dict(self) -> dict[str, Any]:
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """The running token counts (:meth:`BatchTokenMean.saved_counts`: the global token mean's under FSDP2, the
-        rank mean's in one process), so a resumed first step rounds as the uninterrupted run's; nothing where there are
-        none (so a checkpoint does not ask for this callback on a resume without it)."""
-        return self._mean.saved_counts()
+        rank mean's in one process), so a resumed first step rounds as the uninterrupted run's: at the checkpoint's top
+        level, not in the callback's state, so that a resume without this callback is not asked for it (a review)."""
+        counts = self._mean.saved_counts()
+        if counts:
+            checkpoint[_COUNTS_KEY] = counts
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Read back :meth:`on_save_checkpoint`'s counts: for this fit where they are loaded after ``on_fit_start``
+        (ModelParallelStrategy), else for the next."""
+        if _COUNTS_KEY in checkpoint:
+            self._take(checkpoint[_COUNTS_KEY])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Read back :meth:`state_dict`'s counts: for this fit where they are loaded after ``on_fit_start``
-        (ModelParallelStrategy), else for the next."""
+        """A checkpoint's counts from before they moved to its top level (``step_token_scale``)."""
+        if state_dict:
+            self._take(state_dict)
+
+    def _take(self, counts: dict[str, Any]) -> None:
         if self._mean.installed:
-            self._mean.restore_counts(state_dict)
+            self._mean.restore_counts(counts)
         else:
-            self._restored = dict(state_dict)
+            self._restored = dict(counts)
+
+
+_COUNTS_KEY = "step_token_mean_counts"
 
 
 def is_heterogeneous(strategy: Any) -> bool:

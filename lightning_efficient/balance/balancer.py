@@ -63,7 +63,7 @@ from lightning_efficient._torch import DeviceClock
 from lightning_efficient._validation import SettingRefused, require, require_bool, require_int
 from lightning_efficient.balance.datasets import check_same_dataset
 from lightning_efficient.balance.evaluation import EvaluationCounts, capped_evaluation_loader
-from lightning_efficient.balance.planner import SharePlan, held_from_speed, plan_shares
+from lightning_efficient.balance.planner import SharePlan, held_from_weights, plan_shares
 from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
@@ -236,7 +236,8 @@ class Balancer:
             require(numbers and len(shares) > 0 and all(s > 0 and math.isfinite(s) for s in shares), "shares", shares,
                     "'auto' or positive finite weights, one per rank (a rank with share 0 would leave the others waiting for it)")
         if isinstance(max_micro_batch, str):
-            require(max_micro_batch == "auto", "max_micro_batch", max_micro_batch, "an int, a list of ints, 'auto' or None")
+            require(max_micro_batch == "auto", "max_micro_batch", max_micro_batch,
+                    "an int, a list of ints or None (one per rank), 'auto' or None")
         elif isinstance(max_micro_batch, (list, tuple)):
             require(all(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1) for c in max_micro_batch),
                     "max_micro_batch", max_micro_batch, "an int, a list of ints >= 1 or None (one per rank, None: no cap), 'auto' or None")
@@ -424,7 +425,8 @@ class Balancer:
         workers = dataloader.num_workers
         self.lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self.plan.accumulation)
         rank_zero_info(f"{name}: global batch {global_batch}, shares {list(self.plan.shares)}"
-                       + held_from_speed(self.plan, self.initial_weights(), self.caps()))
+                       + held_from_weights(self.plan, self.initial_weights(), self.caps(),
+                                           "equal shares (no speed measured yet)" if self.shares == "auto" else "your shares"))
         # the user's prefetching with workers (a review: the default's 2 where the user set 1 fetched global batches
         # beyond the lookahead, sliced by shares a re-plan then changed), timeout and worker start method
         with_workers = {"prefetch_factor": dataloader.prefetch_factor, "timeout": dataloader.timeout,

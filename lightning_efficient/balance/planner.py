@@ -139,19 +139,20 @@ def plan_shares(
     return best
 
 
-def held_from_speed(plan: SharePlan, speeds: Sequence[float], caps: Sequence[int | None]) -> str:
-    """Why ``plan``'s shares are not in proportion to ``speeds``, where a bound holds a rank's share away: ``""``, or
-    ``" (rank 1: a sample in each of its 3 micro-batches; rank 0: its cap, 2 a micro-batch)"`` (a new user's trial:
-    shares 3:1 over 8 samples under caps [2, 8] trained 5:3, and nothing said why)."""
-    total, global_batch = sum(speeds), sum(plan.shares)
+def held_from_weights(plan: SharePlan, weights: Sequence[float], caps: Sequence[int | None], weights_said: str) -> str:
+    """Why ``plan``'s shares are not those ``weights`` alone give (:func:`_water_fill` without bounds), where a bound
+    holds a rank's share away: ``""``, or ``" (rank 1: a sample in each of its 3 micro-batches; <weights_said> alone
+    give [6, 2])"`` (a new user's trial: shares 3:1 over 8 samples under caps [2, 8] trained 5:3, and nothing said why).
+    A rank moved only by another's bound is not named."""
+    free = _water_fill(sum(plan.shares), weights, [0] * len(weights), [math.inf] * len(weights))
     said = []
-    for rank, (share, speed, cap) in enumerate(zip(plan.shares, speeds, caps)):
-        even = global_batch * speed / total
-        if share == plan.accumulation and even < share:
-            said.append(f"rank {rank}: a sample in each of its {plan.accumulation} micro-batches")
-        elif cap is not None and share == cap * plan.accumulation and even > share:
+    for rank, (share, alone, cap) in enumerate(zip(plan.shares, free, caps)):
+        if cap is not None and share == cap * plan.accumulation and share < alone:
             said.append(f"rank {rank}: its cap, {cap} a micro-batch")
-    return f" ({'; '.join(said)}; in proportion to the speeds: {[round(global_batch * s / total, 2) for s in speeds]})" if said else ""
+        elif share == plan.accumulation and share > alone:
+            said.append(f"rank {rank}: a sample in each of its {share} micro-batches" if share > 1 else
+                        f"rank {rank}: a sample in its micro-batch")
+    return f" ({'; '.join(said)}; {weights_said} alone give {free})" if said else ""
 
 
 def _shrunk_upper(plan: SharePlan, accumulation: int) -> list[int]:

@@ -449,3 +449,13 @@ def test_tokens_per_sample_reads_the_token_rows_not_a_one_dimensional_index_befo
     # a later trial: an MLP's float feature columns were counted as its tokens (its "tokens/s" its features/s)
     assert tokens_per_sample({"x": torch.randn(4, 20), "y": torch.randint(0, 3, (4,))}) is None
     assert tokens_per_sample((torch.randn(4, 20), torch.zeros(4, 20, dtype=torch.bool))) is None
+    # its review: class labels or one-hot labels beside features, uint8 images, int16 audio are not ids; a bool mask
+    # before the ids does not hide them
+    long = torch.long
+    assert tokens_per_sample((torch.randn(4, 20), torch.zeros(4, 1, dtype=long))) is None
+    assert tokens_per_sample({"x": torch.randn(4, 20), "y": torch.zeros(4, 5, dtype=long)}) is None
+    assert tokens_per_sample((torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=long))) is None
+    assert tokens_per_sample({"wave": torch.zeros(4, 16000, dtype=torch.int16)}) is None
+    assert tokens_per_sample((torch.ones(4, 16, dtype=torch.bool), torch.zeros(4, 16, dtype=long))) == 16
+    assert tokens_per_sample({"attention_mask": torch.ones(4, 16, dtype=torch.bool), "input_ids": torch.zeros(4, 16, dtype=long)}) == 16
+    assert tokens_per_sample({"pixel_values": torch.randn(4, 3, 8, 8), "input_ids": torch.zeros(4, 7, dtype=torch.int32)}) == 7

@@ -129,10 +129,15 @@ def test_the_step_token_mean_callback_leaves_nothing_behind_when_a_fit_raises_an
     assert not any("training_step returns dict" in r.getMessage() for r in caplog.records)
     # a count loaded while the callback is installed (ModelParallelStrategy restores after on_fit_start) is this fit's
     mean._mean.install(lightning.Trainer(logger=False), DemoGPT(**tiny_gpt_kwargs()), "one batch")
-    mean.load_state_dict({"step_token_scale": 12.0, "rank_token_count": 5.5})
+    mean.on_load_checkpoint(None, None, {"step_token_mean_counts": {"step_token_scale": 12.0, "rank_token_count": 5.5}})
     assert mean._mean.normaliser.scale == 12.0 and mean._restored == {}
-    assert mean._mean.rank_mean.previous_count == 5.5 and mean.state_dict() == {"step_token_scale": 12.0, "rank_token_count": 5.5}
+    assert mean._mean.rank_mean.previous_count == 5.5
+    saved = {}
+    mean.on_save_checkpoint(None, None, saved)
+    assert saved == {"step_token_mean_counts": {"step_token_scale": 12.0, "rank_token_count": 5.5}} and mean.state_dict() == {}
     mean._mean.remove()
+    mean.load_state_dict({"step_token_scale": 7.0})  # a checkpoint from before the counts moved to the top level
+    assert mean._restored == {"step_token_scale": 7.0}
 
 
 def test_a_scalar_loss_passes_as_it_is_and_is_named_once(small_datamodule_kwargs, caplog):
@@ -245,28 +250,42 @@ class LearnsTiny(Tiny):
 def test_a_resume_in_one_process_weighs_its_first_step_as_the_uninterrupted_run(tmp_path, via):
     """A new user's trial: a resumed first step's stand-in count was its first micro-batch's, where the uninterrupted
     run's is the previous step's: weights 2.2e-16 apart in float64 where plain Lightning resumes bitwise. The checkpoint
-    keeps the rank's running count in one process. Resumed at an epoch's end (16 rows): under StepTokenMean after its
-    short step (micro-batches of 2, steps of 3, 3, 2), under AutoFit after 4 batches of 4 split 2 x 2."""
+    keeps the rank's running count in one process, also one saved after fit returned (a review). Resumed at an epoch's
+    end (16 rows): under StepTokenMean after its short step (micro-batches of 2, steps of 3, 3, 2), under AutoFit after
+    4 batches of 4 split 2 x 2."""
+    import warnings
+
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_efficient import AutoFit
 
     batch_size, accumulation, epoch_steps = (2, 3, 3) if via == "StepTokenMean" else (4, 1, 4)
 
-    def fit(ckpt_path=None):
+    def fit(ckpt_path=None, steps=epoch_steps + 2, save_after=None, mean=True, epochs=None):
         torch.manual_seed(0)
-        mean = StepTokenMean() if via == "StepTokenMean" else AutoFit(budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"],
-                                                                        activation_policies=["keep"])
+        means = [] if not mean else [StepTokenMean() if via == "StepTokenMean" else AutoFit(
+            budget="8GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"])]
         saving = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=epoch_steps, save_top_k=-1)] if ckpt_path is None else []
         model = LearnsTiny(batch_size).double()  # (built in float64: a checkpoint loads into it unrounded)
-        lightning.Trainer(accelerator="cpu", max_steps=epoch_steps + 2, precision="64-true", logger=False,
-                          enable_checkpointing=ckpt_path is None, enable_progress_bar=False, enable_model_summary=False,
-                          accumulate_grad_batches=accumulation, callbacks=[mean, *saving]).fit(model, ckpt_path=ckpt_path)
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, max_epochs=epochs, precision="64-true", logger=False,
+                                    enable_checkpointing=ckpt_path is None, enable_progress_bar=False, enable_model_summary=False,
+                                    accumulate_grad_batches=accumulation, callbacks=[*means, *saving], default_root_dir=tmp_path)
+        trainer.fit(model, ckpt_path=ckpt_path)
+        if save_after is not None:
+            trainer.save_checkpoint(save_after)
         return model
 
     uninterrupted = fit()
     resumed = fit(str(tmp_path / f"epoch=0-step={epoch_steps}.ckpt"))
     assert _largest_difference(resumed, uninterrupted) == 0.0
+    fit(steps=-1, epochs=1, save_after=tmp_path / "after.ckpt")  # (Lightning resumes a fit ended at max_epochs=1 ...)
+    two_epochs = fit(steps=-1, epochs=2)  # (... as the fit of max_epochs=2, not one of max_steps)
+    assert _largest_difference(fit(str(tmp_path / "after.ckpt"), steps=-1, epochs=2), two_epochs) == 0.0
+    if via == "StepTokenMean":  # the counts are not the callback's state: a resume without it is not asked for it
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(str(tmp_path / "after.ckpt"), mean=False)
+        assert not any("StepTokenMean" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
 class WrapsTheStepToo(lightning.Callback):

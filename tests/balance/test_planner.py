@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_efficient.balance.planner import held_from_speed, plan_shares, shrunk_plan
+from lightning_efficient.balance.planner import held_from_weights, plan_shares, shrunk_plan
 
 speeds = st.lists(st.floats(0.1, 10.0), min_size=1, max_size=64)
 
@@ -125,14 +125,20 @@ def test_an_epochs_short_last_batch_is_shared_in_proportion_within_the_plans_mic
         shrunk_plan(plan, world * steps - 1)
 
 
-def test_shares_held_from_the_speeds_by_a_bound_say_which_rank_and_why():
+def test_shares_held_from_the_weights_by_a_bound_say_which_rank_and_why():
     # a new user's trial: shares 3:1 of 8 samples under caps [2, 8] trained 5:3, and the strategy said nothing of why
     caps = [2, 8]
     plan = plan_shares(8, [3.0, 1.0], caps)
     assert (plan.shares, plan.accumulation) == ((5, 3), 3)
-    said = held_from_speed(plan, [3.0, 1.0], caps)
-    assert said == " (rank 1: a sample in each of its 3 micro-batches; in proportion to the speeds: [6.0, 2.0])"
+    said = held_from_weights(plan, [3.0, 1.0], caps, "your shares")
+    assert said == " (rank 1: a sample in each of its 3 micro-batches; your shares alone give [6, 2])"
     capped = plan_shares(12, [3.0, 1.0], [4, None], accumulation=2)  # rank 0's 9 held to 2 x 4
     assert capped.shares == (8, 4)
-    assert held_from_speed(capped, [3.0, 1.0], [4, None]) == " (rank 0: its cap, 4 a micro-batch; in proportion to the speeds: [9.0, 3.0])"
-    assert held_from_speed(plan_shares(8, [3.0, 1.0]), [3.0, 1.0], [None, None]) == ""  # 6:2, as the speeds say
+    assert held_from_weights(capped, [3.0, 1.0], [4, None], "your shares") == " (rank 0: its cap, 4 a micro-batch; your shares alone give [9, 3])"
+    # its review: rounding alone, or weights whose float products are not exact, hold nothing
+    assert held_from_weights(plan_shares(8, [3.0, 1.0]), [3.0, 1.0], [None, None], "your shares") == ""
+    assert held_from_weights(plan_shares(10, [2.0, 1.0], [None, 3]), [2.0, 1.0], [None, 3], "your shares") == ""  # 7:3, as rounded
+    assert held_from_weights(plan_shares(15, [3.0, 1.0], least_accumulation=4), [3.0, 1.0], [None, None], "w") == ""  # 11:4
+    assert held_from_weights(plan_shares(9, [0.1, 0.2], least_accumulation=3), [0.1, 0.2], [None, None], "w") == ""  # 3:6
+    one = plan_shares(4, [10.0, 1.0])  # rank 1's 0.36 of a sample is one
+    assert held_from_weights(one, [10.0, 1.0], [None, None], "w") == " (rank 1: a sample in its micro-batch; w alone give [4, 0])"
