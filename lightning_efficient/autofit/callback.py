@@ -307,6 +307,15 @@ def _users_loader(trainer: Trainer) -> Any:
         return trainer.fit_loop._data_source.dataloader()
 
 
+def _users_caps(max_micro_batch: Any, world: int) -> list[int | None] | None:
+    """Each rank's largest micro-batch a heterogeneous strategy's ``max_micro_batch`` sets (None: none set, or
+    ``"auto"``, the probe AutoFit's measurement replaces): a cap the user set stays an upper limit on the plan's (a new
+    user's trial: ``[2, None]`` beside AutoFit trained rank 0 at 12 a micro-batch)."""
+    if max_micro_batch is None or max_micro_batch == "auto":
+        return None
+    return [max_micro_batch] * world if isinstance(max_micro_batch, int) else list(max_micro_batch)
+
+
 def _warn_of_batch_statistics(module: LightningModule, batch: int, micro: int) -> None:
     """Warn where ``module`` has batch-norm layers in training: they normalise over each micro-batch, so splitting the
     user's batch changes what they compute (a new user's trial: weights 0.04 apart after 8 steps at 2 x 4, silently)."""
@@ -793,9 +802,14 @@ class AutoFit(Callback):
             refuse_unless(searched or self.micro_batches is None, "AutoFit", "micro_batches", self.micro_batches,
                            "None for this DataLoader, whose micro-batches cannot be sized (its own batch_sampler, or a "
                            "dataset not drawn by index)")
-            if strategy.max_micro_batch is not None:
-                notes.append(f"the strategy's max_micro_batch={strategy.max_micro_batch!r} is replaced by the plan's caps")
+            users_caps = _users_caps(strategy.max_micro_batch, world)
+            if strategy.max_micro_batch == "auto":
+                notes.append("the strategy's max_micro_batch='auto' is replaced by the plan's caps (its own measurement)")
+            elif users_caps is not None:
+                notes.append(f"the strategy's max_micro_batch={strategy.max_micro_batch!r} is kept: each rank's cap is "
+                             "within yours")
         else:
+            users_caps = None
             per_rank = samples // world
             # a DataLoader given to fit() is not rebuilt from the `batch_size` attribute (Lightning's batch-size finder
             # refuses such loaders too)
@@ -841,7 +855,8 @@ class AutoFit(Callback):
             # which the block policies may be what makes fit) and under FSDP2 (profiling mid-fit would leave gradients on
             # FSDP2's unsharded parameters, as measuring does before the first step, where they are cleared)
             later = keep_micro_batch is None and not any(is_fsdp2(m) for m in pl_module.modules()) and not blocks_matter(
-                profiles, samples_per_step=samples, heterogeneous=heterogeneous, margin=self.margin, micro_batches=micro_batches)
+                profiles, samples_per_step=samples, heterogeneous=heterogeneous, margin=self.margin, micro_batches=micro_batches,
+                caps=users_caps)
             if later:  # profiled only if the pick's reading or a measured peak asks for a re-plan
                 notes.append(NOT_PROFILED)
                 self._unprofiled = unprofiled
@@ -860,7 +875,7 @@ class AutoFit(Callback):
             except BudgetTooSmall:
                 notes.append(f"the checkpoint's micro-batch {saved.micro_batches[0]} does not fit this budget: chosen again")
         settings = {"samples_per_step": samples, "heterogeneous": heterogeneous, "margin": self.margin,
-                    "micro_batches": micro_batches if plan is None else saved.micro_batches[:1]}
+                    "micro_batches": micro_batches if plan is None else saved.micro_batches[:1], "caps": users_caps}
         if plan is None:
             plan = search(profiles, policies=policies, **settings)
 

@@ -399,6 +399,7 @@ def search(
     margin: float,
     policies: tuple[str, ...],
     micro_batches: list[int] | None = None,
+    caps: list[int | None] | None = None,
 ) -> FitPlan:
     """The configuration of least predicted step time that fits every rank's budget less ``margin``.
 
@@ -410,6 +411,8 @@ def search(
         policies: the activation policies allowed.
         micro_batches: the micro-batch sizes allowed (default: divisors of the per-rank batch for the
             uniform case, 1..global batch for the heterogeneous one).
+        caps: heterogeneous only: each rank's largest micro-batch the user set (None: no cap on it), which its plan's
+            cap stays within.
 
     Raises:
         BudgetTooSmall: when nothing fits, with the smallest budget that would and the plan needing it.
@@ -421,7 +424,8 @@ def search(
         micro_batches = list(range(1, samples_per_step + 1)) if heterogeneous else divisors(per_rank)
     smallest = max(p.smallest_micro_batch for p in profiles)
     micro_batches = [m for m in micro_batches if m >= smallest] or micro_batches  # none: the fit fails as it would
-    per_rank_allowed = [[m for m in micro_batches if p.fits_device(m)] for p in profiles]
+    per_rank_allowed = [[m for m in micro_batches if p.fits_device(m) and (cap is None or m <= cap)]
+                        for p, cap in zip(profiles, caps or [None] * world)]
     common = [m for m in micro_batches if all(p.fits_device(m) for p in profiles)]
     if not (all(per_rank_allowed) if heterogeneous else common):
         raise BudgetTooSmall(_out_of_memory_message(profiles, micro_batches))
@@ -450,7 +454,7 @@ def _out_of_memory_message(profiles: list[RankProfile], micro_batches: list[int]
 
 
 def blocks_matter(profiles: list[RankProfile], *, samples_per_step: int, heterogeneous: bool, margin: float,
-                  micro_batches: list[int] | None = None) -> bool:
+                  micro_batches: list[int] | None = None, caps: list[int | None] | None = None) -> bool:
     """Whether a block policy other than keep could make the plan faster, from profiles measured without the blocks:
     a policy other than keep only adds time (recomputation, copies), so it can only pay where it lets a faster micro-batch
     or optimizer option fit. False when the fastest plan with no memory limit fits every budget with every block kept.
@@ -461,9 +465,10 @@ def blocks_matter(profiles: list[RankProfile], *, samples_per_step: int, heterog
         heterogeneous: as for :func:`search`.
         margin: the fraction of each budget kept free.
         micro_batches: the micro-batch sizes allowed (as for :func:`search`).
+        caps: each rank's largest micro-batch the user set (as for :func:`search`).
     """
     settings = {"samples_per_step": samples_per_step, "heterogeneous": heterogeneous, "margin": margin,
-                "policies": ("keep",), "micro_batches": micro_batches}
+                "policies": ("keep",), "micro_batches": micro_batches, "caps": caps}
     unlimited = search([replace(p, budget_bytes=2**62) for p in profiles], **settings)
     try:
         kept = search(profiles, **settings)

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
+from lightning_efficient._samples import token_ids
 from lightning_efficient._step import step_batch_index
 from lightning_efficient.tokens.normalize import RankStepTokenMean, StepTokenNormaliser, optimizer_step_normalising
 from lightning_efficient.tokens.output import loss_sum_and_count
@@ -89,7 +90,7 @@ class BatchTokenMean:
                 if first:  # (a later micro-batch of this step counts from nothing, not from an earlier step's)
                     self.rank_mean.forget_step()
                 if output is not None:  # (None: a step skipped)
-                    self._tell_once(output, batch_words)
+                    self._tell_once(output, batch_words, args[0] if args else kwargs.get("batch"))
                 return output
             if _gradients_are_local_until_the_last_backward(trainer):
                 loss = self.rank_mean.micro_batch_loss(*found, accumulation, first=first,
@@ -143,10 +144,12 @@ class BatchTokenMean:
         self.normaliser.reset()
         self.rank_mean.reset()
 
-    def _tell_once(self, output: Any, batch_words: str) -> None:
+    def _tell_once(self, output: Any, batch_words: str, batch: Any) -> None:
         if self._told:
             return
         self._told = True
+        if token_ids(batch) is None:  # features, images: no tokens whose count varies (a new user's trial: an MLP was told)
+            return
         rank_zero_info(
             f"{self._who}: training_step returns {type(output).__name__}, a loss over its micro-batch: where it is a mean over "
             f"tokens whose count varies from sample to sample (padding, -100 labels), the micro-batches weigh them "

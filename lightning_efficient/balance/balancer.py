@@ -346,7 +346,8 @@ class Balancer:
         """
         for name, value in (("shares", self.shares), ("max_micro_batch", self.max_micro_batch)):
             if isinstance(value, (list, tuple)) and len(value) != world:
-                raise SettingRefused(f"{self.name}: {name}={list(value)} has {len(value)} entries for {world} ranks: give one per rank")
+                raise SettingRefused(f"{self.name}: {name}={list(value)} has {len(value)} {'entry' if len(value) == 1 else 'entries'} for {world} "
+                                     f"rank{'' if world == 1 else 's'}: give one per rank")
 
     def initial_weights(self) -> list[float]:
         """The shares the first plan follows (equal under ``"auto"``)."""

@@ -46,7 +46,8 @@ def _validate(global_batch: int, speeds: Sequence[float], caps: Sequence[int | N
     if any(not math.isfinite(v) or v <= 0 for v in speeds):
         raise ValueError(f"shares={list(speeds)} is not allowed: expected positive finite weights, one per rank")
     if len(caps) != world:
-        raise ValueError(f"max_micro_batch={list(caps)} has {len(caps)} entries for {world} ranks")
+        raise ValueError(f"max_micro_batch={list(caps)} has {len(caps)} {'entry' if len(caps) == 1 else 'entries'} for {world} "
+                         f"rank{'' if world == 1 else 's'}")
     if any(c is not None and (not isinstance(c, int) or c < 1) for c in caps):
         raise ValueError(f"max_micro_batch={list(caps)} is not allowed: expected integers >= 1 (or None: no cap)")
 

@@ -452,6 +452,13 @@ def run_estimated_steps(rank: int) -> dict[str, Any]:
         raise error
     found["hetero_ddp_accumulating"] = {"plan": callback.plan.to_dict(), "micro": record.micro, "during": record.during,
                                         "accumulation_after": trainer.accumulate_grad_batches}
+    # a cap the user set on rank 0 only (a new user's trial: AutoFit replaced [2, None] and trained rank 0 at 12)
+    callback = AutoFit(budget=[BIG, BIG], activation_policies=["keep"], optimizer_options=["32-bit"])
+    trainer, _, record, error = fit("hetero_ddp", [callback], caps=[2, None])
+    if error is not None:
+        raise error
+    found["hetero_ddp_users_caps"] = {"plan": callback.plan.to_dict(), "micro": record.micro,
+                                      "caps_after": trainer.strategy.max_micro_batch}
     return found
 
 

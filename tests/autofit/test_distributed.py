@@ -338,6 +338,19 @@ def test_caps_under_hetero_ddp_with_an_accumulation_set_get_the_micro_batches_th
     assert set(_samples_per_step(results["estimated_steps"], "hetero_ddp_accumulating").values()) == {GLOBAL_BATCH}
 
 
+def test_a_cap_the_user_set_under_hetero_ddp_stays_the_plans_upper_limit(results):
+    # a new user's trial: max_micro_batch=[2, None] beside AutoFit was replaced by the plan's caps, rank 0 trained 12 a
+    # micro-batch where the user's device held 2; the issue: a setting the user made explicitly is kept, and said so
+    ranks = [rank["hetero_ddp_users_caps"] for rank in results["estimated_steps"]]
+    caps = [r["micro_batch"] for r in ranks[0]["plan"]["ranks"]]
+    assert caps[0] <= 2 < caps[1], caps  # (rank 1, uncapped, takes more at this budget)
+    assert any("max_micro_batch=[2, None] is kept" in note for note in ranks[0]["plan"]["notes"])
+    for rank, run in enumerate(ranks):
+        assert run["micro"] and all(size <= caps[rank] for _, size, _ in run["micro"])
+        assert run["caps_after"] == [2, None]
+    assert set(_samples_per_step(results["estimated_steps"], "hetero_ddp_users_caps").values()) == {GLOBAL_BATCH}
+
+
 def test_a_scheduler_stepped_every_few_batches_steps_as_without_autofit_on_two_processes(tmp_path):
     # a StepLR of frequency 2 (batches) at AutoFit's micro-batches of 2 for batches of 4: with Lightning's
     # DistributedSampler, and with use_distributed_sampler=False, where every rank draws the whole dataset (a review: the

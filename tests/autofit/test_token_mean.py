@@ -150,6 +150,18 @@ def test_a_scalar_loss_passes_as_it_is_and_is_named_once(small_datamodule_kwargs
     assert len(told) == 1 and "one batch of 8" in told[0] and "TokenLosses" in told[0]
 
 
+def test_a_scalar_loss_over_float_features_is_not_told_about_tokens(caplog):
+    """A new user's trial: an MLP on float features was told its loss may be a mean over tokens of varying count and to
+    return TokenLosses; a batch without token ids has no tokens to weigh."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        lightning.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                          callbacks=[StepTokenMean()]).fit(BoringModel())
+    assert not any("training_step returns" in r.getMessage() for r in caplog.records)
+
+
 def _assert_steps_equal(steps, init, micro_of_step):
     assert len(steps) == 2
     for step, grads in enumerate(steps):

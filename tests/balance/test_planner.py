@@ -69,7 +69,7 @@ def test_a_share_over_its_cap_uses_accumulation():
         ((1, [1.0, 1.0]), r"global_batch_size=1 is smaller than the number of ranks \(2\)"),
         ((4, [1.0, -1.0]), r"shares=\[1.0, -1.0\]"),
         ((4, [0.0, 0.0]), r"shares=\[0.0, 0.0\]"),
-        ((4, [1.0, 1.0], [1]), r"max_micro_batch=\[1\] has 1 entries for 2 ranks"),
+        ((4, [1.0, 1.0], [1]), r"max_micro_batch=\[1\] has 1 entry for 2 ranks"),
         ((5, [1.0, 1.0], [1, 1], 1), r"global_batch_size=5 cannot be split over 2 ranks with max_micro_batch=\[1, 1\] and accumulation=1: at most 2"),
     ],
 )

@@ -164,7 +164,7 @@ def test_impossible_settings_fail_before_the_first_step(tmp_path, mode, pattern)
 @pytest.mark.parametrize("strategy_class", [HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy])
 @pytest.mark.parametrize(("kwargs", "pattern"), [
     ({"shares": [1.0, 2.0, 3.0]}, r"shares=\[1.0, 2.0, 3.0\] has 3 entries for 2 ranks: give one per rank"),
-    ({"max_micro_batch": [4]}, r"max_micro_batch=\[4\] has 1 entries for 2 ranks: give one per rank"),
+    ({"max_micro_batch": [4]}, r"max_micro_batch=\[4\] has 1 entry for 2 ranks: give one per rank"),
 ])
 def test_per_rank_lists_of_the_wrong_length_are_refused_once_before_a_fit_launches(strategy_class, kwargs, pattern):
     """Before any process is launched (every rank raised it after the launch, one traceback each); a Trainer for
