@@ -28,14 +28,13 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport, SelectiveTokenLoss
+from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport, SelectiveTokenLoss, StepTokenMean
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.autofit.callback import FREED_HEAP_RESIDENT
 from lightning_efficient.autofit.model import BudgetTooSmall
 from tests.autofit.test_token_mean import FirstGradients, PaddedGPT
 from tests.conftest import tiny_gpt_kwargs
 from tests.ddp import run_script
-from tests.tokens.accumulation_model import InstallsBatchTokenMean
 
 MiB = 2**20
 
@@ -268,22 +267,22 @@ def test_autofit_splitting_a_padded_batch_keeps_its_token_mean(small_datamodule_
     theirs, _ = first_gradients([SelectiveTokenLoss(method="none")], batch_size=beside.plan.micro_batches[0],
                                 accumulate=beside.plan.accumulation)
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
-    # a resume trains as plain Lightning at the plan's settings with the token mean installed, resumed alike (one
-    # device: each step's mean is the step's own, nothing carried from step to step)
+    # a resume trains as plain Lightning at the plan's settings with StepTokenMean (what `lightning-efficient plan`
+    # prints), resumed alike: in one device each checkpoint keeps the rank's running token count, so both resume bitwise
     root = tmp_path / "autofit"
     first = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
     _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=root, save_last=True)], steps=2, root=str(root), wide=True,
          model_class=PaddedGPT)
     saved = torch.load(root / "last.ckpt", weights_only=False)["callbacks"][first.state_key]
-    assert first.plan.accumulation > 1 and saved["step_token_scale"] is None
+    assert first.plan.accumulation > 1 and saved["step_token_scale"] is None and saved["rank_token_count"] is not None
     resumed = AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])
     _, mine, _ = _fit(small_datamodule_kwargs, [resumed], steps=4, root=str(root), ckpt_path=str(root / "last.ckpt"), wide=True,
                       model_class=PaddedGPT)
     assert resumed.plan == first.plan and resumed.profiles == []
     plain_root, settings = tmp_path / "plain", {"batch_size": first.plan.micro_batches[0], "accumulate": first.plan.accumulation}
-    _fit(small_datamodule_kwargs, [InstallsBatchTokenMean(), ModelCheckpoint(dirpath=plain_root, save_last=True)],
+    _fit(small_datamodule_kwargs, [StepTokenMean(), ModelCheckpoint(dirpath=plain_root, save_last=True)],
          **settings, steps=2, root=str(plain_root), wide=True, model_class=PaddedGPT)
-    _, theirs, _ = _fit(small_datamodule_kwargs, [InstallsBatchTokenMean()], **settings, steps=4, root=str(plain_root),
+    _, theirs, _ = _fit(small_datamodule_kwargs, [StepTokenMean()], **settings, steps=4, root=str(plain_root),
                         ckpt_path=str(plain_root / "last.ckpt"), wide=True, model_class=PaddedGPT)
     assert all(torch.equal(a, b) for a, b in zip(mine.parameters(), theirs.parameters()))
 
