@@ -307,15 +307,6 @@ def _users_loader(trainer: Trainer) -> Any:
         return trainer.fit_loop._data_source.dataloader()
 
 
-def _users_caps(max_micro_batch: Any, world: int) -> list[int | None] | None:
-    """Each rank's largest micro-batch a heterogeneous strategy's ``max_micro_batch`` sets (None: none set, or
-    ``"auto"``, the probe AutoFit's measurement replaces): a cap the user set stays an upper limit on the plan's (a new
-    user's trial: ``[2, None]`` beside AutoFit trained rank 0 at 12 a micro-batch)."""
-    if max_micro_batch is None or max_micro_batch == "auto":
-        return None
-    return [max_micro_batch] * world if isinstance(max_micro_batch, int) else list(max_micro_batch)
-
-
 def _warn_of_batch_statistics(module: LightningModule, batch: int, micro: int) -> None:
     """Warn where ``module`` has batch-norm layers in training: they normalise over each micro-batch, so splitting the
     user's batch changes what they compute (a new user's trial: weights 0.04 apart after 8 steps at 2 x 4, silently)."""
@@ -561,10 +552,11 @@ class AutoFit(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        counts = self._token_mean.saved_counts()  # (one host sync for the rank's count)
         return {"settings": self._settings(), "plan": None if self._plan is None else self._plan.to_dict(),
                 "measured": self._measured,
                 # a resumed first step scales its token sums as the uninterrupted run's (the same rounding)
-                **{key: self._token_mean.saved_counts().get(key) for key in ("step_token_scale", "rank_token_count")},
+                **{key: counts.get(key) for key in ("step_token_scale", "rank_token_count")},
                 "trainable": None if self._trainable_planned is None else list(self._trainable_planned)}
 
     # -- planning -------------------------------------------------------------------------------
@@ -802,7 +794,9 @@ class AutoFit(Callback):
             refuse_unless(searched or self.micro_batches is None, "AutoFit", "micro_batches", self.micro_batches,
                            "None for this DataLoader, whose micro-batches cannot be sized (its own batch_sampler, or a "
                            "dataset not drawn by index)")
-            users_caps = _users_caps(strategy.max_micro_batch, world)
+            # a cap the user set stays an upper limit on the plan's (a new user's trial: [2, None] beside AutoFit trained
+            # rank 0 at 12 a micro-batch); "auto", the probe, AutoFit's measurement replaces
+            users_caps = None if strategy.max_micro_batch in (None, "auto") else strategy.balancer.caps()
             if strategy.max_micro_batch == "auto":
                 notes.append("the strategy's max_micro_batch='auto' is replaced by the plan's caps (its own measurement)")
             elif users_caps is not None:
