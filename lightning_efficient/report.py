@@ -109,8 +109,9 @@ class MemoryReport(Callback):
     after everything that runs before it, in any callback order: ``ActivationMemory``'s auto plan
     (a profiling step at the first batch), ``hetero_ddp``'s micro-batch probe, checkpoint loading. They
     are read at each sampled step and again at the end of fit (the peak over every step since the
-    first, validation included), as are the other callbacks' figures and the optimizer-state and
-    gradient bytes (which a sampled first micro-batch of an accumulation window has not made yet).
+    first, validation included), as are the other callbacks' figures and the optimizer-state bytes (which a
+    sampled first micro-batch of an accumulation window has not made yet); gradient bytes are read at the
+    optimizer step of each sampled micro-batch's window.
 
     Tokens per step are the valid tokens of a :class:`~lightning_efficient.tokens.TokenLosses`
     output, else the elements of the batch's ``[samples, sequence]`` tensor of token ids
@@ -172,6 +173,7 @@ class MemoryReport(Callback):
         self._counter: SavedTensorCounter | None = None
         self._weights: ParameterStorages | None = None
         self._sampling = False
+        self._gradients_due = False
         self._run: dict[str, Any] = {}
         self._first_step_pending = False
         self._rss_peak: PeakMemory | None = None  # the training window's peaks (from the first step)
@@ -245,6 +247,9 @@ class MemoryReport(Callback):
             self._reset_peaks(pl_module)  # also here: on its own if no strategy step runs this batch
             self._wrap_training_step(trainer, pl_module)
         self._sampling = batch_idx % self.every_n_steps == 0
+        # a sampled micro-batch's gradients are read at its window's optimizer step (the first micro-batch of a window has
+        # made none yet; at the fit's end Lightning has released them before its last validation: a new user's trial)
+        self._gradients_due = self._gradients_due or self._sampling
         if self._sampling:
             # weights are not activations (under FSDP2: not the all-gathered parameters either)
             self._weights = ParameterStorages(pl_module).track()
@@ -256,7 +261,8 @@ class MemoryReport(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self._sampling:
+        if self._gradients_due:
+            self._gradients_due = False
             self._raise("gradient_bytes", gradient_bytes(pl_module))
 
     @override

@@ -378,11 +378,14 @@ def test_loading_bitsandbytes_for_an_8bit_optimizer_is_not_counted_as_the_fits_m
     assert figures["8bit"]["rss_above_start_bytes"] - figures["32bit"]["rss_above_start_bytes"] < 16 * 2**20
 
 
-def test_state_and_gradient_bytes_are_read_under_accumulation_where_the_sampled_step_has_none(small_datamodule_kwargs):
+@pytest.mark.parametrize("validated", [False, True], ids=["no_validation", "validation_at_the_end"])
+def test_state_and_gradient_bytes_are_read_under_accumulation_where_the_sampled_step_has_none(small_datamodule_kwargs, validated):
     # sampled at the first batch only (every 50), which under accumulation is an optimizer step's first micro-batch:
-    # no states yet, and the gradients not made; the end of fit reads them
+    # no states yet, and the gradients not made; the window's optimizer step reads the gradients, the end of fit the
+    # states (a new user's trial: with validation at the epoch's end, Lightning had released the gradients by then)
     report = MemoryReport(every_n_steps=50, log=False, print_table=False)
-    trainer = lightning.Trainer(accelerator="cpu", max_steps=3, accumulate_grad_batches=2, limit_val_batches=0, logger=False,
+    length = {"max_epochs": 1, "limit_train_batches": 6, "limit_val_batches": 2} if validated else {"max_steps": 3, "limit_val_batches": 0}
+    trainer = lightning.Trainer(accelerator="cpu", accumulate_grad_batches=2, logger=False, num_sanity_val_steps=0, **length,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[report])
     model = DemoGPT(**tiny_gpt_kwargs())
     trainer.fit(model, datamodule=CorpusDataModule(**small_datamodule_kwargs))
