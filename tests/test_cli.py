@@ -176,6 +176,25 @@ def test_a_value_one_of_the_packages_classes_refuses_is_said_in_one_line_and_a_u
         assert "lightning-efficient: " not in raised.stderr
 
 
+def test_block_settings_refused_when_the_fit_starts_are_said_in_one_line(tmp_path):
+    # a new user's trial: a policy list of the wrong length, or blocks matching nothing, printed a 35-line traceback
+    corpus = _tiny_corpus(tmp_path)
+    model = {"class_path": "lightning_efficient.DemoGPT", "init_args": {"vocab_size": 300, "seq_len": 32, "d_model": 32, "n_heads": 2}}
+    data = {"class_path": "lightning_efficient.CorpusDataModule", "init_args": {
+        "data_path": str(corpus), "cache_dir": str(tmp_path / "cache"), "vocab_size": 300, "seq_len": 32, "batch_size": 4}}
+    for init_args, said in (({"policy": ["keep", "keep", "keep"]}, "ActivationMemory: policy=['keep', 'keep', 'keep'] is not "
+                                                                    "allowed: expected one policy or a list of 4 (one per block found)."),
+                            ({"blocks": ["nothere.*"]}, "blocks=['nothere.*'] matches no module; candidates: ")):
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({
+            "trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False, "enable_checkpointing": False,
+                        "callbacks": [{"class_path": "lightning_efficient.ActivationMemory", "init_args": init_args}]},
+            "model": model, "data": data}))
+        refused = _cli(["fit", "--config", config], cwd=tmp_path)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert refused.stderr.strip().splitlines()[-1].startswith(f"lightning-efficient: {said}")
+
+
 def test_a_fraction_for_autofits_budget_in_a_config_is_refused_in_one_line(tmp_path):
     # a new user's trial: `budget: 0.5` (as ActivationMemory takes) printed 74 lines of jsonargparse's type check
     config = tmp_path / "run.yaml"

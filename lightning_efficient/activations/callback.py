@@ -15,11 +15,11 @@ from lightning_efficient._distributed import gather_objects, gather_or_raise_tog
 from lightning_efficient._samples import batch_samples
 from lightning_efficient._step import restored_run_state, step_loss
 from lightning_efficient._torch import Trainable
-from lightning_efficient._validation import require, require_bool, require_int, require_path
+from lightning_efficient._validation import SettingRefused, refuse_unless, require, require_bool, require_int, require_path
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.activations.offload import DiskOffload, HostOffload
 from lightning_efficient.activations.planner import BlockProfile, Plan, parse_budget, plan_blocks
-from lightning_efficient.activations.policies import POLICIES, policy_counts, unwrap_block, wrap_block
+from lightning_efficient.activations.policies import POLICIES, policy_counts, selective_refusal, unwrap_block, wrap_block
 from lightning_efficient.activations.profile import profile_blocks
 from lightning_efficient.memory import ParameterStorages, SavedTensorCounter, outside_training
 
@@ -148,8 +148,8 @@ class ActivationMemory(Callback):
                 raise ValueError("policy='auto' profiles one training step, which needs automatic optimization")
             return  # restored or planned at on_train_start / the first batch, once the checkpoint is loaded
         plan = self.policy * len(self._block_list) if len(self.policy) == 1 else self.policy
-        require(len(plan) == len(self._block_list), "policy", self.policy,
-                f"one policy or a list of {len(self._block_list)} (one per block found)")
+        refuse_unless(len(plan) == len(self._block_list), "ActivationMemory", "policy", self.policy,
+                      f"one policy or a list of {len(self._block_list)} (one per block found)")
         self._apply(plan, pl_module)
 
     @override
@@ -259,6 +259,12 @@ class ActivationMemory(Callback):
         if "offload" in plan and not on_cuda and not self._warned_cpu_offload:
             rank_zero_warn("ActivationMemory: policy 'offload' moves CUDA tensors to host memory; on CPU it does nothing.")
             self._warned_cpu_offload = True
+        refused = [f"{name} ({reason})" for (name, block), policy in zip(self._block_list, plan)
+                   if policy == "selective" and (reason := selective_refusal(block)) is not None]
+        if refused:
+            raise SettingRefused(f"ActivationMemory: policy 'selective' cannot recompute {len(refused)} block(s) exactly: "
+                             f"{'; '.join(refused[:3])}{' ...' if len(refused) > 3 else ''}. Give them 'checkpoint' (it "
+                             "recomputes the whole block, exactly) or another policy.")
         for index, ((_, block), policy) in enumerate(zip(self._block_list, plan)):
             effective = "keep" if policy == "offload" and not on_cuda else policy
             wrap_block(block, effective, hooks=self._hooks_for(effective, index), reentrant=self.reentrant)

@@ -8,6 +8,7 @@ from collections import Counter
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_efficient._validation import SettingRefused
 from lightning_efficient.memory import unsharded_class
 
 
@@ -89,12 +90,12 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
             (``"model.layers.*"``).
 
     Raises:
-        ValueError: when nothing matches, listing the candidates that exist.
+        SettingRefused: (a ValueError) when nothing matches, listing the candidates that exist.
     """
     if blocks == "auto":
         containers = _block_containers(model)
         if not containers:
-            raise ValueError(
+            raise SettingRefused(
                 "blocks='auto' found no ModuleList/Sequential of repeated blocks in "
                 f"{type(model).__name__}; give class names or name patterns instead"
             )
@@ -115,7 +116,7 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[tupl
     # keep the outermost matches: wrapping a block and one of its sub-modules would recompute twice
     outermost = [(n, m) for n, m in matched if not any(n != o and n.startswith(o + ".") for o, _ in matched)]
     if not outermost:
-        raise ValueError(f"blocks={blocks!r} matches no module; candidates: {', '.join(block_candidates(model)) or 'none'}")
+        raise SettingRefused(f"blocks={blocks!r} matches no module; candidates: {', '.join(block_candidates(model)) or 'none'}")
     return outermost
 
 

@@ -49,6 +49,24 @@ def selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+def selective_refusal(block: nn.Module) -> str | None:
+    """Why ``selective`` cannot recompute ``block`` exactly, or None where it can.
+
+    A recurrent layer's cell (``nn.GRU``, ``nn.RNN``; ``nn.LSTM`` off oneDNN) changes its matmul outputs in place
+    through views torch's mutation check does not follow: ``selective`` kept them changed, and a GRU's gradients
+    came out wrong with no error (a new user's trial: weights 4e-4 away after one step)."""
+    recurrent = next(((name, m) for name, m in block.named_modules() if isinstance(m, nn.RNNBase)), None)
+    if recurrent is None:
+        return None
+    name, module = recurrent
+    where = f"{type(block).__name__}.{name}" if name else type(block).__name__
+    return (f"its recurrent layer {where} (nn.{type(module).__name__}) changes the matmul outputs 'selective' keeps in "
+            "place, where torch cannot see it (a GRU's gradients came out wrong)")
+
+
+_MUTATED = "cached during selective activation checkpoint has been mutated"
+
+
 def _reentrant_checkpoint(forward: Callable, args: tuple, kwargs: dict, block: nn.Module) -> Any:
     """Reentrant checkpointing of ``forward(*args, **kwargs)``.
 
@@ -144,10 +162,31 @@ def _checkpointed(forward: Callable, selective: bool, reentrant: bool, block: nn
         once = _recomputed_without_updates(forward, block)
         if reentrant and not selective:  # selective checkpointing exists only in the non-reentrant form
             return _reentrant_checkpoint(once, args, kwargs, block)
-        extra = {"context_fn": selective_context} if selective else {}
-        return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        if not selective:
+            return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(_said_of_in_place_changes(once, block), *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=selective_context, **kwargs)
 
     return wrapped
+
+
+def _said_of_in_place_changes(forward: Callable, block: nn.Module) -> Callable:
+    """``forward``, whose recomputation under ``selective`` says which block an in-place op broke and what to do (torch's
+    own error names neither: a new user's ``nn.ReLU(inplace=True)`` after a ``Linear``)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except RuntimeError as error:
+            if _MUTATED not in str(error):
+                raise
+            raise RuntimeError(
+                f"ActivationMemory: policy 'selective' keeps the outputs of the matmuls in {type(block).__name__}, and an "
+                "in-place op of its forward changed one (nn.ReLU(inplace=True), nn.Dropout(inplace=True), x.add_(...) "
+                "after a Linear): use policy 'checkpoint' for this block (it recomputes the whole block, exactly), or "
+                f"make the op out of place. ({error})"
+            ) from error
+
+    return run
 
 
 def _within(forward: Callable, context: Callable[[], contextlib.AbstractContextManager]) -> Callable:
@@ -178,10 +217,13 @@ def wrap_block(
             tensors passed as keywords, nested ones too, get their gradients as positional ones do.
 
     Raises:
-        ValueError: for an unknown policy, or offload/disk without ``hooks``.
+        ValueError: for an unknown policy, offload/disk without ``hooks``, or ``selective`` on a block it cannot
+            recompute exactly (:func:`selective_refusal`).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not allowed: expected one of {', '.join(POLICIES)}.")
+    if policy == "selective" and (reason := selective_refusal(block)) is not None:
+        raise ValueError(f"policy='selective' is refused for {type(block).__name__}: {reason}. Use 'checkpoint' (exact).")
     unwrap_block(block)
     if policy == "keep":
         return

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_efficient._torch import DeviceClock, storage_key
 from lightning_efficient.activations.offload import is_copy_of
 from lightning_efficient.activations.planner import BlockProfile
-from lightning_efficient.activations.policies import SAVED_BY_SELECTIVE
+from lightning_efficient.activations.policies import SAVED_BY_SELECTIVE, selective_refusal
 from lightning_efficient.memory import distinct_storage_bytes, local_storage
 
 
@@ -199,7 +199,7 @@ def profile_blocks(
         inputs = sum(record["inputs"].values())
         held = {"keep": keep, "checkpoint": min(keep, inputs)}
         cost = {"keep": 0.0, "checkpoint": record["time"]}
-        if timer is not None:
+        if timer is not None and selective_refusal(blocks[index][1]) is None:  # (a recurrent layer's: not exact)
             held["selective"] = min(keep, inputs + timer.saved_bytes)
             share = timer.other_time / max(timer.other_time + timer.saved_time, 1e-12)
             cost["selective"] = record["time"] * share
