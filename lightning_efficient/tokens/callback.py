@@ -36,7 +36,7 @@ from lightning_efficient.tokens.selection import (
 )
 
 _SCALAR_HELP = (
-    "SelectiveTokenLoss needs per-token losses, but training_step returned {what}. Return "
+    "SelectiveTokenLoss needs per-token losses, but {who} returned {what}. Return "
     "lightning_efficient.TokenLosses(per_token_losses, mask) with losses of shape [batch, seq] "
     "(reduction='none'), lightning_efficient.FusedTokenLoss(hidden, head_weight, labels) for the fused "
     "path, or a float tensor [batch, seq] of per-token losses."
@@ -435,7 +435,7 @@ class SelectiveTokenLoss(Callback):
         self._observed_step = None
 
     # -- the step loss -----------------------------------------------------------------------
-    def _per_token(self, output: Any, want_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _per_token(self, output: Any, want_entropy: bool, who: str = "training_step") -> tuple[Tensor, Tensor, Tensor | None]:
         if isinstance(output, FusedTokenLoss):
             if want_entropy:
                 losses, entropy = output.token_losses(return_entropy=True)
@@ -446,7 +446,7 @@ class SelectiveTokenLoss(Callback):
         if isinstance(output, Tensor) and output.is_floating_point() and output.dim() >= 1:
             return output, torch.ones_like(output, dtype=torch.bool), None
         what = f"a scalar tensor {tuple(output.shape)}" if isinstance(output, Tensor) else type(output).__name__
-        raise TypeError(_SCALAR_HELP.format(what=what))
+        raise TypeError(_SCALAR_HELP.format(who=who, what=what))
 
     def _reference_losses(self, batch: Any, args: tuple, kwargs: dict) -> Tensor:
         if self.reference_key is not None:
@@ -454,7 +454,8 @@ class SelectiveTokenLoss(Callback):
         assert self._reference_module is not None
         with torch.no_grad(), deferred_reduction():
             output = self._reference_module.training_step(*args, **kwargs)
-        return self._per_token(output, want_entropy=False)[0]
+        # (said of the reference: a new user's reference returned its .loss, and the message sent them to their module)
+        return self._per_token(output, want_entropy=False, who=f"the reference's training_step ({type(self._reference_module).__name__})")[0]
 
     def _step_loss(
         self, trainer: Trainer, pl_module: LightningModule, output: Any, args: tuple, kwargs: dict

@@ -401,3 +401,27 @@ def test_stochastic_weight_averagings_batch_norm_epoch_without_gradients_finishe
         normaliser.micro_batch_loss(weight.sum() * count, count, accumulation=2)
     normaliser.normalise_gradients(torch.optim.SGD([weight], lr=0.1))
     assert weight.grad is None and normaliser.scale == 6.0
+
+
+class _ScalarReference(_WrappedTransformer):
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.model(batch["input_ids"], batch["labels"]), batch["labels"].reshape(-1))
+
+
+class _TrainedTransformer(_WrappedTransformer):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        rows = [{"input_ids": torch.randint(0, 96, (8,), generator=generator), "labels": torch.randint(0, 96, (8,), generator=generator)}
+                for _ in range(8)]
+        return torch.utils.data.DataLoader(rows, batch_size=4)
+
+
+def test_a_reference_returning_a_scalar_is_named_as_the_reference_not_the_trained_module():
+    # a new user's trial: the message said "training_step returned a scalar tensor" of a module returning TokenLosses
+    callback = SelectiveTokenLoss(method="rho1", keep_ratio=0.5, reference=_ScalarReference(96))
+    with pytest.raises(TypeError, match=r"needs per-token losses, but the reference's training_step \(_ScalarReference\) "
+                                        r"returned a scalar tensor \(\)"):
+        _trainer([callback], steps=1).fit(_TrainedTransformer(96))
