@@ -49,6 +49,11 @@ class HFCausalLM(TokenLossSteps, LightningModule):
         self.model = AutoModelForCausalLM.from_config(hf_config)
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
+        self._labels_checked = False
+
+    def on_fit_start(self) -> None:
+        """Check the labels' alignment again on this fit's first training batch."""
+        self._labels_checked = False
 
     @property
     def vocab_size(self) -> int:
@@ -63,10 +68,13 @@ class HFCausalLM(TokenLossSteps, LightningModule):
         """Per-token losses of ``batch["labels"]`` through the fused path.
 
         Raises:
-            ValueError: for labels equal to ``input_ids`` wherever they count (Hugging Face's convention, where the
-                model shifts them): trained as they are, each position would learn to copy its own token.
+            ValueError: at a fit's first training batch, for labels equal to ``input_ids`` wherever they count and not
+                their next tokens (Hugging Face's convention, where the model shifts them): trained as they are, each
+                position would learn to copy its own token.
         """
-        _refuse_unshifted_labels(batch["input_ids"], batch["labels"])
+        if self.training and not self._labels_checked:  # (once a fit: each check waits for the device)
+            self._labels_checked = True
+            _refuse_unshifted_labels(batch["input_ids"], batch["labels"])
         head = self.model.get_output_embeddings()
         return FusedTokenLoss(self.hidden_states(batch["input_ids"]), head.weight, batch["labels"], bias=head.bias)
 
@@ -91,11 +99,14 @@ def _refuse_unshifted_labels(input_ids: Tensor, labels: Tensor) -> None:
     if input_ids.shape != labels.shape or input_ids.shape[-1] < 2:
         return
     counted = labels != -100
-    if bool(counted.any()) and torch.equal(labels[counted], input_ids[counted]):
+    copies = int(counted.sum()) > 1 and torch.equal(labels[counted], input_ids[counted])  # (one token: no evidence)
+    # labels that are also the next tokens (a row of one repeated token): aligned as well, not refused (a review)
+    counted_next = counted[:, :-1]
+    also_next = torch.equal(labels[:, :-1][counted_next], input_ids[:, 1:][counted_next])
+    if copies and not also_next:
         raise ValueError(
             "HFCausalLM: labels equal input_ids wherever they count: HFCausalLM trains each position on its label as "
             "given, the next token already aligned (as CorpusDataModule gives them), not shifted inside the model as "
             "Hugging Face's models do; trained so, each position would learn to copy its own token. Give "
             '{"input_ids": ids[:, :-1], "labels": ids[:, 1:]} (padding -100 in labels).'
         )
-

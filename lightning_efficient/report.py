@@ -261,7 +261,7 @@ class MemoryReport(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self._gradients_due:
+        if self._sampling or self._gradients_due:  # (each optimizer's step of a sampled batch: manual optimization's too)
             self._gradients_due = False
             self._raise("gradient_bytes", gradient_bytes(pl_module))
 

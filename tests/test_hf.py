@@ -43,3 +43,18 @@ def test_hugging_faces_convention_labels_equal_to_input_ids_is_refused(padded):
     with pytest.raises(ValueError, match=r"HFCausalLM: labels equal input_ids wherever they count: .* Give "
                                          r"\{\"input_ids\": ids\[:, :-1\], \"labels\": ids\[:, 1:\]\}"):
         model.training_step({"input_ids": ids, "labels": labels}, 0)
+
+
+def test_aligned_labels_that_also_equal_the_inputs_are_not_refused_and_only_a_fits_first_batch_is_checked():
+    model = _tiny_llama()
+    constant = torch.full((2, 10), 7)  # a row of one repeated token: its labels are its inputs and its next tokens
+    model.training_step({"input_ids": constant, "labels": constant.clone()}, 0)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    one = torch.full_like(ids, -100)
+    one[0, 4] = ids[0, 4]  # one counted label equal to its input: no evidence of a copy
+    model.on_fit_start()
+    model.training_step({"input_ids": ids, "labels": one}, 0)
+    model.training_step({"input_ids": ids, "labels": ids.clone()}, 1)  # checked already, at this fit's first batch
+    model.on_fit_start()
+    with pytest.raises(ValueError, match="HFCausalLM: labels equal input_ids"):
+        model.training_step({"input_ids": ids, "labels": ids.clone()}, 0)

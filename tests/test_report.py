@@ -431,3 +431,39 @@ class _StatesAtTrainEnd(lightning.Callback):
 
         self.bytes = optimizer_state_bytes(trainer.optimizers[0])
         self.eight_bit = sum(1 for s in trainer.optimizers[0].state.values() if "qmap1" in s)
+
+
+class _TwoOptimizers(lightning.LightningModule):
+    """Manual optimization stepping a small and a large optimizer each batch (a GAN's pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.small, self.large = torch.nn.Linear(4, 4), torch.nn.Linear(4, 256)
+
+    def training_step(self, batch, batch_idx):
+        small_optimizer, large_optimizer = self.optimizers()
+        for optimizer, layer in ((small_optimizer, self.small), (large_optimizer, self.large)):
+            optimizer.zero_grad()
+            self.manual_backward(layer(batch[0]).pow(2).mean())
+            optimizer.step()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val", self.large(self.small(batch[0])).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.small.parameters(), lr=0.1), torch.optim.SGD(self.large.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+    val_dataloader = train_dataloader
+
+
+def test_gradient_bytes_count_every_optimizers_step_of_a_sampled_batch_under_manual_optimization():
+    # a review: read once a sampled batch, the gradients were the first optimizer's alone (288 bytes of 9,504)
+    report = MemoryReport(every_n_steps=50, log=False, print_table=False)
+    model = _TwoOptimizers()
+    lightning.Trainer(accelerator="cpu", max_epochs=1, logger=False, num_sanity_val_steps=0, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[report]).fit(model)
+    assert report.report()["gradient_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())

@@ -263,8 +263,8 @@ class ActivationMemory(Callback):
                    if policy == "selective" and (reason := selective_refusal(block)) is not None]
         if refused:
             raise SettingRefused(f"ActivationMemory: policy 'selective' cannot recompute {len(refused)} block(s) exactly: "
-                             f"{'; '.join(refused[:3])}{' ...' if len(refused) > 3 else ''}. Give them 'checkpoint' (it "
-                             "recomputes the whole block, exactly) or another policy.")
+                                 f"{'; '.join(refused[:3])}{' ...' if len(refused) > 3 else ''}. Give them 'checkpoint' "
+                                 "(it recomputes the whole block, exactly) or another policy.")
         for index, ((_, block), policy) in enumerate(zip(self._block_list, plan)):
             effective = "keep" if policy == "offload" and not on_cuda else policy
             wrap_block(block, effective, hooks=self._hooks_for(effective, index), reentrant=self.reentrant)

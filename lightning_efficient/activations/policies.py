@@ -52,16 +52,17 @@ def selective_context() -> tuple[Any, Any]:
 def selective_refusal(block: nn.Module) -> str | None:
     """Why ``selective`` cannot recompute ``block`` exactly, or None where it can.
 
-    A recurrent layer's cell (``nn.GRU``, ``nn.RNN``; ``nn.LSTM`` off oneDNN) changes its matmul outputs in place
-    through views torch's mutation check does not follow: ``selective`` kept them changed, and a GRU's gradients
-    came out wrong with no error (a new user's trial: weights 4e-4 away after one step)."""
-    recurrent = next(((name, m) for name, m in block.named_modules() if isinstance(m, nn.RNNBase)), None)
+    A recurrent layer or cell changes its matmul outputs in place: a GRU's (``nn.GRU``, ``nn.GRUCell``) through views
+    torch's mutation check does not follow, so ``selective`` kept them changed and the gradients came out wrong with no
+    error (a new user's trial: weights 4e-4 away after one step; a review: a ``GRUCell`` loop 3.76 away); the others'
+    (``nn.RNN``, ``nn.LSTM`` off oneDNN, their cells) stop the backward with torch's mutation error."""
+    recurrent = next(((name, m) for name, m in block.named_modules() if isinstance(m, (nn.RNNBase, nn.RNNCellBase))), None)
     if recurrent is None:
         return None
     name, module = recurrent
     where = f"{type(block).__name__}.{name}" if name else type(block).__name__
     return (f"its recurrent layer {where} (nn.{type(module).__name__}) changes the matmul outputs 'selective' keeps in "
-            "place, where torch cannot see it (a GRU's gradients came out wrong)")
+            "place (a GRU's unseen by torch: its gradients came out wrong, with no error)")
 
 
 _MUTATED = "cached during selective activation checkpoint has been mutated"

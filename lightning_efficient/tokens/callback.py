@@ -454,8 +454,9 @@ class SelectiveTokenLoss(Callback):
         assert self._reference_module is not None
         with torch.no_grad(), deferred_reduction():
             output = self._reference_module.training_step(*args, **kwargs)
-        # (said of the reference: a new user's reference returned its .loss, and the message sent them to their module)
-        return self._per_token(output, want_entropy=False, who=f"the reference's training_step ({type(self._reference_module).__name__})")[0]
+        # named as the reference's: a new user's reference returned its .loss, and the message sent them to their module
+        who = f"the reference's training_step ({type(self._reference_module).__name__})"
+        return self._per_token(output, want_entropy=False, who=who)[0]
 
     def _step_loss(
         self, trainer: Trainer, pl_module: LightningModule, output: Any, args: tuple, kwargs: dict

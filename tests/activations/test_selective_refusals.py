@@ -104,6 +104,39 @@ def test_selective_on_a_gru_would_give_wrong_gradients_which_is_why_it_is_refuse
     assert "forward" not in vars(block)  # nothing left wrapped
 
 
+class _CellLoop(nn.Module):
+    """A block running a recurrent cell over the sequence (a review: accepted by a check of nn.RNNBase alone)."""
+
+    def __init__(self, cell: type[nn.RNNCellBase]) -> None:
+        super().__init__()
+        self.cell = cell(16, 16)
+
+    def forward(self, x):
+        state, outputs = None, []
+        for step in x.unbind(1):
+            state = self.cell(step, state)
+            outputs.append(state[0] if isinstance(state, tuple) else state)
+        return x + torch.stack(outputs, 1)
+
+
+@pytest.mark.parametrize("cell", [nn.GRUCell, nn.RNNCell, nn.LSTMCell])
+def test_selective_is_refused_for_a_block_looping_a_recurrent_cell(cell):
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_efficient.activations.policies import selective_context
+
+    torch.manual_seed(0)
+    block, x = _CellLoop(cell).double(), torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    if cell is nn.GRUCell:  # the reason, measured: wrong gradients with no error
+        kept = _grads(block, x)
+        block.zero_grad()
+        x.grad = None
+        checkpoint(block, x, use_reentrant=False, context_fn=selective_context).pow(2).sum().backward()
+        assert max(float((a - b).abs().max()) for a, b in zip(kept, [p.grad for p in block.parameters()] + [x.grad])) > 1e-3
+    with pytest.raises(ValueError, match=rf"its recurrent layer _CellLoop\.cell \(nn\.{cell.__name__}\)"):
+        wrap_block(block, "selective")
+
+
 class _InPlaceBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
