@@ -96,7 +96,7 @@ class HFCausalLM(TokenLossSteps, LightningModule):
 def _refuse_unshifted_labels(input_ids: Tensor, labels: Tensor) -> None:
     """Refuse labels that are the inputs themselves (a new user's ``{"input_ids": x, "labels": x}``: the loss fell from
     5.5 to 4.1 in 30 steps, learning to copy the current token, while the next-token loss stayed at 5.4)."""
-    if input_ids.shape != labels.shape or input_ids.shape[-1] < 2:
+    if input_ids.dim() != 2 or input_ids.shape != labels.shape or input_ids.shape[-1] < 2:
         return
     counted = labels != -100
     copies = int(counted.sum()) > 1 and torch.equal(labels[counted], input_ids[counted])  # (one token: no evidence)
