@@ -172,3 +172,10 @@ class StreamsAtTheLastBuild:
                 random.setstate(python_state)
                 np.random.set_state(numpy_state)
             yield
+
+
+def users_loader(trainer: Trainer) -> Any:
+    """The training DataLoader the fit's ``train_dataloader()`` returns, for AutoFit to read, with the random streams
+    a draw in it moves put back (a review: a split drawn there moved Python's and NumPy's streams on)."""
+    with random_streams_restored(trainer.strategy.root_device):
+        return trainer.fit_loop._data_source.dataloader()

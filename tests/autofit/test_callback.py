@@ -324,9 +324,9 @@ def test_a_plan_on_cpu_says_where_glibcs_allocator_keeps_freed_heap_in_the_rss(s
     # a new user's trial: under glibc's default allocator measured peaks were 14-80% above the predictions, above tight
     # budgets in about half the fits, and nothing said why (within 13% with the threshold set); what the process
     # started with is read by freed_heap_stays_resident (tests/test_memory.py)
-    from lightning_efficient.autofit import callback as callback_module
+    from lightning_efficient.autofit import notes as notes_module
 
-    monkeypatch.setattr(callback_module, "freed_heap_stays_resident", lambda: resident)
+    monkeypatch.setattr(notes_module, "freed_heap_stays_resident", lambda: resident)
     fit = AutoFit(budget="2GiB", plan_only=True)
     _fit(small_datamodule_kwargs, [fit])
     assert (FREED_HEAP_RESIDENT in fit.plan.notes) == resident
@@ -2109,8 +2109,8 @@ def test_a_scheduler_stepped_every_few_batches_steps_after_the_steps_plain_light
 def test_budget_advice_names_every_rank_measured_over_a_budget_its_plan_was_predicted_above_less_the_margin():
     # the mid-fit advice named only the rank furthest over (a review); a rank within its budget, or over it from a
     # prediction within the budget less the margin (which a wider margin mends), is not given a budget
-    from lightning_efficient.autofit.callback import budget_advice
     from lightning_efficient.autofit.model import FitPlan, RankChoice
+    from lightning_efficient.autofit.notes import budget_advice
 
     budget = 100 * MiB
     predicted = [95 * MiB, 95 * MiB, 80 * MiB, 95 * MiB]  # above the 90 MiB usable, except rank 2's

@@ -350,7 +350,7 @@ def test_blocks_matter_where_keeping_every_block_fits_nowhere_or_only_at_a_slowe
 
 
 def test_the_timed_ladder_is_at_most_three_geometric_sizes():
-    from lightning_efficient.autofit.callback import _ladder
+    from lightning_efficient.autofit.planning import _ladder
 
     # one sample too (a model that cannot train on it leaves it out when measured)
     assert _ladder(divisors(16), 8) == (1, 2, 4)

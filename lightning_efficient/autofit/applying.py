@@ -1,0 +1,245 @@
+"""AutoFit's plan put into the fit: the micro-batch with gradient accumulation keeping the global batch,
+Lightning's counts of training batches counted in micro-batches, the block policies and optimizer states; and
+every setting put back when the fit ends or fails."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch.utils.data import DistributedSampler
+
+from lightning_efficient._batch_counts import (
+    batch_settings,
+    batches_trained,
+    checkpoint_timing_kept,
+    counted_batches,
+    counts_batches,
+    counts_in_micro_batches,
+    epoch_ended,
+    restored_batches_counted_again,
+    restored_position_moved_to_the_batchs_start,
+    whole_batches_in_micro_batches,
+)
+from lightning_efficient.autofit.fit_inputs import users_loader
+from lightning_efficient.autofit.model import FitPlan
+from lightning_efficient.autofit.token_mean import StepTokenMean, token_mean_taken_elsewhere
+from lightning_efficient.resumable import load_pending_position
+
+
+def _warn_of_batch_statistics(module: LightningModule, batch: int, micro: int) -> None:
+    """Warn where ``module`` has batch-norm layers in training: they normalise over each micro-batch, so splitting the
+    user's batch changes what they compute (a new user's trial: weights 0.04 apart after 8 steps at 2 x 4, silently)."""
+    norms = [name for name, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if norms:
+        rank_zero_warn(
+            f"AutoFit: {len(norms)} batch-norm layer(s) ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
+            f"normalise over each micro-batch: at the plan's micro-batch of {micro} they see {micro} samples where your "
+            f"batch had {batch}, and their statistics and the update change with it. Give AutoFit(search_micro_batch="
+            "False) to keep the batch."
+        )
+
+
+class _Applying:
+    """The plan put into the fit and taken out again, for
+    :class:`~lightning_efficient.autofit.callback.AutoFit` (a part of it: the state it reads and sets is AutoFit's)."""
+
+    def _checkpoints_micro_batch(self, restored: dict[str, Any] | None, trainer: Trainer) -> int | None:
+        """The batch size the checkpoint this fit resumes from counted its DataLoader batches in: its AutoFit plan's
+        micro-batch, or, from a checkpoint without AutoFit's state, the DataLoader's batch size before this plan (the
+        user's, which the checkpoint's fit drew). None where the fit does not resume, the heterogeneous strategies
+        count the batches (their balancer), or it is not known."""
+        if trainer.ckpt_path is None or self._heterogeneous(trainer):
+            return None
+        if restored is not None:
+            saved = FitPlan.from_dict(restored["plan"]) if restored.get("plan") is not None else None
+            return saved.micro_batches[0] if saved is not None and saved.accumulation is not None else None
+        # (no checkpoint's plan: planned now, from this DataLoader; not the `batch_size` attribute, which a DataLoader
+        # passed to fit() does not read)
+        return self._users_batch_size
+
+    def _what_counts_batches(self, trainer: Trainer, plan: FitPlan) -> list[str]:
+        """What of this fit counts its training batches, where the plan splits them (each said as the user set it):
+        AutoFit counts it in micro-batches while it fits (:meth:`_rescale_batch_counts`), which a config of fixed
+        settings cannot carry (a new user's trial: `lightning-efficient plan`'s config left ``limit_train_batches: 3``
+        counting micro-batches of 4 where the batch was 16, and trained 2 steps of 12 samples, not 6 of 16)."""
+        if self._split(trainer, plan) is None:
+            return []
+        found = [f"{name}={value!r}" for name, value in batch_settings(trainer).items() if counts_batches(value)]
+        found += [f"a {type(config.scheduler).__name__} stepped every {config.frequency} batches"
+                  for config in trainer.lr_scheduler_configs if config.interval == "step" and config.frequency > 1]
+        return found
+
+    def _epoch_of_whole_batches(self, trainer: Trainer, plan: FitPlan) -> int | None:
+        """Where the plan splits the batch of a DataLoader that drops its last incomplete batch, and drops less at the
+        micro-batch: the micro-batches of the user's whole batches in an epoch (the samples plain Lightning trains, which
+        AutoFit limits its epochs to as it fits); else None."""
+        split = self._split(trainer, plan)
+        epoch = None if split is None else self._rank_epoch(trainer)
+        if epoch is None or not epoch[1]:
+            return None
+        kept = whole_batches_in_micro_batches(epoch[0], *split)
+        return kept if kept < epoch[0] // split[1] else None
+
+    def _split(self, trainer: Trainer, plan: FitPlan) -> tuple[int, int] | None:
+        """(the user's batch, this rank's micro-batch) where the plan splits the batch into micro-batches; else None."""
+        batch, micro = self._users_batch_size, plan.ranks[trainer.global_rank].micro_batch
+        return (batch, micro) if plan.accumulation is not None and isinstance(batch, int) and micro != batch else None
+
+    def _apply(self, plan: FitPlan, trainer: Trainer, pl_module: LightningModule, token_counts: dict[str, Any] | None = None) -> None:
+        mine = plan.ranks[trainer.global_rank]
+        built = trainer.fit_loop._combined_loader is not None
+        if self._heterogeneous(trainer):
+            strategy = trainer.strategy
+            self._undo_settings.append((strategy, "max_micro_batch", strategy.max_micro_batch))
+            strategy.max_micro_batch = plan.micro_batches
+            trainer.fit_loop._combined_loader = None  # built again under the plan's caps, as below
+        elif plan.accumulation is not None and self._micro_searched and lightning_hasattr(pl_module, "batch_size"):
+            current = lightning_getattr(pl_module, "batch_size")
+            if current != mine.micro_batch:
+                self._undo_settings.append(("batch_size", current))
+                lightning_setattr(pl_module, "batch_size", mine.micro_batch)
+                # a training DataLoader built already (reading trainer.estimated_stepping_batches in configure_optimizers
+                # builds it, for a OneCycleLR's total_steps: the same number of optimizer steps at the plan's global
+                # batch) is built again, at the plan's micro-batch, when the loop starts
+                trainer.fit_loop._combined_loader = None
+                self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
+                # (a StepTokenMean the user set does what this would)
+                if not token_mean_taken_elsewhere(trainer) and not any(isinstance(c, StepTokenMean) for c in trainer.callbacks):
+                    self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_counts)
+                _warn_of_batch_statistics(pl_module, current, mine.micro_batch)
+            self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
+            self._users_accumulation = trainer.accumulate_grad_batches
+            trainer.accumulate_grad_batches = plan.accumulation
+        if self._user_activations is None and ((mine.policies and any(p != "keep" for p in mine.policies)) or self._activations):
+            policies = list(mine.policies) or ["keep"]
+            if self._activations is None:
+                self._activations = self._own_activations(policies)
+            self._activations.policy = policies
+            callbacks = trainer.callbacks
+            if self._activations not in callbacks:  # Lightning calls its on_fit_start next, in this same loop
+                callbacks.insert(callbacks.index(self) + 1, self._activations)
+        if self._optimizer is not None:
+            eight = plan.optimizer.startswith("8-bit")
+            self._optimizer.bits = 8 if eight else 32
+            self._optimizer.paged = plan.optimizer == "8-bit paged"
+            self._optimizer.offload = "cpu" if plan.optimizer == "8-bit offload" else None
+        self._built_again = built and trainer.fit_loop._combined_loader is None
+        if self._built_again:
+            self._build_training_loader_again(trainer)
+
+    def _build_training_loader_again(self, trainer: Trainer) -> None:
+        """Build the training DataLoader Lightning built before the plan (``trainer.estimated_stepping_batches`` read in
+        ``configure_optimizers``) again now, from the random streams as that build found them, then put the streams back
+        as they are (:class:`~lightning_efficient.autofit.fit_inputs.StreamsAtTheLastBuild`): built again by the loop, it
+        drew a second time, and a shuffled DataLoader trained other samples at every step than plain Lightning's (a new
+        user's OneCycleLR: weights 3e-2 apart)."""
+        with self._last_build.replayed():
+            trainer.fit_loop.setup_data()
+
+    def _load_the_checkpoints_data_position(self, trainer: Trainer) -> None:
+        """The checkpoint's DataLoader position, which Lightning restores after ``on_fit_start``, into the DataLoader
+        built again there, and the iterator made again from it (from the streams of the build: no draw plain Lightning
+        does not make), as the loop's own build after the restore loaded it before AutoFit built it in ``on_fit_start``
+        (a review: a mid-epoch resume trained the epoch's first batches again). Plain Lightning, whose DataLoader built
+        in ``configure_optimizers`` is not built again after the restore, leaves the position unread and trains the
+        epoch's first batches again; the heterogeneous strategies load it too (there the balancer does)."""
+        if self._built_again and not self._heterogeneous(trainer):
+            load_pending_position(trainer.fit_loop, at_an_epochs_end=False, iterator_streams=self._last_build.replayed)
+
+    def _rescale_batch_counts(self, trainer: Trainer, batch: Any, micro: int, accumulation: int) -> None:
+        """Lightning's counts of training batches (:mod:`lightning_efficient._batch_counts`) counted the user's
+        DataLoader batches of ``batch``: they count the plan's micro-batches of ``micro`` while the fit runs, so the
+        same samples train between the same checks (a new user's trial: ``limit_train_batches=2`` trained half the
+        samples). A DataLoader that drops its last incomplete batch drops less at the micro-batch: the epoch is then
+        limited to the micro-batches of the user's whole batches (a review: 10 samples in batches of 4 trained 10 in 3
+        steps, where plain Lightning trains 8 in 2). Schedulers stepped every few batches step after the user's steps
+        (:class:`~lightning_efficient._batch_counts.SchedulerFrequencies`, ``accumulation`` micro-batches a step)."""
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            return
+        settings = batch_settings(trainer)
+        counting = dict(settings)
+        epoch = None
+        rank_epoch = self._rank_epoch(trainer)
+        if rank_epoch is not None:  # (batches, micro-batches) of an epoch
+            samples, drops_last = rank_epoch
+            if drops_last:  # the micro-batches that hold the user's whole batches, the samples plain Lightning trains
+                whole = samples // batch
+                epoch = (whole, whole_batches_in_micro_batches(samples, batch, micro))
+                limit = counting.get("limit_train_batches")
+                if epoch[1] < samples // micro and isinstance(limit, float) and limit == 1.0:
+                    counting["limit_train_batches"] = whole  # (the whole epoch: its micro-batches, below)
+            else:
+                epoch = (math.ceil(samples / batch), math.ceil(samples / micro))
+        epoch_batches = None if epoch is None else epoch[0]
+        counts = counted_batches(counting, epoch_batches)
+        self._scheduler_frequencies.count(accumulation, trainer.accumulate_grad_batches, counts, epoch_batches)
+        if not counts:
+            return
+        counted = counts_in_micro_batches(trainer, counts, Fraction(batch, micro), epoch=epoch, who="AutoFit",
+                                          batch_words=f"batches of {batch} samples", micro_words=f"micro-batches of {micro}")
+        if "val_check_interval" in counts and epoch is not None:
+            self._epoch_end_validation.keep(trainer, batches_trained(counts, epoch[0]), counts["val_check_interval"])
+        for name, value in counted.items():
+            self._undo_settings.append((trainer, name, settings[name]))
+            setattr(trainer, name, value)
+        self._undo_settings += checkpoint_timing_kept(trainer, settings, counted)
+
+    @staticmethod
+    def _rank_epoch(trainer: Trainer) -> tuple[int, bool] | None:
+        """This rank's samples in an epoch and whether the training DataLoader drops its last incomplete batch (None
+        where the dataset has no length): what the DataLoader's sampler draws, split over the ranks where Lightning puts
+        a ``DistributedSampler`` in its place (a review: with ``use_distributed_sampler=False`` every rank draws the whole
+        dataset, and an epoch counted as half of it stepped a scheduler after every step of its second half)."""
+        try:
+            loader = users_loader(trainer)
+            samples = len(loader.sampler)
+        except Exception:  # noqa: BLE001 - no loader or an iterable dataset: nothing to count by
+            return None
+        distributed = trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler
+        if distributed and not isinstance(loader.sampler, DistributedSampler):
+            samples = math.ceil(samples / trainer.world_size)
+        return samples, bool(getattr(loader, "drop_last", False))
+
+    def _undo(self, pl_module: LightningModule) -> None:
+        self._token_mean.remove()
+        self._scheduler_frequencies.put_back()
+        self._epoch_end_validation.put_back()
+        for item in reversed(self._undo_settings):
+            if item[0] == "batch_size":
+                lightning_setattr(pl_module, "batch_size", item[1])
+            else:
+                setattr(*item)
+        self._undo_settings = []
+
+    def _count_the_checkpoints_batches_again(self, trainer: Trainer) -> None:
+        """The restored loop's batch counts in this plan's micro-batches, where the checkpoint's fit drew batches of
+        another size (a plain Lightning fit's, or a plan whose micro-batch no longer fits)."""
+        plan, checkpoints, self._checkpoint_micro_batch = self._plan, self._checkpoint_micro_batch, None
+        if plan is None or checkpoints is None or plan.accumulation is None:
+            return
+        micro = plan.ranks[trainer.global_rank].micro_batch
+        counted = restored_batches_counted_again(trainer, Fraction(checkpoints, micro))
+        users = self._users_accumulation
+        if users and plan.accumulation % users == 0:  # (each batch of the user's: this many of the plan's micro-batches)
+            moved = restored_position_moved_to_the_batchs_start(trainer, plan.accumulation // users)
+            if moved is not None:
+                rank_zero_info(f"AutoFit: the checkpoint was saved {moved[0]} micro-batch(es) into one of your batches "
+                               f"(split in {moved[1]}), whose gradients are in no checkpoint: that batch trains from its "
+                               "first micro-batch again, as plain Lightning trains it again.")
+        if counted is None or epoch_ended(trainer.fit_loop.epoch_loop.batch_progress):  # (the next epoch starts afresh)
+            return
+        before, after, inside = counted
+        said = (f"AutoFit: the checkpoint counted {before} batch(es) of {checkpoints} samples into its epoch: {after} "
+                f"micro-batch(es) of {micro} now, so the epoch ends, steps and validates where it would have")
+        if inside:
+            rank_zero_warn(f"{said}, but for the position, {before * checkpoints} samples in, which falls inside a "
+                           f"micro-batch of {micro}: counted down to {after}, the epoch trains up to one micro-batch more "
+                           "than the checkpoint left.")
+        else:
+            rank_zero_info(f"{said}.")
