@@ -133,6 +133,24 @@ class _Applying:
         if self._built_again:
             self._build_training_loader_again(trainer)
 
+    def _draw_the_checkpoints_micro_batches(self, restored: dict[str, Any] | None, trainer: Trainer,
+                                            pl_module: LightningModule) -> None:
+        """For a fit that trains no step, resumed from a checkpoint whose plan split the batch: the training DataLoader
+        draws the plan's micro-batches, which the checkpoint's position counts and Lightning loads all the same (a
+        resume of a finished run with another budget: at your batch the demo's ResumableDataLoader refused the
+        position). Put back, as every setting, when the fit ends."""
+        if trainer.ckpt_path is None or self._heterogeneous(trainer) or not restored or restored.get("plan") is None:
+            return
+        saved = FitPlan.from_dict(restored["plan"])
+        if (saved.accumulation is None or len(saved.ranks) != trainer.world_size or not self.search_micro_batch
+                or not lightning_hasattr(pl_module, "batch_size")):
+            return
+        current, micro = lightning_getattr(pl_module, "batch_size"), saved.ranks[trainer.global_rank].micro_batch
+        if current != micro:
+            self._undo_settings.append(("batch_size", current))
+            lightning_setattr(pl_module, "batch_size", micro)
+            trainer.fit_loop._combined_loader = None  # (built in configure_optimizers: built again at the micro-batch)
+
     def _build_training_loader_again(self, trainer: Trainer) -> None:
         """Build the training DataLoader Lightning built before the plan (``trainer.estimated_stepping_batches`` read in
         ``configure_optimizers``) again now, from the random streams as that build found them, then put the streams back

@@ -338,14 +338,15 @@ class AutoFit(_Planning, _Readings, _Applying, _Replanning, Callback):
         self._meter = PeakMemory(pl_module.device, self._start_rss)
         restored, self._restored = self._restored, None
         states, self._checkpoint_states = self._checkpoint_states, {}
-        if not self.plan_only and not _trains_a_step(trainer):
-            rank_zero_info("AutoFit: this fit trains no step (max_steps or max_epochs reached already, or "
-                           "limit_train_batches=0): nothing measured or planned.")
-            return
         if restored is None and getattr(trainer.strategy, "restore_checkpoint_after_setup", False):
             # ModelParallelStrategy / hetero_fsdp load checkpoints after on_fit_start: this callback's part as read in setup
             saved = states.get(self.state_key)
             restored = dict(saved) if saved else None
+        if not self.plan_only and not _trains_a_step(trainer):
+            rank_zero_info("AutoFit: this fit trains no step (max_steps or max_epochs reached already, or "
+                           "limit_train_batches=0): nothing measured or planned.")
+            self._draw_the_checkpoints_micro_batches(restored, trainer, pl_module)
+            return
         started = time.perf_counter()
         planning = PeakMemory(pl_module.device, self._start_rss)  # the peak while planning, through every reading's reset
         planning.reset(release=False)
