@@ -423,7 +423,8 @@ def search(
     if micro_batches is None:
         micro_batches = list(range(1, samples_per_step + 1)) if heterogeneous else divisors(per_rank)
     smallest = max(p.smallest_micro_batch for p in profiles)
-    micro_batches = [m for m in micro_batches if m >= smallest] or micro_batches  # none: the fit fails as it would
+    # none: the user's batch is below it too (AutoFit refuses a list of sizes all below it), and fails as in plain Lightning
+    micro_batches = [m for m in micro_batches if m >= smallest] or micro_batches
     per_rank_allowed = [[m for m in micro_batches if p.fits_device(m) and (cap is None or m <= cap)]
                         for p, cap in zip(profiles, caps or [None] * world)]
     common = [m for m in micro_batches if all(p.fits_device(m) for p in profiles)]

@@ -192,6 +192,14 @@ class _Planning:
             else:
                 profiles = self._with_blocks(profiles, strategy, unprofiled)
         self._profiles = profiles
+        # (every rank alike: from the gathered profiles) your sizes all below what the model trains on, where the batch
+        # you set trains: a new user's micro_batches=[1] beside a BatchNorm was planned, and the first step failed in it
+        smallest = max(p.smallest_micro_batch for p in profiles)
+        refuse_unless(micro_batches is None or any(m >= smallest for m in micro_batches) or batch_size < smallest,
+                      "AutoFit", "micro_batches", self.micro_batches,
+                      f"sizes of at least {smallest}, as a training step on fewer samples failed while measuring (a "
+                      "batch-norm layer's does on one sample): " + (f"up to the global batch of {samples} samples" if heterogeneous
+                      else f"{[d for d in divisors(per_rank) if d >= smallest]}, dividing each rank's {per_rank} samples a step"))
         plan = None
         saved = keep_micro_batch
         if saved is not None and not heterogeneous and saved.accumulation is not None and searched:

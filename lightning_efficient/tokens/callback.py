@@ -311,11 +311,13 @@ class SelectiveTokenLoss(Callback):
         original = pl_module.training_step
 
         @functools.wraps(original)
-        def training_step(*args: Any, **kwargs: Any) -> NormalisedTokenLoss:
+        def training_step(*args: Any, **kwargs: Any) -> NormalisedTokenLoss | None:
             if trainer.state.stage not in (None, RunningStage.TRAINING):  # a validation_step calling training_step
                 return original(*args, **kwargs)
             with deferred_reduction():
                 output = original(*args, **kwargs)
+            if output is None:  # a batch skipped on purpose, which Lightning passes over (a new user's trial: refused)
+                return None
             return self._step_loss(trainer, pl_module, output, args, kwargs)
 
         original_optimizer_step = pl_module.optimizer_step

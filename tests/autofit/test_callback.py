@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_efficient import ActivationMemory, AutoFit, CorpusDataModule, DemoGPT, EightBitOptimizer, MemoryReport, SelectiveTokenLoss, StepTokenMean
+from lightning_efficient._validation import SettingRefused
 from lightning_efficient.activations.discovery import find_blocks
 from lightning_efficient.autofit.callback import FREED_HEAP_RESIDENT
 from lightning_efficient.autofit.model import BudgetTooSmall
@@ -1844,6 +1845,36 @@ def test_a_split_of_the_batch_under_batch_norm_is_said(small_datamodule_kwargs):
         warnings.filterwarnings("error", message=".*batch-norm")
         _fit(small_datamodule_kwargs, [AutoFit(budget=budget, activation_policies=["keep"], optimizer_options=["32-bit"])],
              steps=1, wide=True)
+
+
+class PooledNormGPT(DemoGPT):
+    """The demo GPT with a batch norm over each sample's mean hidden features (one value per sample and channel):
+    it cannot train on one sample, as a new user's MLP with a BatchNorm1d could not."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.batch_norm = torch.nn.BatchNorm1d(self.hparams.d_model)
+
+    def hidden_states(self, input_ids):
+        hidden = super().hidden_states(input_ids)
+        return hidden + self.batch_norm(hidden.mean(dim=1)).unsqueeze(1)
+
+
+def test_micro_batches_all_below_what_a_batch_norm_trains_on_are_refused_before_the_first_step(small_datamodule_kwargs):
+    """A new user's trial: micro_batches=[1] beside a BatchNorm was planned at 1 x 8, and the first step failed in
+    torch ("Expected more than 1 value per channel"); plain Lightning trains the batch of 8."""
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, limit_val_batches=0,
+                                callbacks=[AutoFit(budget="8GiB", micro_batches=[1], optimizer_options=["32-bit"])])
+    model = PooledNormGPT(**tiny_gpt_kwargs())
+    with pytest.raises(SettingRefused, match=r"AutoFit: micro_batches=\[1\] is not allowed: .*sizes of at least 2, as a "
+                                             r"training step on fewer samples failed .*\[2, 4, 8\], dividing each rank's 8"):
+        trainer.fit(model, CorpusDataModule(**{**small_datamodule_kwargs, "batch_size": 8}))
+    assert trainer.global_step == 0
+    # a size it trains on beside it: that one is planned
+    fit = AutoFit(budget="8GiB", micro_batches=[1, 4], optimizer_options=["32-bit"])
+    _fit(small_datamodule_kwargs, [fit], steps=1, model_class=PooledNormGPT)
+    assert fit.plan.micro_batches == [4]
 
 
 def test_a_mid_epoch_resume_of_a_dataloader_built_while_the_optimizers_are_configured_trains_the_rest_of_the_epoch(

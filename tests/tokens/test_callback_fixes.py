@@ -425,3 +425,30 @@ def test_a_reference_returning_a_scalar_is_named_as_the_reference_not_the_traine
     with pytest.raises(TypeError, match=r"needs per-token losses, but the reference's training_step \(_ScalarReference\) "
                                         r"returned a scalar tensor \(\)"):
         _trainer([callback], steps=1).fit(_TrainedTransformer(96))
+
+
+class _SkipsABatch(_TinyLearning):
+    """Returns None for one batch, which Lightning passes over (a new user's module skipping a batch on purpose)."""
+
+    def __init__(self, skipped):
+        super().__init__()
+        self.skipped = skipped
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == self.skipped else super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_returning_none_skips_its_batch_as_in_plain_lightning():
+    # a new user's trial: SelectiveTokenLoss raised "needs per-token losses, but training_step returned NoneType"
+    def fit(callbacks):
+        lightning.seed_everything(0)
+        model = _SkipsABatch(skipped=1).double()
+        trainer = _trainer(callbacks, steps=3, precision="64-true")
+        trainer.fit(model)
+        return model, trainer
+
+    plain, plain_trainer = fit([])
+    selected, trainer = fit([SelectiveTokenLoss(method="none")])
+    assert trainer.global_step == plain_trainer.global_step == 3
+    for (name, value), reference in zip(selected.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(value, reference, rtol=1e-12, atol=1e-12, msg=name)
