@@ -4,7 +4,9 @@ every setting put back when the fit ends or fails."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -28,7 +30,7 @@ from lightning_efficient._batch_counts import (
 )
 from lightning_efficient.autofit.fit_inputs import users_loader
 from lightning_efficient.autofit.model import FitPlan
-from lightning_efficient.autofit.token_mean import StepTokenMean, token_mean_taken_elsewhere
+from lightning_efficient.autofit.token_mean import StepTokenMean, short_batch_weight, token_mean_taken_elsewhere
 from lightning_efficient.resumable import load_pending_position
 
 
@@ -111,7 +113,8 @@ class _Applying:
                 self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
                 # (a StepTokenMean the user set does what this would)
                 if not token_mean_taken_elsewhere(trainer) and not any(isinstance(c, StepTokenMean) for c in trainer.callbacks):
-                    self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_counts)
+                    self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_counts,
+                                             sample_weight=self._short_batch_weight(trainer, current, mine.micro_batch))
                 _warn_of_batch_statistics(pl_module, current, mine.micro_batch)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
             self._users_accumulation = trainer.accumulate_grad_batches
@@ -150,6 +153,15 @@ class _Applying:
             self._undo_settings.append(("batch_size", current))
             lightning_setattr(pl_module, "batch_size", micro)
             trainer.fit_loop._combined_loader = None  # (built in configure_optimizers: built again at the micro-batch)
+
+    def _short_batch_weight(self, trainer: Trainer, batch: Any, micro: int) -> Callable[[int], float] | None:
+        """Where an epoch ends on a short batch of yours (its DataLoader keeps it) and the plan's micro-batch divides
+        your batch: :func:`~lightning_efficient.autofit.token_mean.short_batch_weight` for this rank's epoch, so that the
+        short batch's samples weigh as in plain Lightning's step; else None (nothing to weigh)."""
+        epoch = self._rank_epoch(trainer)
+        if epoch is None or epoch[1] or not isinstance(batch, int) or batch % micro or epoch[0] % batch == 0:
+            return None
+        return functools.partial(short_batch_weight, samples=epoch[0], batch=batch, micro=micro)
 
     def _build_training_loader_again(self, trainer: Trainer) -> None:
         """Build the training DataLoader Lightning built before the plan (``trainer.estimated_stepping_batches`` read in
