@@ -230,7 +230,7 @@ def plan_yaml(plan: FitPlan, autofit: AutoFit, trainer: Trainer, model: Lightnin
 
     budget = {"class_path": "lightning_efficient.AutoFit", "init_args": autofit.init_args()}
     policies = {tuple(r.policies) for r in plan.ranks}
-    if len(policies) > 1 or autofit.batch_counting:
+    if len(policies) > 1 or autofit.batch_counting or autofit.short_last_batch:
         return yaml.safe_dump({"trainer": {"callbacks": [budget]}}, sort_keys=False)
     callbacks: list[dict[str, Any]] = []
     (chosen,) = policies
@@ -321,7 +321,7 @@ def run_plan(args: Sequence[str]) -> AutoFit:
             print(f"\n# Your DataLoader drops its last incomplete batch, which the plan's micro-batch drops less of: "
                   f"limit_train_batches: {autofit.epoch_micro_batches} keeps each epoch to the samples of your whole "
                   "batches (of this dataset's size), as AutoFit does.")
-        stays = why_autofit_stays(autofit.plan, autofit.batch_counting)
+        stays = why_autofit_stays(autofit.plan, autofit.batch_counting, autofit.short_last_batch)
         for why in stays:
             print(f"\n# {why}")
         try:
@@ -339,11 +339,12 @@ def run_plan(args: Sequence[str]) -> AutoFit:
     return autofit
 
 
-def why_autofit_stays(plan: FitPlan, batch_counting: list[str]) -> list[str]:
+def why_autofit_stays(plan: FitPlan, batch_counting: list[str], short_last_batch: int | None = None) -> list[str]:
     """Why the config ``plan`` prints keeps AutoFit rather than the plan's settings (:func:`plan_yaml`), a line each:
     the ranks plan their blocks differently (a new user's trial: the config kept AutoFit, and its comment said the
-    plan's settings replaced it), or the plan splits the batch where the config counts batches (``batch_counting``:
-    :attr:`AutoFit.batch_counting`). Empty where the plan's settings replace it."""
+    plan's settings replaced it), the plan splits the batch where the config counts batches (``batch_counting``:
+    :attr:`AutoFit.batch_counting`), or it splits an epoch's short last batch (``short_last_batch``:
+    :attr:`AutoFit.short_last_batch`). Empty where the plan's settings replace it."""
     why = []
     if len({tuple(r.policies) for r in plan.ranks}) > 1:
         each = "; ".join(f"rank {rank}: {policy_counts(r.policies)}" for rank, r in enumerate(plan.ranks))
@@ -352,6 +353,10 @@ def why_autofit_stays(plan: FitPlan, batch_counting: list[str]) -> list[str]:
     if batch_counting:
         why.append(f"The plan splits each batch, and your config counts batches ({'; '.join(batch_counting)}): AutoFit "
                    "counts them in its micro-batches as it fits, which fixed settings cannot, so AutoFit stays.")
+    if short_last_batch:
+        why.append(f"Each epoch ends on a short batch of {short_last_batch} samples, which the plan splits: AutoFit weighs "
+                   "its micro-batches' losses as plain Lightning's step weighs that batch, which fixed settings cannot "
+                   "(Lightning divides each by the accumulation alike), so AutoFit stays.")
     return why
 
 

@@ -4,7 +4,6 @@ every setting put back when the fit ends or fails."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from fractions import Fraction
@@ -17,6 +16,8 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch.utils.data import DistributedSampler
 
 from lightning_efficient._batch_counts import (
+    EpochEndValidation,
+    SchedulerFrequencies,
     batch_settings,
     batches_trained,
     checkpoint_timing_kept,
@@ -28,9 +29,11 @@ from lightning_efficient._batch_counts import (
     restored_position_moved_to_the_batchs_start,
     whole_batches_in_micro_batches,
 )
-from lightning_efficient.autofit.fit_inputs import users_loader
+from lightning_efficient.activations.callback import ActivationMemory
+from lightning_efficient.autofit.fit_inputs import StreamsAtTheLastBuild, users_loader
 from lightning_efficient.autofit.model import FitPlan
-from lightning_efficient.autofit.token_mean import StepTokenMean, short_batch_weight, token_mean_taken_elsewhere
+from lightning_efficient.autofit.token_mean import BatchTokenMean, StepTokenMean, short_batch_weight, token_mean_taken_elsewhere
+from lightning_efficient.optim.callback import EightBitOptimizer
 from lightning_efficient.resumable import load_pending_position
 
 
@@ -48,8 +51,27 @@ def _warn_of_batch_statistics(module: LightningModule, batch: int, micro: int) -
 
 
 class _Applying:
-    """The plan put into the fit and taken out again, for
-    :class:`~lightning_efficient.autofit.callback.AutoFit` (a part of it: the state it reads and sets is AutoFit's)."""
+    """The plan put into the fit and taken out again, for :class:`~lightning_efficient.autofit.callback.AutoFit` (a
+    part of it: the state it reads and sets is AutoFit's, set up in its ``__init__``; its other parts' methods are
+    AutoFit's too)."""
+
+    # AutoFit's settings and state this part reads or sets
+    search_micro_batch: bool
+    _plan: FitPlan | None
+    _micro_searched: bool
+    _users_batch_size: int | None
+    _users_accumulation: int | None
+    _checkpoint_micro_batch: int | None
+    _epoch_started_over: int | None
+    _undo_settings: list[Any]
+    _activations: ActivationMemory | None
+    _user_activations: ActivationMemory | None
+    _optimizer: EightBitOptimizer | None
+    _token_mean: BatchTokenMean
+    _scheduler_frequencies: SchedulerFrequencies
+    _epoch_end_validation: EpochEndValidation
+    _last_build: StreamsAtTheLastBuild
+    _built_again: bool
 
     def _checkpoints_micro_batch(self, restored: dict[str, Any] | None, trainer: Trainer) -> int | None:
         """The batch size the checkpoint this fit resumes from counted its DataLoader batches in: its AutoFit plan's
@@ -87,6 +109,13 @@ class _Applying:
             return None
         kept = whole_batches_in_micro_batches(epoch[0], *split)
         return kept if kept < epoch[0] // split[1] else None
+
+    def _short_last_batch(self, trainer: Trainer, plan: FitPlan) -> int | None:
+        """Where the plan splits an epoch's short last batch of yours that AutoFit weighs as it fits
+        (:meth:`_short_batch_weight`): that batch's samples (this rank's); else None."""
+        split = self._split(trainer, plan)
+        epoch = None if split is None or split[0] % split[1] else self._rank_epoch(trainer)
+        return None if epoch is None or epoch[1] else (epoch[0] % split[0] or None)
 
     def _split(self, trainer: Trainer, plan: FitPlan) -> tuple[int, int] | None:
         """(the user's batch, this rank's micro-batch) where the plan splits the batch into micro-batches; else None."""
@@ -155,13 +184,27 @@ class _Applying:
             trainer.fit_loop._combined_loader = None  # (built in configure_optimizers: built again at the micro-batch)
 
     def _short_batch_weight(self, trainer: Trainer, batch: Any, micro: int) -> Callable[[int], float] | None:
-        """Where an epoch ends on a short batch of yours (its DataLoader keeps it) and the plan's micro-batch divides
-        your batch: :func:`~lightning_efficient.autofit.token_mean.short_batch_weight` for this rank's epoch, so that the
-        short batch's samples weigh as in plain Lightning's step; else None (nothing to weigh)."""
-        epoch = self._rank_epoch(trainer)
-        if epoch is None or epoch[1] or not isinstance(batch, int) or batch % micro or epoch[0] % batch == 0:
+        """Where the plan's micro-batch divides your batch: the factor on each micro-batch's loss gradient at its index in
+        the epoch (:func:`~lightning_efficient.autofit.token_mean.short_batch_weight`), so that the samples of an epoch's
+        short last batch of yours weigh as in plain Lightning's step; read from the epoch the loop draws (its
+        DataLoader's sampler, a reloaded one's too, this rank's share under any strategy). 1 in an epoch resumed mid-way
+        from a DataLoader that starts its data over, as plain Lightning's does: its indices then are not its samples'
+        positions (a review: a full micro-batch at the index of the short batch was weighed 3 times). None where the
+        micro-batch does not divide your batch (nothing weighed)."""
+        if not isinstance(batch, int) or batch % micro:
             return None
-        return functools.partial(short_batch_weight, samples=epoch[0], batch=batch, micro=micro)
+
+        def weight(batch_idx: int) -> float:
+            loader = trainer.train_dataloader
+            if trainer.current_epoch == self._epoch_started_over or getattr(loader, "drop_last", True):
+                return 1.0
+            try:
+                samples = len(loader.sampler)
+            except TypeError:  # an iterable dataset: no short batch known
+                return 1.0
+            return short_batch_weight(batch_idx, samples=samples, batch=batch, micro=micro)
+
+        return weight
 
     def _build_training_loader_again(self, trainer: Trainer) -> None:
         """Build the training DataLoader Lightning built before the plan (``trainer.estimated_stepping_batches`` read in
@@ -231,9 +274,11 @@ class _Applying:
             samples = len(loader.sampler)
         except Exception:  # noqa: BLE001 - no loader or an iterable dataset: nothing to count by
             return None
-        distributed = trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler
+        # (the ranks the data is split over: under tensor parallelism fewer than the processes, a review)
+        replicas = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", trainer.world_size)
+        distributed = replicas > 1 and trainer._accelerator_connector.use_distributed_sampler
         if distributed and not isinstance(loader.sampler, DistributedSampler):
-            samples = math.ceil(samples / trainer.world_size)
+            samples = math.ceil(samples / replicas)
         return samples, bool(getattr(loader, "drop_last", False))
 
     def _undo(self, pl_module: LightningModule) -> None:

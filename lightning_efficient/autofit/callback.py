@@ -202,7 +202,11 @@ class AutoFit(_Planning, _Readings, _Applying, _Replanning, Callback):
         #: after a ``plan_only`` fit whose plan splits the batch of a DataLoader dropping its last incomplete batch: the
         #: micro-batches of the user's whole batches an epoch trains (the plan's config limits its epochs to them)
         self.epoch_micro_batches: int | None = None
+        #: after a ``plan_only`` fit whose plan splits an epoch's short last batch of yours: that batch's samples, which
+        #: AutoFit weighs as plain Lightning's step does as it fits (``lightning-efficient plan`` then keeps AutoFit)
+        self.short_last_batch: int | None = None
         self._users_accumulation: int | None = None  # the trainer's accumulate_grad_batches before the plan's
+        self._epoch_started_over: int | None = None  # an epoch resumed mid-way whose DataLoader starts its data over
         self._code_pages = CodePages()  # off CUDA: the library code measuring touched is handed back after it
         self._step_started: float | None = None
         self._measured_against: list[int] = []  # each rank's predicted peak when the measured figures were read
@@ -332,7 +336,7 @@ class AutoFit(_Planning, _Readings, _Applying, _Replanning, Callback):
         self._measured_against = []
         self._unprofiled = None
         self._checkpoint_micro_batch = self._users_batch_size = None
-        self.batch_counting, self.epoch_micro_batches = [], None
+        self.batch_counting, self.epoch_micro_batches, self.short_last_batch = [], None, None
         self._users_accumulation = None
         self._trainer_rank = trainer.global_rank
         self._meter = PeakMemory(pl_module.device, self._start_rss)
@@ -403,6 +407,7 @@ class AutoFit(_Planning, _Readings, _Applying, _Replanning, Callback):
         if self.plan_only:
             self.batch_counting = self._what_counts_batches(trainer, plan)
             self.epoch_micro_batches = self._epoch_of_whole_batches(trainer, plan)
+            self.short_last_batch = self._short_last_batch(trainer, plan)
             raise _TunerExitException()  # Lightning tears the fit down and returns from fit, as after its own tuners
         self._checkpoint_micro_batch = self._checkpoints_micro_batch(restored, trainer)
         # (a checkpoint's running token count: a resumed first step rounds as the uninterrupted run's)
@@ -478,6 +483,11 @@ class AutoFit(_Planning, _Readings, _Applying, _Replanning, Callback):
                 )
         self._count_the_checkpoints_batches_again(trainer)
         self._load_the_checkpoints_data_position(trainer)
+        # a mid-epoch resume's DataLoader that keeps no position (plain Lightning's neither) draws the epoch from its start
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        mid_epoch = progress.current.ready > 0 and not epoch_ended(progress)
+        keeps_position = callable(getattr(trainer.train_dataloader, "load_state_dict", None))
+        self._epoch_started_over = trainer.current_epoch if mid_epoch and not keeps_position else None
         if self._meter is not None:
             self._meter.reset()
         self._resumed_step_saved.fit_started()  # (the plan's micro-batches split each step)

@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.parsing import lightning_hasattr
 
 from lightning_efficient._validation import refuse_unless, require
+from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
 from lightning_efficient.autofit.budget import check_budget_ranks, rank_budget
 from lightning_efficient.autofit.fit_inputs import (
@@ -81,7 +82,24 @@ def _cannot_build(name: str, optimizers: list[torch.optim.Optimizer]) -> str | N
 
 class _Planning:
     """The plan before the first step, for :class:`~lightning_efficient.autofit.callback.AutoFit` (a part of
-    it: the state it reads and sets is AutoFit's)."""
+    it: the state it reads and sets is AutoFit's, set up in its ``__init__``; its other parts' methods are AutoFit's too)."""
+
+    # AutoFit's settings and state this part reads or sets
+    budget: int | float | str | list[int | float | str]
+    margin: float
+    search_micro_batch: bool
+    micro_batches: list[int] | None
+    activation_policies: tuple[str, ...]
+    optimizer_options: tuple[str, ...]
+    blocks: Any
+    min_8bit_size: int
+    _micro_batch_sizes: list[int] | None
+    _micro_searched: bool
+    _profiles: list[RankProfile]
+    _unprofiled: _Unprofiled | None
+    _user_activations: ActivationMemory | None
+    _user_optimizer: EightBitOptimizer | None
+    _users_batch_size: int | None
 
     def _heterogeneous(self, trainer: Trainer) -> bool:
         return is_heterogeneous(trainer.strategy)

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._step import first_samples_batch, prepared_as_in_the_loop
 from lightning_efficient.activations.callback import ActivationMemory
@@ -42,6 +43,7 @@ from lightning_efficient.autofit.model import (
 from lightning_efficient.balance.probe import is_out_of_memory
 from lightning_efficient.memory import (
     ParameterStorages,
+    PeakMemory,
     collect_garbage_made_since,
     release_free_memory,
 )
@@ -124,7 +126,14 @@ def _measuring_batches(strategy: Any, loader: Any) -> Any:
 
 class _Readings:
     """Every rank's readings for :class:`~lightning_efficient.autofit.callback.AutoFit` (a part of it: the
-    state it reads and sets is AutoFit's)."""
+    state it reads and sets is AutoFit's, set up in its ``__init__``; its other parts' methods are AutoFit's too)."""
+
+    # AutoFit's settings and state this part reads or sets
+    blocks: Any
+    planning_s: float
+    _profiles: list[RankProfile]
+    _meter: PeakMemory | None
+    _code_pages: CodePages
 
     def _every_ranks_profile(self, trainer: Trainer, batches: Any, sizes: tuple[int, int], *, options: list[OptimizerSpec],
                              blocks: list, policies: tuple[str, ...], fixed: list[str] | None, budget: Any, margin: float,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_efficient._code_pages import CodePages
 from lightning_efficient._distributed import gather_objects
 from lightning_efficient._torch import Trainable
 from lightning_efficient.activations.callback import ActivationMemory
@@ -79,7 +81,27 @@ def _warn_if_ddp_leaves_them_unsynchronised(trainer: Trainer, module: LightningM
 
 class _Replanning:
     """Plans made mid-fit, for :class:`~lightning_efficient.autofit.callback.AutoFit` (a part of it: the
-    state it reads and sets is AutoFit's)."""
+    state it reads and sets is AutoFit's, set up in its ``__init__``; its other parts' methods are AutoFit's too)."""
+
+    # AutoFit's settings and state this part reads or sets
+    activation_policies: tuple[str, ...]
+    blocks: Any
+    _plan: FitPlan | None
+    _profiles: list[RankProfile]
+    _unprofiled: _Unprofiled | None
+    _measured: list[dict[str, float]] | None
+    _measured_against: list[int]
+    _meter: PeakMemory | None
+    _start_rss: int
+    _step_started: float | None
+    _step_times: list[float]
+    _code_pages: CodePages
+    _activations: ActivationMemory | None
+    _user_activations: ActivationMemory | None
+    _trainable_planned: Trainable | None
+    _trained_when_wrapped: frozenset[str]
+    _plan_key: tuple[Trainable, int] | None
+    _plans_by_what_trains: dict[tuple[Trainable, int], tuple[FitPlan, list[RankProfile], _Unprofiled | None]]
 
     def _replan_if_above(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Plan the block policies again with a wider margin where a measured peak is above its prediction.

@@ -234,6 +234,8 @@ def short_batch_weight(batch_idx: int, *, samples: int, batch: int, micro: int) 
     mean over that batch does (a new user's 50 samples in batches of 6 at 2 x 3: the last step's gradient a third of
     plain Lightning's, parameters 0.41 apart after 2 epochs). 1 for the micro-batches of whole batches."""
     start = batch_idx * micro
+    if not 0 <= start < samples:  # (not a micro-batch of this epoch)
+        return 1.0
     in_batch = min(batch, samples - start // batch * batch)  # the samples of the batch this micro-batch is a part of
     if in_batch >= batch:
         return 1.0

@@ -88,3 +88,5 @@ def test_the_printed_config_says_why_it_keeps_autofit():
     assert "rank 0: 2 selective; rank 1: 2 keep" in differ and "AutoFit stays" in differ
     both = why_autofit_stays(_plan(["checkpoint", "keep"], ["keep", "keep"]), ["limit_train_batches=3"])
     assert len(both) == 2 and "limit_train_batches=3" in both[1]
+    (short,) = why_autofit_stays(_plan(["keep", "keep"], ["keep", "keep"]), [], 2)
+    assert "short batch of 2 samples" in short and "AutoFit stays" in short

@@ -20,6 +20,7 @@ class _Regression(lightning.LightningModule):
         self.samples, self.batch_size, self.dict_output = samples, batch_size, dict_output
         self.linear = nn.Linear(4, 1)
         self.gradients: list[torch.Tensor] = []
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # what each training_step drew (measuring's too)
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
@@ -32,22 +33,24 @@ class _Regression(lightning.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        self.batches.append((x, y))
         loss = nn.functional.mse_loss(self.linear(x), y)
         return {"loss": loss} if self.dict_output else loss
 
     def on_before_optimizer_step(self, optimizer):
         self.gradients.append(self.linear.weight.grad.detach().clone())
+        self.before_last_step = (self.linear.weight.detach().clone(), self.linear.bias.detach().clone())
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(samples, batch, callbacks, accumulate=1, dict_output=False):
+def _fit(samples, batch, callbacks, accumulate=1, dict_output=False, max_epochs=2):
     lightning.seed_everything(0)
     model = _Regression(samples, batch, dict_output).double()
-    trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, precision="64-true", accumulate_grad_batches=accumulate,
-                                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                callbacks=callbacks)
+    trainer = lightning.Trainer(accelerator="cpu", max_epochs=max_epochs, precision="64-true", accumulate_grad_batches=accumulate,
+                                logger=False, enable_checkpointing=any(hasattr(c, "dirpath") for c in callbacks),
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     trainer.fit(model)
     return model, trainer
 
@@ -80,3 +83,49 @@ def test_the_short_batch_weight_is_one_for_whole_batches_and_weighs_each_sample_
             weight = short_batch_weight(index, samples=samples, batch=batch, micro=micro)
             assert weight / (per_batch * size) == pytest.approx(1 / in_batch, rel=1e-15)
             assert (weight == 1.0) == (in_batch == batch)
+
+
+@pytest.mark.parametrize(("samples", "batch", "micro", "short"), [(50, 6, 2, 2), (53, 6, 3, 5), (48, 6, 2, None), (50, 6, 6, None)])
+def test_a_plan_only_fit_names_the_short_last_batch_it_splits(samples, batch, micro, short):
+    """What `lightning-efficient plan` keeps AutoFit for: a config of the plan's settings would weigh the short batch's
+    micro-batches as Lightning's accumulation does (a third of plain Lightning's last step at 50 samples, 2 x 3)."""
+    fit = AutoFit(budget="1GiB", micro_batches=[micro], optimizer_options=["32-bit"], activation_policies=["keep"],
+                  plan_only=True)
+    _fit(samples, batch, [fit])
+    assert fit.plan is not None and fit.plan.micro_batches == [micro]
+    assert fit.short_last_batch == short
+
+
+def test_an_epoch_resumed_mid_way_from_a_dataloader_that_starts_its_data_over_weighs_nothing(tmp_path):
+    """A review: a plain DataLoader resumed mid-epoch draws the epoch from its start while the batch indices go on (in
+    plain Lightning too), so the index of the short batch held a full micro-batch, which was weighed 3 times (the last
+    step's gradient norm 3.82 against plain Lightning's 1.66)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def resumed(callbacks):
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        checkpoint = ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+        _fit(50, 6, [*callbacks(), checkpoint], max_epochs=1)
+        lightning.seed_everything(0)
+        model = _Regression(50, 6).double()
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, precision="64-true", logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks())
+        trainer.fit(model, ckpt_path=root / "step=4.ckpt")
+        return model
+
+    def autofit():
+        return [AutoFit(budget="1GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"])]
+
+    plain, split = resumed(list), resumed(autofit)
+    assert len(split.gradients) == len(plain.gradients) == 5  # (steps 5 to 9, drawn from the epoch's start)
+    for step, (mine, reference) in enumerate(zip(split.gradients[:4], plain.gradients[:4])):
+        torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-12, msg=f"step {step}")
+    # the last step: the micro-batch at the short batch's index, samples 24 and 25 of the epoch drawn again (full),
+    # divided by the accumulation as any other (plain Lightning's last step here is its batch of samples 24 to 29:
+    # the indices count 25 micro-batches where its 9 batches hold 27, a difference of the restarted data left as it is)
+    (x, y), (weight, bias) = split.batches[-1], split.before_last_step
+    assert len(x) == 2
+    inputs = weight.detach().clone().requires_grad_(True)
+    loss = nn.functional.mse_loss(x @ inputs.T + bias, y) / 3
+    (expected,) = torch.autograd.grad(loss, [inputs])
+    torch.testing.assert_close(split.gradients[-1], expected, rtol=1e-12, atol=1e-12)
