@@ -206,6 +206,30 @@ class _Applying:
 
         return weight
 
+    def _run_the_sampler_to_its_end_as_yours_would(self, trainer: Trainer) -> None:
+        """At the end of an epoch that drew every micro-batch of its DataLoader: where your batches end on a short one
+        (your batch sampler runs the sampler to its end to fill it) and the plan's micro-batches end whole (its batch
+        sampler stops before the end, and Lightning, knowing the length, asks for no more), the sampler is run to its
+        end too: torch's ``RandomSampler`` draws one more permutation from a generator of its own there, which the next
+        epoch's order follows (a review: a DataLoader given a generator shuffled the second epoch otherwise than plain
+        Lightning's). A DataLoader iterator without a sampler iterator of torch's (the demo's resumable one) is left."""
+        plan, batch = self._plan, self._users_batch_size
+        if plan is None or plan.accumulation is None or not isinstance(batch, int) or trainer.current_epoch == self._epoch_started_over:
+            return
+        micro, loader = plan.ranks[trainer.global_rank].micro_batch, trainer.train_dataloader
+        try:
+            samples, length = len(loader.sampler), len(loader)
+        except TypeError:  # an iterable dataset: no end known
+            return
+        if micro == batch or getattr(loader, "drop_last", True) or samples % batch == 0 or samples % micro:
+            return
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready != length:  # (cut short: yours stopped before its end too)
+            return
+        iterators = getattr(getattr(trainer.fit_loop._combined_loader, "_iterator", None), "iterators", None) or [None]
+        sampler_iterator = getattr(iterators[0], "_sampler_iter", None)
+        if sampler_iterator is not None:
+            next(sampler_iterator, None)
+
     def _build_training_loader_again(self, trainer: Trainer) -> None:
         """Build the training DataLoader Lightning built before the plan (``trainer.estimated_stepping_batches`` read in
         ``configure_optimizers``) again now, from the random streams as that build found them, then put the streams back

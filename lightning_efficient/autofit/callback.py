@@ -505,6 +505,10 @@ class AutoFit(_Planning, _Readings, _Applying, _Replanning, Callback):
             self._step_started = time.perf_counter()
 
     @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._run_the_sampler_to_its_end_as_yours_would(trainer)
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._plan is None or self._measured is not None or self._step_started is None:
             return

@@ -15,9 +15,9 @@ class _Regression(lightning.LightningModule):
     """A linear regression on a dataset of ``samples``, drawn in batches of ``batch_size`` (the last one short),
     returning the mean squared error over its (micro-)batch; each step's gradient recorded."""
 
-    def __init__(self, samples: int, batch_size: int, dict_output: bool = False) -> None:
+    def __init__(self, samples: int, batch_size: int, dict_output: bool = False, own_generator: bool = False) -> None:
         super().__init__()
-        self.samples, self.batch_size, self.dict_output = samples, batch_size, dict_output
+        self.samples, self.batch_size, self.dict_output, self.own_generator = samples, batch_size, dict_output, own_generator
         self.linear = nn.Linear(4, 1)
         self.gradients: list[torch.Tensor] = []
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # what each training_step drew (measuring's too)
@@ -26,10 +26,10 @@ class _Regression(lightning.LightningModule):
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(self.samples, 4, generator=g, dtype=torch.float64),
                              torch.randn(self.samples, 1, generator=g, dtype=torch.float64))
-        # (shuffled from the global stream: a generator of the DataLoader's own draws a second permutation where the
-        # sampler is run to its end, which your batch sampler is at a short last batch and the plan's is not where the
-        # micro-batch divides it: the next epoch's order then differs, a difference this test is not about)
-        return DataLoader(data, batch_size=self.batch_size, shuffle=True)
+        # (a generator of its own: torch's RandomSampler draws one more permutation from it where it is run to its end,
+        # which your batch sampler is at a short last batch and the plan's is not where the micro-batch divides it)
+        generator = torch.Generator().manual_seed(1) if self.own_generator else None
+        return DataLoader(data, batch_size=self.batch_size, shuffle=True, generator=generator)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -45,9 +45,9 @@ class _Regression(lightning.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(samples, batch, callbacks, accumulate=1, dict_output=False, max_epochs=2):
+def _fit(samples, batch, callbacks, accumulate=1, dict_output=False, max_epochs=2, own_generator=False):
     lightning.seed_everything(0)
-    model = _Regression(samples, batch, dict_output).double()
+    model = _Regression(samples, batch, dict_output, own_generator).double()
     trainer = lightning.Trainer(accelerator="cpu", max_epochs=max_epochs, precision="64-true", accumulate_grad_batches=accumulate,
                                 logger=False, enable_checkpointing=any(hasattr(c, "dirpath") for c in callbacks),
                                 enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
@@ -55,16 +55,18 @@ def _fit(samples, batch, callbacks, accumulate=1, dict_output=False, max_epochs=
     return model, trainer
 
 
-@pytest.mark.parametrize(("samples", "batch", "micro", "accumulate", "dict_output"), [
-    (50, 6, 2, 1, False),  # a new user's: the short batch of 2 is one micro-batch; its step's gradient was a third of plain's
-    (53, 6, 2, 1, True),  # the short batch of 5 in micro-batches of 2, 2 and 1
-    (60, 8, 4, 2, False),  # your own accumulation: the last window holds a whole batch and a short one
+@pytest.mark.parametrize(("samples", "batch", "micro", "accumulate", "dict_output", "own_generator"), [
+    (50, 6, 2, 1, False, False),  # a new user's: the short batch of 2 is one micro-batch; its step's gradient was a third
+    (53, 6, 2, 1, True, False),  # the short batch of 5 in micro-batches of 2, 2 and 1
+    (60, 8, 4, 2, False, False),  # your own accumulation: the last window holds a whole batch and a short one
+    (50, 6, 2, 1, False, True),  # a DataLoader's own generator: the second epoch shuffled as plain Lightning's (a review)
+    (53, 6, 2, 1, False, True),  # (the plan's sampler runs to its end itself: nothing to do)
 ])
 def test_an_epochs_short_last_batch_split_into_micro_batches_trains_as_in_plain_lightning(samples, batch, micro, accumulate,
-                                                                                          dict_output):
-    plain, plain_trainer = _fit(samples, batch, [], accumulate, dict_output)
+                                                                                          dict_output, own_generator):
+    plain, plain_trainer = _fit(samples, batch, [], accumulate, dict_output, own_generator=own_generator)
     fit = AutoFit(budget="1GiB", micro_batches=[micro], optimizer_options=["32-bit"], activation_policies=["keep"])
-    split, trainer = _fit(samples, batch, [fit], accumulate, dict_output)
+    split, trainer = _fit(samples, batch, [fit], accumulate, dict_output, own_generator=own_generator)
     assert fit.plan.micro_batches == [micro] and fit.plan.accumulation == accumulate * batch // micro
     assert trainer.global_step == plain_trainer.global_step == len(plain.gradients) == len(split.gradients)
     for step, (mine, reference) in enumerate(zip(split.gradients, plain.gradients)):
