@@ -11,7 +11,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_efficient._validation import require
-from lightning_efficient.balance.balancer import BalancedStrategy, Balancer
+from lightning_efficient.balance.balanced_strategy import BalancedStrategy
+from lightning_efficient.balance.balancer import Balancer
 
 _NO_PROBE = ("an int, a list of ints or None under hetero_fsdp ('auto' probes each rank alone until it runs out of "
              "memory, and FSDP2's all-gathers need every rank in every forward and backward: a rank that ran out of "

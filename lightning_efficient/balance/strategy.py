@@ -8,7 +8,8 @@ from typing import Any, Literal
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from lightning_efficient.balance.balancer import BalancedStrategy, Balancer
+from lightning_efficient.balance.balanced_strategy import BalancedStrategy
+from lightning_efficient.balance.balancer import Balancer
 
 
 class HeterogeneousDDPStrategy(BalancedStrategy, DDPStrategy):
