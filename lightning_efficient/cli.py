@@ -223,15 +223,23 @@ def _parse_value(text: str) -> Any:
 
 def plan_yaml(plan: FitPlan, autofit: AutoFit, trainer: Trainer, model: LightningModule) -> str:
     """The plan as settings for a config file: fixed settings where every rank has the same plan (a fit with
-    them trains as AutoFit's would, without measuring), else the AutoFit callback itself; that too where the plan
-    splits the batch and the run counts training batches (``AutoFit.batch_counting``), which AutoFit counts in
-    micro-batches as it fits."""
+    them trains as AutoFit's would, without measuring), else the AutoFit callback itself, held to the plan's micro-batch
+    and optimizer states; that too where the plan splits the batch and the run counts training batches
+    (``AutoFit.batch_counting``), which AutoFit counts in micro-batches as it fits, or an epoch's short last batch
+    (``AutoFit.short_last_batch``), which it weighs."""
     import yaml
 
-    budget = {"class_path": "lightning_efficient.AutoFit", "init_args": autofit.init_args()}
     policies = {tuple(r.policies) for r in plan.ranks}
     if len(policies) > 1 or autofit.batch_counting or autofit.short_last_batch:
-        return yaml.safe_dump({"trainer": {"callbacks": [budget]}}, sort_keys=False)
+        # AutoFit kept, pinned to the printed plan's micro-batch and optimizer states (a new user's trial: kept as a
+        # whole search, its fit measured again and could pick otherwise than the table above the config)
+        pinned = autofit.init_args()
+        if plan.accumulation is not None and autofit.search_micro_batch:
+            pinned["micro_batches"] = plan.micro_batches[:1]
+        if plan.optimizer in autofit.optimizer_options:
+            pinned["optimizer_options"] = [plan.optimizer]
+        return yaml.safe_dump({"trainer": {"callbacks": [{"class_path": "lightning_efficient.AutoFit", "init_args": pinned}]}},
+                              sort_keys=False)
     callbacks: list[dict[str, Any]] = []
     (chosen,) = policies
     if chosen and any(p != "keep" for p in chosen):

@@ -177,6 +177,15 @@ class _Planning:
             m2 = min(max(batch_size, 2), per_rank)
             sizes = (max(1, m2 // 2), m2)
             micro_batches = self._allowed_micro_batches(per_rank, samples, heterogeneous)
+            epoch = None if heterogeneous else self._rank_epoch(trainer)
+            last = None if epoch is None or epoch[1] else epoch[0] % batch_size  # (your short last batch, if any)
+            if last and micro_batches is None:
+                # only a micro-batch dividing your batch splits the short batch alone, which AutoFit weighs as plain
+                # Lightning's step weighs it (a new user's 64 merging two batches of 32 trained a last window of 32 + 4
+                # samples as one mean, not the mean of the two means)
+                micro_batches = [m for m in divisors(per_rank) if batch_size % m == 0]
+                notes.append(f"micro-batches dividing your batch of {batch_size} only: each epoch ends on a short batch of "
+                             f"{last} samples, which a plan weighs as plain Lightning's step does only then")
             # smaller candidates are timed too (a CPU's time per sample is not a line in the micro-batch, below the
             # smallest timed size least of all: the demo's grid read one sample faster a sample than two, which the
             # line through two and four put slower): up to three, each at most half the one above; on a resume that
@@ -187,6 +196,7 @@ class _Planning:
             sizes = (batch_size, batch_size)
             micro_batches = [batch_size]
             ladder = ()
+            epoch = last = None
         batches = _measuring_batches(strategy, loader)
         blocks, fixed, policies = self._blocks(pl_module, notes)
         options = self._optimizer_specs(trainer, pl_module, notes)
@@ -218,6 +228,15 @@ class _Planning:
                       f"sizes of at least {smallest}, as a training step on fewer samples failed while measuring (a "
                       "batch-norm layer's does on one sample): " + (f"up to the global batch of {samples} samples" if heterogeneous
                       else f"{[d for d in divisors(per_rank) if d >= smallest]}, dividing each rank's {per_rank} samples a step"))
+        if last is not None and smallest > 1 and searched:
+            # nor one whose epoch ends on a micro-batch smaller than that, where your last batch is not (a new user's
+            # BatchNorm: 35 samples in batches of 8 at micro-batch 2 ended on one sample, and the fit failed there)
+            ends_trainable = [m for m in (micro_batches or divisors(per_rank)) if epoch[0] % m in (0, *range(smallest, m))]
+            if last == 0 or last >= smallest:
+                refuse_unless(bool(ends_trainable), "AutoFit", "micro_batches", self.micro_batches,
+                              f"a size whose epoch of {epoch[0]} samples does not end on a micro-batch of fewer than "
+                              f"{smallest} (a training step on fewer failed while measuring; your last batch holds {last})")
+                micro_batches = ends_trainable
         plan = None
         saved = keep_micro_batch
         if saved is not None and not heterogeneous and saved.accumulation is not None and searched:
@@ -286,6 +305,9 @@ class _Planning:
                 plan = confirmed(plan)
         notes.extend(f"rank {rank}: no micro-batch of {p.out_of_memory_at} or more (a reading at or above it ran out of "
                      "memory while measuring)" for rank, p in enumerate(self._profiles) if p.out_of_memory_at is not None)
+        if last and batch_size % plan.ranks[0].micro_batch:  # (your micro_batches: a size not dividing your batch)
+            notes.append(f"micro-batch {plan.ranks[0].micro_batch} does not divide your batch of {batch_size}: each epoch's "
+                         f"short last batch of {last} samples weighs otherwise than in plain Lightning's step")
         plan.notes.extend(notes)
         return plan
 

@@ -7,8 +7,9 @@ import types
 import pytest
 import torch
 
+from lightning_efficient import AutoFit
 from lightning_efficient.autofit.model import FitPlan, RankChoice
-from lightning_efficient.cli import planned_config, why_autofit_stays
+from lightning_efficient.cli import plan_yaml, planned_config, why_autofit_stays
 
 
 class Module(torch.nn.Module):
@@ -90,3 +91,16 @@ def test_the_printed_config_says_why_it_keeps_autofit():
     assert len(both) == 2 and "limit_train_batches=3" in both[1]
     (short,) = why_autofit_stays(_plan(["keep", "keep"], ["keep", "keep"]), [], 2)
     assert "short batch of 2 samples" in short and "AutoFit stays" in short
+
+
+def test_a_kept_autofit_is_held_to_the_printed_plans_micro_batch_and_optimizer_states():
+    # a new user's trial: kept as a whole search, its fit measured again and could pick another micro-batch than the
+    # plan printed above the config
+    import yaml
+
+    autofit = AutoFit(budget="1GiB", optimizer_options=["32-bit", "8-bit"], min_8bit_size=1024)
+    autofit.short_last_batch = 2
+    (kept,) = yaml.safe_load(plan_yaml(_plan(["keep", "keep"]), autofit, trainer(), Module()))["trainer"]["callbacks"]
+    assert kept["class_path"] == "lightning_efficient.AutoFit"
+    assert kept["init_args"] == {**autofit.init_args(), "micro_batches": [4], "optimizer_options": ["32-bit"]}
+    assert kept["init_args"]["min_8bit_size"] == 1024

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_efficient import AutoFit
+from lightning_efficient._validation import SettingRefused
 from lightning_efficient.autofit.token_mean import short_batch_weight
 
 
@@ -131,3 +132,53 @@ def test_an_epoch_resumed_mid_way_from_a_dataloader_that_starts_its_data_over_we
     loss = nn.functional.mse_loss(x @ inputs.T + bias, y) / 3
     (expected,) = torch.autograd.grad(loss, [inputs])
     torch.testing.assert_close(split.gradients[-1], expected, rtol=1e-12, atol=1e-12)
+
+
+class _NormedRegression(_Regression):
+    """The regression through a batch norm over its features: it cannot train on one sample."""
+
+    def __init__(self, samples: int, batch_size: int) -> None:
+        super().__init__(samples, batch_size)
+        self.norm = nn.BatchNorm1d(4).double()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.linear(self.norm(x)), y)
+
+
+def _plan_only(model, accumulate=1, **autofit):
+    fit = AutoFit(budget="1GiB", optimizer_options=["32-bit"], activation_policies=["keep"], plan_only=True, **autofit)
+    trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, precision="64-true", accumulate_grad_batches=accumulate,
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                callbacks=[fit])
+    trainer.fit(model)
+    return fit.plan
+
+
+def test_where_an_epoch_ends_on_a_short_batch_the_search_takes_micro_batches_that_weigh_it_as_plain_lightning():
+    # a new user's trial: 100 samples in batches of 32 under accumulation 2 were planned at 64 (two batches merged),
+    # whose last window's 36 samples are one mean where plain Lightning's step is the mean of 32's and 4's means
+    plan = _plan_only(_Regression(100, 32), accumulate=2)
+    assert 32 % plan.micro_batches[0] == 0
+    assert any("micro-batches dividing your batch of 32 only" in note for note in plan.notes)
+    assert not any("dividing your batch" in note for note in _plan_only(_Regression(96, 32), accumulate=2).notes)
+    # a size of yours that does not divide it is taken, and the plan says what it changes
+    mine = _plan_only(_Regression(50, 6), accumulate=2, micro_batches=[4])
+    assert mine.micro_batches == [4]
+    assert any("micro-batch 4 does not divide your batch of 6" in note for note in mine.notes)
+
+
+def test_a_model_that_cannot_train_on_one_sample_gets_no_micro_batch_ending_its_epoch_on_one():
+    # a new user's trial: 35 samples in batches of 8 at micro-batch 2 ended the epoch on one sample, where a batch norm
+    # fails (plain Lightning trains the last batch of 3)
+    plan = _plan_only(_NormedRegression(35, 8), micro_batches=[2, 4])
+    assert plan.micro_batches == [4]
+    with pytest.raises(SettingRefused, match=r"micro_batches=\[2\] is not allowed: .*epoch of 35 samples does not end on a "
+                                             r"micro-batch of fewer than 2 .*your last batch holds 3"):
+        _plan_only(_NormedRegression(35, 8), micro_batches=[2])
+    lightning.seed_everything(0)
+    trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, precision="64-true", logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False,
+                                callbacks=[AutoFit(budget="1GiB", optimizer_options=["32-bit"], activation_policies=["keep"])])
+    trainer.fit(_NormedRegression(35, 8))
+    assert 35 % trainer.callbacks[0].plan.micro_batches[0] != 1 and trainer.global_step == 5
