@@ -183,9 +183,11 @@ class _Planning:
                 # only a micro-batch dividing your batch splits the short batch alone, which AutoFit weighs as plain
                 # Lightning's step weighs it (a new user's 64 merging two batches of 32 trained a last window of 32 + 4
                 # samples as one mean, not the mean of the two means)
-                micro_batches = [m for m in divisors(per_rank) if batch_size % m == 0]
-                notes.append(f"micro-batches dividing your batch of {batch_size} only: each epoch ends on a short batch of "
-                             f"{last} samples, which a plan weighs as plain Lightning's step does only then")
+                dividing = [m for m in divisors(per_rank) if batch_size % m == 0]
+                if len(dividing) < len(divisors(per_rank)):  # (under your own accumulation: sizes left out)
+                    micro_batches = dividing
+                    notes.append(f"micro-batches dividing your batch of {batch_size} only: each epoch ends on a short "
+                                 f"batch of {last} samples, which a plan weighs as plain Lightning's step does only then")
             # smaller candidates are timed too (a CPU's time per sample is not a line in the micro-batch, below the
             # smallest timed size least of all: the demo's grid read one sample faster a sample than two, which the
             # line through two and four put slower): up to three, each at most half the one above; on a resume that

@@ -162,6 +162,7 @@ def test_where_an_epoch_ends_on_a_short_batch_the_search_takes_micro_batches_tha
     assert 32 % plan.micro_batches[0] == 0
     assert any("micro-batches dividing your batch of 32 only" in note for note in plan.notes)
     assert not any("dividing your batch" in note for note in _plan_only(_Regression(96, 32), accumulate=2).notes)
+    assert not any("dividing your batch" in note for note in _plan_only(_Regression(100, 32)).notes)  # (every size does)
     # a size of yours that does not divide it is taken, and the plan says what it changes
     mine = _plan_only(_Regression(50, 6), accumulate=2, micro_batches=[4])
     assert mine.micro_batches == [4]
