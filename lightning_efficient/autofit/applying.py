@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_efficient._batch_counts import (
     EpochEndValidation,
@@ -196,7 +196,7 @@ class _Applying:
 
         def weight(batch_idx: int) -> float:
             loader = trainer.train_dataloader
-            if trainer.current_epoch == self._epoch_started_over or getattr(loader, "drop_last", True):
+            if trainer.current_epoch == self._epoch_started_over or not isinstance(loader, DataLoader) or loader.drop_last:
                 return 1.0
             try:
                 samples = len(loader.sampler)
@@ -217,11 +217,13 @@ class _Applying:
         if plan is None or plan.accumulation is None or not isinstance(batch, int) or trainer.current_epoch == self._epoch_started_over:
             return
         micro, loader = plan.ranks[trainer.global_rank].micro_batch, trainer.train_dataloader
+        if micro == batch or not isinstance(loader, DataLoader) or loader.drop_last:
+            return
         try:
             samples, length = len(loader.sampler), len(loader)
         except TypeError:  # an iterable dataset: no end known
             return
-        if micro == batch or getattr(loader, "drop_last", True) or samples % batch == 0 or samples % micro:
+        if samples % batch == 0 or samples % micro:
             return
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready != length:  # (cut short: yours stopped before its end too)
             return
