@@ -131,14 +131,9 @@ class _Applying:
             strategy.max_micro_batch = plan.micro_batches
             trainer.fit_loop._combined_loader = None  # built again under the plan's caps, as below
         elif plan.accumulation is not None and self._micro_searched and lightning_hasattr(pl_module, "batch_size"):
-            current = lightning_getattr(pl_module, "batch_size")
-            if current != mine.micro_batch:
-                self._undo_settings.append(("batch_size", current))
-                lightning_setattr(pl_module, "batch_size", mine.micro_batch)
-                # a training DataLoader built already (reading trainer.estimated_stepping_batches in configure_optimizers
-                # builds it, for a OneCycleLR's total_steps: the same number of optimizer steps at the plan's global
-                # batch) is built again, at the plan's micro-batch, when the loop starts
-                trainer.fit_loop._combined_loader = None
+            current = self._draw_micro_batches_of(mine.micro_batch, trainer, pl_module)
+            if current is not None:
+                # (a DataLoader built already takes the same number of optimizer steps at the plan's global batch)
                 self._rescale_batch_counts(trainer, current, mine.micro_batch, plan.accumulation)
                 # (a StepTokenMean the user set does what this would)
                 if not token_mean_taken_elsewhere(trainer) and not any(isinstance(c, StepTokenMean) for c in trainer.callbacks):
@@ -177,11 +172,20 @@ class _Applying:
         if (saved.accumulation is None or len(saved.ranks) != trainer.world_size or not self.search_micro_batch
                 or not lightning_hasattr(pl_module, "batch_size")):
             return
-        current, micro = lightning_getattr(pl_module, "batch_size"), saved.ranks[trainer.global_rank].micro_batch
-        if current != micro:
-            self._undo_settings.append(("batch_size", current))
-            lightning_setattr(pl_module, "batch_size", micro)
-            trainer.fit_loop._combined_loader = None  # (built in configure_optimizers: built again at the micro-batch)
+        self._draw_micro_batches_of(saved.ranks[trainer.global_rank].micro_batch, trainer, pl_module)
+
+    def _draw_micro_batches_of(self, micro: int, trainer: Trainer, pl_module: LightningModule) -> int | None:
+        """Set the module's or datamodule's ``batch_size`` to ``micro`` (put back when the fit ends), the training
+        DataLoader built again at it where one is built already (reading ``trainer.estimated_stepping_batches`` in
+        ``configure_optimizers`` builds it, for a OneCycleLR's total_steps); the size it replaced, or None where it was
+        ``micro`` already."""
+        current = lightning_getattr(pl_module, "batch_size")
+        if current == micro:
+            return None
+        self._undo_settings.append(("batch_size", current))
+        lightning_setattr(pl_module, "batch_size", micro)
+        trainer.fit_loop._combined_loader = None
+        return current
 
     def _short_batch_weight(self, trainer: Trainer, batch: Any, micro: int) -> Callable[[int], float] | None:
         """Where the plan's micro-batch divides your batch: the factor on each micro-batch's loss gradient at its index in
@@ -195,16 +199,22 @@ class _Applying:
             return None
 
         def weight(batch_idx: int) -> float:
-            loader = trainer.train_dataloader
-            if trainer.current_epoch == self._epoch_started_over or not isinstance(loader, DataLoader) or loader.drop_last:
-                return 1.0
-            try:
-                samples = len(loader.sampler)
-            except TypeError:  # an iterable dataset: no short batch known
-                return 1.0
-            return short_batch_weight(batch_idx, samples=samples, batch=batch, micro=micro)
+            epoch = self._epoch_keeping_its_last_batch(trainer)
+            return 1.0 if epoch is None else short_batch_weight(batch_idx, samples=epoch[0], batch=batch, micro=micro)
 
         return weight
+
+    def _epoch_keeping_its_last_batch(self, trainer: Trainer) -> tuple[int, int] | None:
+        """(samples, micro-batches) of the epoch the loop draws on this rank, where its DataLoader is a torch one that
+        keeps a short last batch and the epoch's indices are its samples' positions (not an epoch resumed mid-way from a
+        DataLoader that starts its data over); else None."""
+        loader = trainer.train_dataloader
+        if trainer.current_epoch == self._epoch_started_over or not isinstance(loader, DataLoader) or loader.drop_last:
+            return None
+        try:
+            return len(loader.sampler), len(loader)
+        except TypeError:  # an iterable dataset: no end known
+            return None
 
     def _run_the_sampler_to_its_end_as_yours_would(self, trainer: Trainer) -> None:
         """At the end of an epoch that drew every micro-batch of its DataLoader: where your batches end on a short one
@@ -214,15 +224,12 @@ class _Applying:
         epoch's order follows (a review: a DataLoader given a generator shuffled the second epoch otherwise than plain
         Lightning's). A DataLoader iterator without a sampler iterator of torch's (the demo's resumable one) is left."""
         plan, batch = self._plan, self._users_batch_size
-        if plan is None or plan.accumulation is None or not isinstance(batch, int) or trainer.current_epoch == self._epoch_started_over:
+        if plan is None or plan.accumulation is None or not isinstance(batch, int):
             return
-        micro, loader = plan.ranks[trainer.global_rank].micro_batch, trainer.train_dataloader
-        if micro == batch or not isinstance(loader, DataLoader) or loader.drop_last:
+        micro, epoch = plan.ranks[trainer.global_rank].micro_batch, self._epoch_keeping_its_last_batch(trainer)
+        if micro == batch or epoch is None:
             return
-        try:
-            samples, length = len(loader.sampler), len(loader)
-        except TypeError:  # an iterable dataset: no end known
-            return
+        samples, length = epoch
         if samples % batch == 0 or samples % micro:
             return
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready != length:  # (cut short: yours stopped before its end too)

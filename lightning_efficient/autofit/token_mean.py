@@ -24,13 +24,12 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_efficient._instance_wrappers import InstanceWrapper, put_back
 from lightning_efficient._samples import token_ids
 from lightning_efficient._step import step_batch_index
-from lightning_efficient.tokens.normalize import RankStepTokenMean, StepTokenNormaliser, optimizer_step_normalising, shown_as
+from lightning_efficient.tokens.normalize import RankStepTokenMean, StepTokenNormaliser, loss_weighted, optimizer_step_normalising
 from lightning_efficient.tokens.output import loss_sum_and_count
 
 _WRAPPED = ("training_step", "optimizer_step")
@@ -93,7 +92,7 @@ class BatchTokenMean:
                     self.rank_mean.forget_step()
                 if output is not None:  # (None: a step skipped)
                     self._tell_once(output, batch_words, args[0] if args else kwargs.get("batch"))
-                return output if sample_weight is None else _weighted(output, sample_weight(batch_idx))
+                return output if sample_weight is None else loss_weighted(output, sample_weight(batch_idx))
             if _gradients_are_local_until_the_last_backward(trainer):
                 loss = self.rank_mean.micro_batch_loss(*found, accumulation, first=first,
                                                        last=not trainer.fit_loop._should_accumulate(), optimizers=trainer.optimizers,
@@ -240,18 +239,6 @@ def short_batch_weight(batch_idx: int, *, samples: int, batch: int, micro: int) 
     if in_batch >= batch:
         return 1.0
     return min(micro, samples - start) * (batch // micro) / in_batch
-
-
-def _weighted(output: Any, factor: float) -> Any:
-    """``output`` (a loss tensor, or a mapping holding one under ``"loss"``) with its loss's gradient times ``factor``
-    and its value as it was (what Lightning shows and hands on stays the micro-batch's own loss)."""
-    if factor == 1.0:
-        return output
-    if isinstance(output, Tensor):
-        return shown_as(output * factor, output)
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-        return {**output, "loss": shown_as(output["loss"] * factor, output["loss"])}
-    return output
 
 
 def is_heterogeneous(strategy: Any) -> bool:

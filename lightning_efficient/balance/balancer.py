@@ -63,7 +63,7 @@ from lightning_efficient.balance.probe import probe_micro_batch
 from lightning_efficient.balance.sampler import HeterogeneousBatchSampler
 from lightning_efficient.balance.speed import MicroStepTimes, equal_time_weights, predicted_step_time
 from lightning_efficient.resumable import EpochShuffleSampler, load_pending_position
-from lightning_efficient.tokens.normalize import StepTokenNormaliser, shown_as
+from lightning_efficient.tokens.normalize import StepTokenNormaliser, loss_weighted
 from lightning_efficient.tokens.output import NormalisedTokenLoss, loss_sum_and_count
 
 _MAX_UNREAD = 8  # micro-steps whose marks may wait to be read before the oldest is read anyway
@@ -724,20 +724,11 @@ class Balancer:
             return output
         if isinstance(output, NormalisedTokenLoss):  # SelectiveTokenLoss's normaliser weights it for the step
             return output
-        if isinstance(output, Mapping):
-            if "loss" not in output:
-                return output
-            loss = output["loss"]
-            found = loss_sum_and_count(output)
-            if found is not None:
-                return {**output, "loss": self._token_weighted(*found, shown=loss)}
-        elif isinstance(output, Tensor):
-            loss = output
-        else:
-            return output
+        found = loss_sum_and_count(output) if isinstance(output, Mapping) and "loss" in output else None
+        if found is not None:
+            return {**output, "loss": self._token_weighted(*found, shown=output["loss"])}
         step_samples = self.sampler.step_samples((self.micro_done - 1) // self.plan.accumulation)  # (this micro-step's)
-        scaled = shown_as(loss * (samples * self.world * self.plan.accumulation / step_samples), loss)
-        return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
+        return loss_weighted(output, samples * self.world * self.plan.accumulation / step_samples)
 
     def _token_weighted(self, local_sum: Tensor, count: Tensor, shown: Tensor) -> Tensor:
         """This micro-batch's token-loss sum, scaled by ``W * A / K`` (see :meth:`_scaled`), showing ``shown``."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -114,6 +114,19 @@ def shown_as(weighted: Tensor, value: Tensor) -> Tensor:
     if not weighted.requires_grad:
         return value.detach().to(torch.promote_types(weighted.dtype, value.dtype), copy=True)
     return _Shown.apply(weighted, value.detach())
+
+
+def loss_weighted(output: Any, factor: float) -> Any:
+    """``output`` (a loss tensor, or a mapping holding one under ``"loss"``) with its loss's gradient times ``factor``
+    and its value as it was (:func:`shown_as`: what Lightning shows and hands on stays the micro-batch's own loss);
+    any other output as it is."""
+    if factor == 1.0:
+        return output
+    if isinstance(output, Tensor):
+        return shown_as(output * factor, output)
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return {**output, "loss": shown_as(output["loss"] * factor, output["loss"])}
+    return output
 
 
 def _own_mean(local_sum: Tensor, local_count: Tensor | int) -> Tensor:
