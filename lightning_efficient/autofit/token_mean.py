@@ -103,6 +103,7 @@ class BatchTokenMean:
 
         def normalise(optimizer: Any) -> None:
             if live["on"]:
+                self.rank_mean.close_step(trainer.optimizers)  # (a step whose last micro-batch returned no token losses)
                 self.normaliser.normalise_gradients(optimizer)
 
         optimizer_step = optimizer_step_normalising(original_optimizer_step, normalise)

@@ -341,19 +341,33 @@ class RankStepTokenMean(_NotesBackward):
             self._backward_ran = False
         else:
             self._step = (self._step[0] + count, self._step[1], self._step[2] + 1)
-        tokens, scale, micro_batches = self._step
         if last:
-            backward_ran = self._backward_ran
-            self.forget_step()
-            total = tokens.clamp_min(1)
-            # per micro-batch: an epoch's short last step, or another accumulation next, keeps the scale
-            self._previous = total.to(torch.float32) / micro_batches  # (float32: every device has it)
-            total = total.to(local_sum.dtype)
-            if backward_ran:  # (else nothing of this step is held: a first micro-batch, or a step no backward ran in)
-                _multiply_gradients(optimizers, scale / total)
+            total = self._close(optimizers).to(local_sum.dtype)
             return shown_as(local_sum * (accumulation / total), shown)
-        loss = local_sum * (accumulation / scale)
+        loss = local_sum * (accumulation / self._step[1])
         return shown_as(self._watched(loss), shown)
+
+    def close_step(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Close a step whose last micro-batch did not come through :meth:`micro_batch_loss` (its ``training_step``
+        returned None, or no token losses): the gradients its earlier micro-batches hold become the mean over their
+        tokens, the tokens that trained (left so, they kept the stand-in's scale: half the mean at 2 micro-batches a
+        step with the first's count standing in). Call it after the step's last backward; nothing to do where the
+        step's last micro-batch closed it."""
+        if self._step is not None:
+            self._close(optimizers)
+
+    def _close(self, optimizers: Iterable[torch.optim.Optimizer]) -> Tensor:
+        """End the step in progress: the gradients its earlier backwards hold are multiplied by ``K / T``; ``T`` (at
+        least 1) is returned and, per micro-batch, kept as the next step's stand-in."""
+        tokens, scale, micro_batches = self._step
+        backward_ran = self._backward_ran
+        self.forget_step()
+        total = tokens.clamp_min(1)
+        # per micro-batch: an epoch's short last step, or another accumulation next, keeps the scale
+        self._previous = total.to(torch.float32) / micro_batches  # (float32: every device has it)
+        if backward_ran:  # (else nothing of this step is held: a first micro-batch, or a step no backward ran in)
+            _multiply_gradients(optimizers, scale / total.to(scale.dtype))
+        return total
 
 
 def _multiply_gradients(optimizers: Iterable[torch.optim.Optimizer], factor: Tensor | float) -> None:
