@@ -90,9 +90,18 @@ def step_batch_index(trainer: Any, args: tuple, kwargs: dict) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_idx)
 
 
+# the batch indices a measured step tries past the one it was given where training_step returns None there
+SKIPPED_INDICES_TRIED = 16
+
+
 def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool = True) -> Tensor:
     """The loss of one ``training_step`` on ``batch``, run as the loop runs it (precision context) but
     outside the loop: nothing is logged.
+
+    A ``training_step`` that returns None (Lightning's way to skip a batch) at ``batch_idx`` is called again at the
+    next indices, up to :data:`SKIPPED_INDICES_TRIED` of them: a step that skips every few batches by their index is
+    measured on one it trains (a new user's trial: AutoFit failed with "'NoneType' object has no attribute 'backward'"
+    where plain Lightning trains).
 
     Args:
         strategy: the trainer's strategy (its precision plugin gives the autocast context).
@@ -100,17 +109,30 @@ def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool
         batch_idx: passed to ``training_step``.
         class_step: call the class's ``training_step``, not a plugin's wrapper on the instance, so no
             plugin collective runs on one rank alone.
+
+    Raises:
+        RuntimeError: where ``training_step`` returns None for ``batch`` at every index tried.
     """
     module = strategy.lightning_module
+    who = "AutoFit, ActivationMemory(policy='auto') or max_micro_batch='auto'"
     refuse_a_step_that_draws_its_own_batches("measuring a step outside the loop", module,
-                                             "and a step measured outside the loop (by AutoFit, ActivationMemory(policy="
-                                             "'auto') or max_micro_batch='auto') is handed one batch")
+                                             f"and a step measured outside the loop (by {who}) is handed one batch")
     step = type(module).training_step.__get__(module) if class_step else module.training_step
     # as Lightning calls it: a training_step(self, batch) gets the batch alone (a review: measuring refused it)
-    arguments = (batch, batch_idx) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)
+    takes_index = is_param_in_hook_signature(step, "batch_idx", min_args=2)
+    indices = range(batch_idx, batch_idx + SKIPPED_INDICES_TRIED) if takes_index else range(batch_idx, batch_idx + 1)
     with quiet_logging(module), strategy.precision_plugin.train_step_context():
-        output = step(*arguments)
-    return output["loss"] if isinstance(output, Mapping) else output
+        for index in indices:
+            output = step(batch, index) if takes_index else step(batch)
+            loss = output["loss"] if isinstance(output, Mapping) else output
+            if loss is not None:
+                return loss
+    tried = f"batch_idx {indices[0]} to {indices[-1]}" if takes_index else "its one call"
+    raise RuntimeError(
+        f"{type(module).__name__}.training_step returned None (a skipped batch) for the batch measured outside the loop, at "
+        f"{tried}: {who} measures a step that trains, on the first samples of your training data. Let training_step "
+        "return a loss for them (a skip that depends on the data: a loss of 0 that keeps the graph, such as "
+        "`(output * 0).sum()`), or leave the measuring plugin out")
 
 
 def run_state_tensors(module: torch.nn.Module) -> dict[str, Tensor]:
