@@ -629,7 +629,8 @@ def _infeasible_message(profiles: list[RankProfile], micro_batches: list[int], m
                 f"rank {rank}: budget {profile.budget_bytes / 2**20:,.1f} MiB, but the leanest plan (micro-batch {choice.micro_batch}, "
                 f"optimizer {option}, blocks {policy_counts(choice.policies)}) is predicted to peak at {choice.peak_bytes / 2**20:,.1f} MiB, "
                 f"so it is predicted to need a budget of at least {needed / 2**20:,.1f} MiB ({needed:,} bytes) with margin {margin:g}; "
-                f"give {math.ceil(needed * (1 + RETRY_HEADROOM) / 2**20):,} MiB, {RETRY_HEADROOM:.0%} more, for what the "
+                # (to a tenth of a MiB: to a whole one, a new user's 4.8 MiB need was advised 6, "5% more")
+                f"give {math.ceil(needed * (1 + RETRY_HEADROOM) / 2**20 * 10) / 10:,.1f} MiB, {RETRY_HEADROOM:.0%} more, for what the "
                 "readings vary by between runs"
             )
     return "AutoFit: no configuration fits the budget. " + "; ".join(lines or ["every rank's leanest plan misses it"])
