@@ -195,13 +195,14 @@ WIDE_HEAD = {**tiny_gpt_kwargs(), "vocab_size": 8192, "seq_len": 256}
 
 
 def _fit(kwargs, callbacks, *, batch_size=8, accumulate=1, steps=3, root=None, ckpt_path=None, seed=0, wide=False,
-         model_class=DemoGPT, max_epochs=None):
+         model_class=DemoGPT, max_epochs=None, limit_train_batches=None):
     lightning.seed_everything(seed)
     model = model_class(**(WIDE_HEAD if wide else tiny_gpt_kwargs()))
     data = CorpusDataModule(**{**kwargs, "batch_size": batch_size, **({"seq_len": 256} if wide else {})})
     trainer = lightning.Trainer(accelerator="cpu", max_steps=steps, max_epochs=max_epochs, accumulate_grad_batches=accumulate, logger=False,
                                 enable_checkpointing=root is not None, default_root_dir=root, enable_progress_bar=False,
-                                enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
+                                enable_model_summary=False, limit_val_batches=0, limit_train_batches=limit_train_batches,
+                                callbacks=callbacks)
     trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer, model, data
 
@@ -1201,12 +1202,13 @@ def test_a_resume_from_an_epochs_end_with_another_budget_chooses_the_micro_batch
     p0, p1 = profile.line(profile.peak_bytes)
     tight = int((p0 + 6 * p1 + profile.options[0].state_bytes - profile.run_state_bytes) / 0.9)  # room for 4, not 8
     first = AutoFit(budget=tight, activation_policies=["keep"], optimizer_options=["32-bit"])
+    # epochs of 3 batches (a whole corpus's 2 epochs took minutes of the suite)
     _fit(small_datamodule_kwargs, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)], steps=-1, max_epochs=1,
-         root=str(tmp_path), wide=True)
+         root=str(tmp_path), wide=True, limit_train_batches=3)
     assert first.plan.accumulation > 1
     resumed, record = AutoFit(budget="8GiB", activation_policies=["keep"], optimizer_options=["32-bit"]), Recorder()
     _fit(small_datamodule_kwargs, [resumed, record], steps=-1, max_epochs=2, root=str(tmp_path),
-         ckpt_path=str(tmp_path / "last.ckpt"), wide=True)
+         ckpt_path=str(tmp_path / "last.ckpt"), wide=True, limit_train_batches=3)
     # measured again with the smaller sizes timed too (a resume that keeps the micro-batch times that one alone), and
     # the pick is the search's, not the checkpoint's (at 8 GiB the fastest size a sample, which a CI run read at 4)
     assert resumed.profiles and {size for size, _ in resumed.profiles[0].times} == {1, 2}
