@@ -5,6 +5,7 @@ state (parameters, buffers, metrics' states, optimizer state, random streams) pu
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -93,15 +94,19 @@ def step_batch_index(trainer: Any, args: tuple, kwargs: dict) -> int:
 # the batch indices a measured step tries past the one it was given where training_step returns None there
 SKIPPED_INDICES_TRIED = 16
 
+#: module -> {batch index asked for: the index its training_step trained at instead}, for the modules that skipped one
+_TRAINED_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool = True) -> Tensor:
     """The loss of one ``training_step`` on ``batch``, run as the loop runs it (precision context) but
     outside the loop: nothing is logged.
 
-    A ``training_step`` that returns None (Lightning's way to skip a batch) at ``batch_idx`` is called again at the
-    next indices, up to :data:`SKIPPED_INDICES_TRIED` of them: a step that skips every few batches by their index is
-    measured on one it trains (a new user's trial: AutoFit failed with "'NoneType' object has no attribute 'backward'"
-    where plain Lightning trains).
+    A ``training_step(self, batch, batch_idx)`` that returns None (Lightning's way to skip a batch) at ``batch_idx`` is
+    called again at the next indices, up to :data:`SKIPPED_INDICES_TRIED` of them: a step that skips every few batches
+    by their index is measured on one it trains (a new user's trial: AutoFit failed with "'NoneType' object has no
+    attribute 'backward'" where plain Lightning trains). The index found is called at once for ``batch_idx`` from then on
+    (:func:`skipped_at`), so that only the first measured call runs the skipped one.
 
     Args:
         strategy: the trainer's strategy (its precision plugin gives the autocast context).
@@ -120,19 +125,32 @@ def step_loss(strategy: Any, batch: Any, batch_idx: int = 0, *, class_step: bool
     step = type(module).training_step.__get__(module) if class_step else module.training_step
     # as Lightning calls it: a training_step(self, batch) gets the batch alone (a review: measuring refused it)
     takes_index = is_param_in_hook_signature(step, "batch_idx", min_args=2)
-    indices = range(batch_idx, batch_idx + SKIPPED_INDICES_TRIED) if takes_index else range(batch_idx, batch_idx + 1)
     with quiet_logging(module), strategy.precision_plugin.train_step_context():
-        for index in indices:
-            output = step(batch, index) if takes_index else step(batch)
-            loss = output["loss"] if isinstance(output, Mapping) else output
-            if loss is not None:
-                return loss
-    tried = f"batch_idx {indices[0]} to {indices[-1]}" if takes_index else "its one call"
-    raise RuntimeError(
-        f"{type(module).__name__}.training_step returned None (a skipped batch) for the batch measured outside the loop, at "
-        f"{tried}: {who} measures a step that trains, on the first samples of your training data. Let training_step "
-        "return a loss for them (a skip that depends on the data: a loss of 0 that keeps the graph, such as "
-        "`(output * 0).sum()`), or leave the measuring plugin out")
+        if not takes_index:
+            output = step(batch)
+        else:
+            known = _TRAINED_AT.get(module, {})
+            first = known.get(batch_idx, batch_idx)
+            output = step(batch, first)
+            tried = [index for index in range(batch_idx, batch_idx + SKIPPED_INDICES_TRIED) if index != first]
+            while output is None and tried:
+                index = tried.pop(0)
+                output = step(batch, index)
+                if output is not None:
+                    _TRAINED_AT.setdefault(module, {})[batch_idx] = index
+    if output is None:
+        tried_at = f"batch_idx {batch_idx} to {batch_idx + SKIPPED_INDICES_TRIED - 1}" if takes_index else "its one call"
+        raise RuntimeError(
+            f"{type(module).__name__}.training_step returned None (a skipped batch) for the batch measured outside the "
+            f"loop, at {tried_at}: {who} measures a step that trains on one batch of your training data. Let "
+            "training_step train on it, or leave the measuring plugin out")
+    return output["loss"] if isinstance(output, Mapping) else output
+
+
+def skipped_at(module: LightningModule, batch_idx: int) -> bool:
+    """Whether :func:`step_loss` found ``module``'s ``training_step`` skipping ``batch_idx`` (and calls another index for
+    it): a measurement whose first call ran the skipped index too (a forward before the skip) is to be made again."""
+    return batch_idx in _TRAINED_AT.get(module, {})
 
 
 def run_state_tensors(module: torch.nn.Module) -> dict[str, Tensor]:

@@ -18,20 +18,23 @@ from lightning_efficient._step import SKIPPED_INDICES_TRIED
 class SkipsEveryThird(lightning.LightningModule):
     """Two blocks and a head; ``training_step`` skips every third batch by its index (from 0: the batch measured)."""
 
-    def __init__(self, skip_every: int | None = 3) -> None:
+    def __init__(self, skip_every: int | None = 3, skip_after_forward: bool = False) -> None:
         super().__init__()
         self.skip_every = skip_every
+        self.skip_after_forward = skip_after_forward
         self.batch_size = 8
         self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(2))
         self.head = torch.nn.Linear(16, 4)
 
     def training_step(self, batch, batch_idx):
-        if self.skip_every is None or batch_idx % self.skip_every == 0:
+        skips = self.skip_every is None or batch_idx % self.skip_every == 0
+        if skips and not self.skip_after_forward:
             return None
         x, y = batch
         for block in self.blocks:
             x = block(x)
-        return F.cross_entropy(self.head(x), y)
+        loss = F.cross_entropy(self.head(x), y)
+        return None if skips else loss
 
     def train_dataloader(self):
         generator = torch.Generator().manual_seed(0)
@@ -66,6 +69,17 @@ def test_a_step_skipping_every_batch_is_refused_before_the_first_step_with_what_
     module = SkipsEveryThird(skip_every=None)
     before = [p.detach().clone() for p in module.parameters()]
     with pytest.raises(Exception, match=rf"SkipsEveryThird.training_step returned None \(a skipped batch\).*"
-                                        rf"batch_idx 0 to {SKIPPED_INDICES_TRIED - 1}.*return a loss for them"):
+                                        rf"batch_idx 0 to {SKIPPED_INDICES_TRIED - 1}.*Let training_step train on it"):
         _fit([AutoFit(budget="1GiB", micro_batches=[8], optimizer_options=["32-bit"])], module)
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
+
+
+def test_a_step_skipping_after_its_forward_is_profiled_as_one_skipping_before_it():
+    """A review: the profile's first call ran the skipped index's forward too, and the blocks' hooks counted both
+    forwards (every block kept: 0.29 MiB where 0.15 MiB are held)."""
+    figures = []
+    for after in (False, True):
+        memory = ActivationMemory(policy="auto", budget="1GiB", blocks=["blocks.0", "blocks.1"])
+        _fit([memory], SkipsEveryThird(skip_after_forward=after))
+        figures.append(memory.memory_figures())
+    assert figures[0]["activation_all_kept_bytes"] > 0 and figures[0] == figures[1]

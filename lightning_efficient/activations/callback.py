@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_efficient._distributed import gather_objects, gather_or_raise_together
 from lightning_efficient._samples import batch_samples
-from lightning_efficient._step import restored_run_state, step_loss
+from lightning_efficient._step import restored_run_state, skipped_at, step_loss
 from lightning_efficient._torch import Trainable
 from lightning_efficient._validation import SettingRefused, refuse_unless, require, require_bool, require_int, require_path
 from lightning_efficient.activations.discovery import find_blocks, transformers_checkpointing
@@ -331,11 +331,17 @@ class ActivationMemory(Callback):
             outside["bytes"] = counter.bytes
             loss.backward()
 
-        with restored_run_state(strategy):
-            profiles = profile_blocks(
-                run_step, step_output, self._block_list, self._exclude, module.device,
-                min_offload_bytes=self.min_offload_bytes, policies=policies, offload_dir=self.offload_dir,
-            )
+        skipped_before = skipped_at(module, batch_idx)
+        for _ in range(1 if skipped_before else 2):
+            with restored_run_state(strategy):
+                profiles = profile_blocks(
+                    run_step, step_output, self._block_list, self._exclude, module.device,
+                    min_offload_bytes=self.min_offload_bytes, policies=policies, offload_dir=self.offload_dir,
+                )
+            # again where the step skipped this batch's index, found only now: the profile's first call ran the skipped
+            # index too, whose forward before the skip the blocks' hooks counted with the trained one's (a review)
+            if not skipped_at(module, batch_idx):
+                break
         # inside blocks the profiler's own hooks shadow this outer count: it sees the tensors saved
         # outside the blocks (embeddings, head, loss), which no policy changes
         return profiles, outside["bytes"]

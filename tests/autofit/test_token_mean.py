@@ -381,14 +381,24 @@ class SkipsTwo(Tiny):
         return None if batch_idx in (1, 2) else super().training_step(batch, batch_idx)
 
 
+class SkipsThird(Tiny):
+    """:class:`Tiny` skipping micro-batch 3, the last of step 1, after a whole step 0."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 3 else super().training_step(batch, batch_idx)
+
+
 @pytest.mark.parametrize("method", ["batch_token_mean", "none"])
-def test_a_step_with_a_micro_batch_returning_none_is_the_mean_over_the_tokens_that_trained(method):
-    """Step 0 trains micro-batch 0 alone (its last returned None), step 1 micro-batch 3 alone (its first did): each
-    step's gradient is that micro-batch's token mean. A review: step 1 had counted step 0's tokens into its own; and
-    step 0's gradient was left at the stand-in's scale, half the mean (a trial of a carried note)."""
-    run = fit(method, "batch", module_class=SkipsTwo)
-    for step, samples in enumerate([[0, 1], [6, 7]]):
-        want = reference_step_grads(run.init, "none", [samples])
+@pytest.mark.parametrize(("module_class", "trained"), [(SkipsTwo, [[[0, 1]], [[6, 7]]]),
+                                                       (SkipsThird, [[[0, 1], [2, 3]], [[4, 5]]])])
+def test_a_step_with_a_micro_batch_returning_none_is_the_mean_over_the_tokens_that_trained(method, module_class, trained):
+    """Each step's gradient is plain torch's token mean over the micro-batches that trained. SkipsTwo: step 0 trains
+    micro-batch 0 alone (its last returned None), step 1 micro-batch 3 alone (its first did); a review: step 1 had
+    counted step 0's tokens into its own. Both: a step whose last micro-batch returned None was left at the stand-in
+    count's scale (half the mean at a fit's first step; at a later one the previous step's count over this one's)."""
+    run = fit(method, "batch", module_class=module_class)
+    for step, micro_batches in enumerate(trained):
+        want = reference_step_grads(run.init, "none", micro_batches)
         for name, grad in want.items():
             assert (run.steps[step][name] - grad).abs().max() <= 1e-12, (step, name)
 
