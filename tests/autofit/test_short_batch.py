@@ -183,3 +183,43 @@ def test_a_model_that_cannot_train_on_one_sample_gets_no_micro_batch_ending_its_
                                 callbacks=[AutoFit(budget="1GiB", optimizer_options=["32-bit"], activation_policies=["keep"])])
     trainer.fit(_NormedRegression(35, 8))
     assert 35 % trainer.callbacks[0].plan.micro_batches[0] != 1 and trainer.global_step == 5
+
+
+class _ScheduledRegression(_Regression):
+    """:class:`_Regression` in float32 under a OneCycleLR stepped every optimizer step."""
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        x, y = loader.dataset.tensors
+        return DataLoader(TensorDataset(x.float(), y.float()), batch_size=self.batch_size, shuffle=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        steps = 2 * -(-self.samples // self.batch_size)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.rates = [*getattr(self, "rates", []), optimizer.param_groups[0]["lr"]]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_the_short_batch_is_weighed_under_half_precision_and_a_per_step_scheduler_as_plain_lightning(precision):
+    """Half precisions (16-mixed: Lightning's GradScaler, whose unscaled gradients the hook reads) and a OneCycleLR with
+    momentum: every step's gradient within the precision's rounding of plain Lightning's, the last, short, one included
+    (unweighed it is a third of plain's), and the same learning rate at every step."""
+    def fitted(callbacks):
+        lightning.seed_everything(0)
+        model = _ScheduledRegression(50, 6)
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, precision=precision, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                    callbacks=callbacks)
+        trainer.fit(model)
+        return model
+
+    plain = fitted([])
+    split = fitted([AutoFit(budget="1GiB", micro_batches=[2], optimizer_options=["32-bit"], activation_policies=["keep"])])
+    assert len(split.gradients) == len(plain.gradients) == 18 and split.rates == plain.rates
+    for step, (mine, reference) in enumerate(zip(split.gradients, plain.gradients)):
+        assert (mine - reference).norm() <= 0.03 * reference.norm(), f"step {step}: {mine} against {reference}"
