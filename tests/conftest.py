@@ -22,6 +22,7 @@ SERIAL = (
     "activations/test_callback.py::test_auto_budget_infeasible_on_one_rank_fails_on_every_rank_with_the_numbers",
     "autofit/test_callback.py",
     "autofit/test_distributed.py",
+    "autofit/test_short_batch.py::test_on_two_processes_under_ddp_and_fsdp2_the_short_batch_trains_as_in_plain_lightning",
     "autofit/test_unfreeze.py",
     "balance/test_fsdp.py",
     "balance/test_identical_ranks.py",

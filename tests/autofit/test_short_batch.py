@@ -1,6 +1,8 @@
 """AutoFit against plain Lightning where an epoch ends on a short batch that the plan splits into micro-batches: a
 loss that is a mean over the micro-batch's samples weighs the short batch's samples as plain Lightning's step does."""
 
+from pathlib import Path
+
 import lightning
 import pytest
 import torch
@@ -223,3 +225,21 @@ def test_the_short_batch_is_weighed_under_half_precision_and_a_per_step_schedule
     assert len(split.gradients) == len(plain.gradients) == 18 and split.rates == plain.rates
     for step, (mine, reference) in enumerate(zip(split.gradients, plain.gradients)):
         assert (mine - reference).norm() <= 0.03 * reference.norm(), f"step {step}: {mine} against {reference}"
+
+
+def test_on_two_processes_under_ddp_and_fsdp2_the_short_batch_trains_as_in_plain_lightning(tmp_path):
+    """Each rank's 25 samples (Lightning's DistributedSampler) in batches of 6 and a short one of 1, split 2 x 3: every
+    step's gradient, the short steps' included (unweighed, a third of plain's), is plain Lightning's under ddp and
+    under FSDP2 (ModelParallelStrategy, which reduces the gradients at every backward), in float64."""
+    from tests.ddp import run_script
+
+    run_script(Path(__file__).parent / "short_batch_run.py", tmp_path, timeout=600)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for strategy in ("ddp", "fsdp2"):
+            plain, split = results[f"{strategy}-plain"], results[f"{strategy}-autofit"]
+            assert "error" not in plain and "error" not in split, (plain.get("error"), split.get("error"))
+            assert split["accumulation"] == 3 and len(split["gradients"]) == len(plain["gradients"]) == 10
+            for step, (mine, reference) in enumerate(zip(split["gradients"], plain["gradients"])):
+                torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-12, msg=f"{strategy}, rank {rank}, step {step}")
+            torch.testing.assert_close(split["weight"], plain["weight"], rtol=1e-12, atol=1e-12)
