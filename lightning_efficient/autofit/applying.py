@@ -30,6 +30,7 @@ from lightning_efficient._batch_counts import (
     whole_batches_in_micro_batches,
 )
 from lightning_efficient.activations.callback import ActivationMemory
+from lightning_efficient.autofit.evaluation import EvaluationAtYourBatch
 from lightning_efficient.autofit.fit_inputs import StreamsAtTheLastBuild, users_loader
 from lightning_efficient.autofit.model import FitPlan
 from lightning_efficient.autofit.token_mean import BatchTokenMean, StepTokenMean, short_batch_weight, token_mean_taken_elsewhere
@@ -68,6 +69,7 @@ class _Applying:
     _user_activations: ActivationMemory | None
     _optimizer: EightBitOptimizer | None
     _token_mean: BatchTokenMean
+    _evaluation: EvaluationAtYourBatch
     _scheduler_frequencies: SchedulerFrequencies
     _epoch_end_validation: EpochEndValidation
     _last_build: StreamsAtTheLastBuild
@@ -140,6 +142,8 @@ class _Applying:
                     self._token_mean.install(trainer, pl_module, f"one batch of {current}", token_counts,
                                              sample_weight=self._short_batch_weight(trainer, current, mine.micro_batch))
                 _warn_of_batch_statistics(pl_module, current, mine.micro_batch)
+                if isinstance(current, int) and mine.micro_batch < current:
+                    self._evaluation.install(trainer, current, mine.micro_batch)
             self._undo_settings.append((trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches))
             self._users_accumulation = trainer.accumulate_grad_batches
             trainer.accumulate_grad_batches = plan.accumulation
@@ -316,6 +320,7 @@ class _Applying:
 
     def _undo(self, pl_module: LightningModule) -> None:
         self._token_mean.remove()
+        self._evaluation.remove()
         self._scheduler_frequencies.put_back()
         self._epoch_end_validation.put_back()
         for item in reversed(self._undo_settings):

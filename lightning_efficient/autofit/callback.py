@@ -30,6 +30,7 @@ from lightning_efficient.activations.callback import ActivationMemory
 from lightning_efficient.activations.policies import POLICIES
 from lightning_efficient.autofit.applying import _Applying
 from lightning_efficient.autofit.budget import validate_budget
+from lightning_efficient.autofit.evaluation import EvaluationAtYourBatch
 from lightning_efficient.autofit.fit_inputs import (
     StreamsAtTheLastBuild,
     agreed_restored_state,
@@ -220,6 +221,7 @@ class AutoFit(_Planning, _Readings, _Applying, _Replanning, Callback):
         self._built_again = False  # the training DataLoader built before the plan was built again in on_fit_start
         self._last_build = StreamsAtTheLastBuild()
         self._token_mean = BatchTokenMean()  # the batch's token mean where the plan splits it
+        self._evaluation = EvaluationAtYourBatch()  # validation and test at your batches where the plan splits them
         self._trainable_planned: Trainable | None = None  # what trained when the plan was made
         # this fit's plans, the profiles they were made from and their blocks left unprofiled, by what trained and the
         # optimizer state bytes held when each was made; the key of the plan in force
@@ -529,7 +531,15 @@ class AutoFit(_Planning, _Readings, _Applying, _Replanning, Callback):
         self._replan_if_above(trainer, pl_module)
 
 
-    # -- clean-up -------------------------------------------------------------------------------
+    # -- evaluation and clean-up -----------------------------------------------------------------
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluation.evaluation_started()
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluation.evaluation_started()
+
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._last_build.stop()

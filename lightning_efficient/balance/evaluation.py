@@ -66,18 +66,41 @@ class ChunkedBatchSampler(Sampler[list[int]]):
 
 def capped_evaluation_loader(dataloader: object, cap: int | None) -> tuple[DataLoader, ChunkedBatchSampler] | None:
     """``dataloader`` with its batches split into chunks of at most ``cap`` samples, and its chunking; None where nothing
-    is capped, its batches are no larger than ``cap``, or it is not a plain DataLoader batching a map-style dataset of a
-    known length by ``batch_size`` (a DataLoader subclass, whose class and arguments a rebuild would lose; an
-    IterableDataset; a batch sampler of the user's own; no batching: left as they are)."""
-    if cap is None or type(dataloader) is not DataLoader or dataloader.batch_size is None or dataloader.batch_size <= cap:
+    is capped, its batches are no larger than ``cap``, or it is not :func:`batched_plainly`."""
+    if cap is None or not batched_plainly(dataloader) or dataloader.batch_size <= cap:
         return None
+    return chunked_loader(dataloader, dataloader.batch_sampler, cap)
+
+
+def evaluation_loader_at(dataloader: object, batch: int, micro: int) -> tuple[DataLoader, ChunkedBatchSampler] | None:
+    """``dataloader`` (built at AutoFit's micro-batch ``micro``, reading it from ``batch_size``) batched at ``batch`` again,
+    each batch split into chunks of at most ``micro`` samples, and its chunking: the batches your ``batch_size`` gives,
+    so that Lightning's evaluation counts (:class:`EvaluationCounts`) count the same samples as without AutoFit, each
+    chunk within the plan's memory. None where ``dataloader`` is not :func:`batched_plainly` by ``micro``."""
+    if micro >= batch or not batched_plainly(dataloader) or dataloader.batch_size != micro:
+        return None
+    return chunked_loader(dataloader, BatchSampler(dataloader.batch_sampler.sampler, batch, dataloader.drop_last), micro)
+
+
+def batched_plainly(dataloader: object) -> bool:
+    """Whether ``dataloader`` is a plain DataLoader batching a map-style dataset of a known length by ``batch_size``: not
+    a DataLoader subclass, whose class and arguments a rebuild would lose; an IterableDataset; a batch sampler of the
+    user's own; no batching; a sampler of no length (Lightning counts its batches as infinite)."""
+    if type(dataloader) is not DataLoader or dataloader.batch_size is None:
+        return False
     if type(dataloader.batch_sampler) is not BatchSampler or isinstance(dataloader.dataset, IterableDataset):
-        return None
+        return False
     try:
         len(dataloader.batch_sampler.sampler)
-    except TypeError:  # (a sampler of no length: Lightning counts its batches as infinite)
-        return None
-    chunked = ChunkedBatchSampler(dataloader.batch_sampler, cap)
+    except TypeError:
+        return False
+    return True
+
+
+def chunked_loader(dataloader: DataLoader, batches: BatchSampler, cap: int) -> tuple[DataLoader, ChunkedBatchSampler]:
+    """A DataLoader as ``dataloader`` (its dataset, workers, collate function) drawing ``batches`` in chunks of at most
+    ``cap`` samples, and its chunking."""
+    chunked = ChunkedBatchSampler(batches, cap)
     workers = dataloader.num_workers
     with_workers = {"prefetch_factor": dataloader.prefetch_factor, "timeout": dataloader.timeout,
                     "multiprocessing_context": dataloader.multiprocessing_context,
