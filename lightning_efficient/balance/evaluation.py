@@ -158,8 +158,8 @@ class EvaluationCounts:
             if not self._warned:
                 self._warned = True
                 rank_zero_warn(f"{name}={limit!r} counts the batches of each {counted.dataloader_prefix} DataLoader, which "
-                               "the micro-batch caps would split into chunks otherwise: one count cannot follow each, so "
-                               "they run whole, at your batch sizes")
+                               "the micro-batches (their caps, or AutoFit's plan) would split into chunks otherwise: one count "
+                               "cannot follow each, so they run whole, at your batch sizes")
             wanted = {limit}
         setattr(trainer, name, limit if every else wanted.pop())
         sanity = users["num_sanity_val_steps"]  # (-1, every batch, is infinity to Lightning)
