@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +25,22 @@ def run_script(script: Path | str, *args: object, timeout: float = 300, env: dic
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{script} failed:\n{done.stderr[-4000:]}\n{done.stdout[-2000:]}"
     return done
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for MASTER_PORT: never a fixed one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(script: Path | str, *args: object, world: int = 2, timeout: float | None = None) -> list[int]:
+    """Start ``world`` processes running ``python script args...``, each a rank of one process group (rank, world size
+    and a free port in its environment, so every Trainer in them joins that group), and wait for them: their exit
+    codes. What a launched script's parent does before its ranks run their part."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)],
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world),
+                                       NODE_RANK="0", RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(world)]
+    return [p.wait(timeout=timeout) for p in procs]

@@ -11,8 +11,6 @@ the weight and the final weight, or the error.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import traceback
 from datetime import timedelta
@@ -23,6 +21,8 @@ import lightning
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from tests.ddp import launch_ranks
 
 SAMPLES, BATCH, MICRO = 50, 6, 2
 
@@ -78,12 +78,6 @@ def fit(strategy: str, autofit: bool) -> dict[str, Any]:
             "accumulation": callbacks[0].plan.accumulation if autofit else 1}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(out: Path) -> None:
     import warnings
 
@@ -91,12 +85,7 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     rank = os.environ.get("LOCAL_RANK")
     if rank is None:
-        port = str(_free_port())
-        procs = [subprocess.Popen([sys.executable, __file__, str(out)],
-                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2",
-                                           NODE_RANK="0", RANK=str(r), LOCAL_RANK=str(r)))
-                 for r in range(2)]
-        codes = [p.wait(timeout=600) for p in procs]
+        codes = launch_ranks(__file__, out, timeout=600)
         assert codes == [0, 0], codes
         return
     results: dict[str, Any] = {}

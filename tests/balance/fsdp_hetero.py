@@ -23,8 +23,6 @@ Trainer joins the same process group); each runs the fits below in turn and writ
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_efficient import HeterogeneousFSDPStrategy, TokenLosses
+from tests.ddp import launch_ranks
 
 SEQ, VOCAB, D = 4, 11, 8
 
@@ -256,21 +255,10 @@ def run(out: Path, rank: int) -> dict:
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(out: Path) -> None:
     rank = os.environ.get("LOCAL_RANK")
     if rank is None:
-        port = str(_free_port())
-        procs = [subprocess.Popen([sys.executable, __file__, str(out)],
-                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2",
-                                           NODE_RANK="0", RANK=str(r), LOCAL_RANK=str(r)))
-                 for r in range(2)]
-        codes = [p.wait() for p in procs]
+        codes = launch_ranks(__file__, out)
         if any(codes):
             raise SystemExit(f"ranks exited with {codes}")
         return

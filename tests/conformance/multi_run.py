@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import traceback
 from dataclasses import asdict
@@ -20,11 +18,7 @@ from pathlib import Path
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ddp import launch_ranks
 
 
 def _error(exc: BaseException) -> str:
@@ -43,12 +37,7 @@ def _run(harness, out: Path, cases_json: Path) -> None:
     cases = [harness.Case(**c) for c in json.loads(cases_json.read_text())]
     rank = os.environ.get("LOCAL_RANK")
     if rank is None:
-        port = str(_free_port())
-        procs = [subprocess.Popen([sys.executable, __file__, str(out), str(cases_json)],
-                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2",
-                                           NODE_RANK="0", RANK=str(r), LOCAL_RANK=str(r)))
-                 for r in range(2)]
-        codes = [p.wait() for p in procs]
+        codes = launch_ranks(__file__, out, cases_json)
         results = {}
         for case in cases:
             if case.strategy != "resize":

@@ -13,8 +13,6 @@ The one-device references (``one_device_fit``) are run by the test in its own pr
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import traceback
 from datetime import timedelta
@@ -26,6 +24,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
 from tests.conformance.harness import TinyLM, offload_dir
+from tests.ddp import launch_ranks
 
 STEPS = 3
 BATCH = 4  # the global batch: 2 samples per rank
@@ -175,12 +174,6 @@ def _hook_count(module: torch.nn.Module) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(out: Path) -> None:
     import warnings
 
@@ -188,12 +181,7 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     rank = os.environ.get("LOCAL_RANK")
     if rank is None:
-        port = str(_free_port())
-        procs = [subprocess.Popen([sys.executable, __file__, str(out)],
-                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2",
-                                           NODE_RANK="0", RANK=str(r), LOCAL_RANK=str(r)))
-                 for r in range(2)]
-        codes = [p.wait(timeout=600) for p in procs]
+        codes = launch_ranks(__file__, out, timeout=600)
         assert codes == [0, 0], codes
         return
     results: dict[str, Any] = {}
