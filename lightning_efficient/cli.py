@@ -446,12 +446,20 @@ def main() -> None:
         try:
             run_plan(sys.argv[2:])
         except (BudgetTooSmall, SettingRefused, ConfigValueError) as refusal:  # the answer asked for, or a value refused: no traceback
-            raise _said_once(f"lightning-efficient plan: {refusal}") from None
+            raise _said_once(f"lightning-efficient plan: {_in_one_line(refusal)}") from None
         return
     try:
         run_cli()
-    except (ConfigValueError, SettingRefused) as refusal:  # a config value one of the package's classes refused, in one line
-        raise _said_once(f"lightning-efficient: {refusal}") from None
+    except (ConfigValueError, SettingRefused, BudgetTooSmall) as refusal:  # a value or budget the run cannot take, in one line
+        raise _said_once(f"lightning-efficient: {_in_one_line(refusal)}") from None
+
+
+def _in_one_line(refusal: ValueError) -> str:
+    """What to say of ``refusal``: the note a rank's failure found together with the other ranks carries (it names
+    what failed and each failed rank, e.g. "ActivationMemory(policy='auto') could not plan: rank 0 (micro-batch 8):
+    budget=..."), else its own message."""
+    notes = getattr(refusal, "__notes__", None)
+    return notes[-1] if notes else str(refusal)
 
 
 def _said_once(message: str) -> SystemExit:

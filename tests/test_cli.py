@@ -195,6 +195,29 @@ def test_block_settings_refused_when_the_fit_starts_are_said_in_one_line(tmp_pat
         assert refused.stderr.strip().splitlines()[-1].startswith(f"lightning-efficient: {said}")
 
 
+def test_a_budget_no_plan_meets_is_said_in_one_line_by_fit_as_by_plan(tmp_path):
+    # a new user's trial: `lightning-efficient fit` printed a 30-line traceback (80 lines from 2 FSDP2 ranks) for AutoFit's
+    # BudgetTooSmall, which `plan` says in one line, and for ActivationMemory(policy="auto")'s budget no plan meets
+    corpus = _tiny_corpus(tmp_path)
+    model = {"class_path": "lightning_efficient.DemoGPT", "init_args": {"vocab_size": 300, "seq_len": 32, "d_model": 32, "n_heads": 2}}
+    data = {"class_path": "lightning_efficient.CorpusDataModule", "init_args": {
+        "data_path": str(corpus), "cache_dir": str(tmp_path / "cache"), "vocab_size": 300, "seq_len": 32, "batch_size": 4}}
+    for callback, said in (
+            ({"class_path": "lightning_efficient.AutoFit", "init_args": {"budget": "1MiB"}},
+             "AutoFit: no configuration fits the budget. rank 0: budget 1.0 MiB"),
+            ({"class_path": "lightning_efficient.ActivationMemory", "init_args": {"policy": "auto", "budget": 1000}},
+             "ActivationMemory(policy='auto') could not plan: rank 0 (micro-batch 4): budget=1,000 bytes is below what the "
+             "leanest plan reaches: ")):
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({
+            "trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False, "enable_checkpointing": False,
+                        "callbacks": [callback]},
+            "model": model, "data": data}))
+        refused = _cli(["fit", "--config", config], cwd=tmp_path)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert refused.stderr.strip().splitlines()[-1].startswith(f"lightning-efficient: {said}"), refused.stderr[-1000:]
+
+
 def test_a_fraction_for_autofits_budget_in_a_config_is_refused_in_one_line(tmp_path):
     # a new user's trial: `budget: 0.5` (as ActivationMemory takes) printed 74 lines of jsonargparse's type check
     config = tmp_path / "run.yaml"

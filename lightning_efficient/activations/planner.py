@@ -9,6 +9,8 @@ import heapq
 import re
 from dataclasses import dataclass, field
 
+from lightning_efficient._validation import SettingRefused
+
 
 @dataclass
 class BlockProfile:
@@ -119,14 +121,14 @@ def plan_blocks(
         policies: the policies allowed (default: all that every profile has).
 
     Raises:
-        ValueError: when even the leanest policy of every block exceeds the budget, with the minimum.
+        SettingRefused: (a ValueError) when even the leanest policy of every block exceeds the budget, with the minimum.
     """
     allowed = policies or (tuple(set.intersection(*(set(p.held_bytes) for p in profiles))) if profiles else ())
     hulls = [_hull([(p.held_bytes[k], p.cost_s[k], k) for k in allowed if k in p.held_bytes]) for p in profiles]
     minimum = fixed_bytes + sum(h[-1][0] for h in hulls)
     baseline = fixed_bytes + sum(p.held_bytes["keep"] for p in profiles)
     if minimum > budget_bytes:
-        raise ValueError(
+        raise SettingRefused(
             f"budget={budget_bytes:,} bytes is below what the leanest plan reaches: {minimum:,} bytes "
             f"({fixed_bytes:,} outside the blocks + {minimum - fixed_bytes:,} with {', '.join(sorted({h[-1][2] for h in hulls}))}); "
             f"every block kept holds {baseline:,}"
