@@ -318,7 +318,7 @@ class _Planning:
         policies = tuple(p for p in self.activation_policies if p != "offload" or pl_module.device.type == "cuda")
         user = self._user_activations
         if user is not None and user.plan is not None:
-            notes.append(f"block policies kept as set by ActivationMemory(policy={user.policy!r}) (already applied, measured as they are)")
+            notes.append(f"block policies kept as set by ActivationMemory(policy={user._policy_text()}) (already applied, measured as they are)")
             return [], None, ("keep",)
         try:
             blocks = find_blocks(pl_module, user.blocks if user is not None else self.blocks)
@@ -330,7 +330,7 @@ class _Planning:
             # measuring too (the fit's peak is that without it)
             user._take_over_transformers_checkpointing(pl_module, blocks)
             fixed = user.policy * len(blocks) if len(user.policy) == 1 else list(user.policy)
-            notes.append(f"block policies kept as set by ActivationMemory(policy={user.policy!r})")
+            notes.append(f"block policies kept as set by ActivationMemory(policy={user._policy_text()})")
             return blocks, fixed, tuple(dict.fromkeys(("keep", *fixed)))
         if policies == ("keep",):
             return [], None, policies
