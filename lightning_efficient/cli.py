@@ -455,11 +455,11 @@ def main() -> None:
 
 
 def _in_one_line(refusal: ValueError) -> str:
-    """What to say of ``refusal``: the note a rank's failure found together with the other ranks carries (it names
-    what failed and each failed rank, e.g. "ActivationMemory(policy='auto') could not plan: rank 0 (micro-batch 8):
-    budget=..."), else its own message."""
-    notes = getattr(refusal, "__notes__", None)
-    return notes[-1] if notes else str(refusal)
+    """What to say of ``refusal``: the last note that carries its message (the one ranks failing together add names what
+    failed and each failed rank, e.g. "ActivationMemory(policy='auto') could not plan: rank 0 (micro-batch 8):
+    budget=..."), else its own message (a note of another's, e.g. a user's ``on_exception`` hook's, would lose it)."""
+    message = str(refusal)
+    return next((note for note in reversed(getattr(refusal, "__notes__", [])) if message in note), message)
 
 
 def _said_once(message: str) -> SystemExit:

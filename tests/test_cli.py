@@ -218,6 +218,21 @@ def test_a_budget_no_plan_meets_is_said_in_one_line_by_fit_as_by_plan(tmp_path):
         assert refused.stderr.strip().splitlines()[-1].startswith(f"lightning-efficient: {said}"), refused.stderr[-1000:]
 
 
+def test_the_one_line_is_the_note_that_names_every_failed_rank_and_never_a_note_without_the_refusal():
+    from lightning_efficient._validation import SettingRefused
+    from lightning_efficient.cli import _in_one_line
+
+    refusal = SettingRefused("budget=1,000 bytes is below what the leanest plan reaches")
+    assert _in_one_line(refusal) == str(refusal)
+    together = "ActivationMemory(policy='auto') could not plan: rank 0 (micro-batch 4): " + str(refusal)
+    refusal.add_note(together)
+    assert _in_one_line(refusal) == together
+    # a note of the user's (a Callback.on_exception adding their run's name, a review) does not replace the refusal
+    refusal.add_note("run 7 of the sweep")
+    assert _in_one_line(refusal) == together
+    assert _in_one_line(SettingRefused("shares=[1] has 1 entry")) == "shares=[1] has 1 entry"
+
+
 def test_a_fraction_for_autofits_budget_in_a_config_is_refused_in_one_line(tmp_path):
     # a new user's trial: `budget: 0.5` (as ActivationMemory takes) printed 74 lines of jsonargparse's type check
     config = tmp_path / "run.yaml"
