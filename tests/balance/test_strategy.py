@@ -124,7 +124,9 @@ def test_shares_converge_toward_the_speed_ratio_when_a_rank_is_slowed(tmp_path, 
     # rank 1 is 3x slower per sample: the shares approach 18:6 (ratio 3), accepted within [2, 4.5]
     assert sum(final) == 24 and 2.0 <= final[0] / final[1] <= 4.5, shares
     first_change = next(i for i, s in enumerate(shares) if s != [12, 12])
-    assert first_change <= 8  # within 8 steps (warm-up 2, a plan every 2 steps, applied 2 batches ahead)
+    # within 10 of the 14 steps (warm-up 2, a plan every 2 steps, applied 2 batches ahead: 8 at the earliest; a noisy
+    # first window can hold one plan back: a clean-clone CI run first moved at 9)
+    assert first_change <= 10, shares
 
 
 def test_auto_micro_batch_is_probed_under_each_ranks_real_memory_limit(tmp_path):
