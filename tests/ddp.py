@@ -34,13 +34,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(script: Path | str, *args: object, world: int = 2, timeout: float | None = None) -> list[int]:
+def launch_ranks(script: Path | str, *args: object, world: int = 2, timeout: float | None = None,
+                 env: dict[str, str] | None = None) -> list[int]:
     """Start ``world`` processes running ``python script args...``, each a rank of one process group (rank, world size
-    and a free port in its environment, so every Trainer in them joins that group), and wait for them: their exit
-    codes. What a launched script's parent does before its ranks run their part."""
+    and a free port in its environment, besides ``env``, so every Trainer in them joins that group), and wait for them:
+    their exit codes. A rank still running when the wait ends early (``timeout``) is killed. What a launched script's
+    parent does before its ranks run their part."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)],
-                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world),
-                                       NODE_RANK="0", RANK=str(r), LOCAL_RANK=str(r)))
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world), NODE_RANK="0", **(env or {}))
+    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(world)]
-    return [p.wait(timeout=timeout) for p in procs]
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -48,8 +48,6 @@ import ast
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -62,18 +60,9 @@ from typing import Any
 
 def launch(out: str, modes: list[str]) -> None:
     """Start rank 0 and rank 1 (this script again, with the rank in its environment) and wait for both."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, out, *modes], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-             for r in range(2)]
-    try:
-        codes = [p.wait(timeout=540) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    from tests.ddp import launch_ranks
+
+    codes = launch_ranks(__file__, out, *modes, timeout=540, env={"OMP_NUM_THREADS": "1"})
     if any(codes):
         raise SystemExit(f"ranks exited with {codes}")
 
