@@ -21,8 +21,8 @@ demo: setup
 # two pytest-xdist workers for most tests, then the `serial` ones alone (timing-based or 2-process DDP:
 # see SERIAL in tests/conftest.py); both parts always run, and either failing fails the target
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"; first=$$?; \
-	$(PY) -m pytest -q -m serial; second=$$?; \
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile -m "not serial"; first=$$?; \
+	$(PY) -m pytest -q --durations=25 -m serial; second=$$?; \
 	test $$first -eq 0 -a $$second -eq 0
 
 # benchmark-only peer: Cut Cross-Entropy (the `tokens` case). --no-deps because its dependencies

@@ -1,4 +1,5 @@
-"""Run by test_strategy.py: 2-process CPU runs of hetero_ddp. Usage: python ddp_hetero.py MODE OUT.
+"""Run by test_strategy.py: 2-process CPU runs of hetero_ddp. Usage: python ddp_hetero.py MODE OUT [EXTRA], or
+python ddp_hetero.py --runs RUNS.json for several fits one after another in the same 2 processes (see ``run``).
 
 Modes: samples / tokens / selective (two steps with shares 2:1 and learning rate 0, rank 0 saves its gradients and
 global batches, and in samples the loss logged with sync_dist=True; with the suffix _acc, a global batch of 10 with
@@ -226,39 +227,44 @@ class Record(lightning.Callback):
             torch.save({"init": self.init, "steps": self.steps, "shown": self.shown}, self.out)
 
 
-if __name__ == "__main__":
-    mode, out = sys.argv[1], sys.argv[2]
+def run(mode: str, out: str, *extra: str, batch_type: str = "dict", caps: str = "3") -> None:
+    """One fit of ``mode`` on the 2 ranks, writing OUT; ``batch_type`` and ``caps`` as HETERO_BATCH_TYPE and HETERO_CAPS."""
     lightning.seed_everything(0)
     kwargs = {"global_batch_size": 6, "shares": [2.0, 1.0]}
     if mode.endswith("_acc"):
-        caps = [None if c == "None" else int(c) for c in os.environ.get("HETERO_CAPS", "3").split(",")]
-        kwargs = {"global_batch_size": 10, "shares": [2.0, 1.0], "max_micro_batch": caps[0] if len(caps) == 1 else caps}
+        cap_list = [None if c == "None" else int(c) for c in caps.split(",")]
+        kwargs = {"global_batch_size": 10, "shares": [2.0, 1.0], "max_micro_batch": cap_list[0] if len(cap_list) == 1 else cap_list}
     if mode.startswith("rebalance"):
         kwargs = {"global_batch_size": 24, "shares": "auto", "warmup_steps": 2, "rebalance_every": 2, "hysteresis": 0.02}
     if mode.startswith("probe"):  # probe_fixed: the caps rank 1's probe finds, given, to compare the RNG with
-        caps = "auto" if mode == "probe" else [48, int(sys.argv[3])]
-        kwargs = {"global_batch_size": 48, "shares": [1.0, 1.0], "max_micro_batch": caps}
+        kwargs = {"global_batch_size": 48, "shares": [1.0, 1.0], "max_micro_batch": "auto" if mode == "probe" else [48, int(extra[0])]}
     if mode == "bad_global":
         kwargs = {"global_batch_size": 1}
     if mode == "bad_accumulation":  # 3 micro-batches a step, each rank's 2 samples of 4 cannot fill them
         kwargs = {"global_batch_size": 4}
     strategy = HeterogeneousDDPStrategy(**kwargs)
     selective = mode.startswith(("selective", "rebalance_selective"))
-    extra = [SelectiveTokenLoss(method="topk", keep_ratio=0.5, scope="global")] if selective else []
-    if mode.startswith("probe"):
-        extra = [MemoryLimit(out)]
+    callbacks = [SelectiveTokenLoss(method="topk", keep_ratio=0.5, scope="global")] if selective else []
+    callbacks = [MemoryLimit(out)] if mode.startswith("probe") else [Record(out, mode), *callbacks]
     trainer = lightning.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=14 if mode.startswith("rebalance") else 2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*extra] if mode.startswith("probe") else [Record(out, mode), *extra],
-        accumulate_grad_batches=3 if mode == "bad_accumulation" else 1,
+        callbacks=callbacks, accumulate_grad_batches=3 if mode == "bad_accumulation" else 1,
     )
     try:
         module_class = IteratingModule if mode == "bad_iterating_step" else Module
-        loader = DataLoader(Rows(), batch_size=3, collate_fn=COLLATES[os.environ.get("HETERO_BATCH_TYPE", "dict")])
+        loader = DataLoader(Rows(), batch_size=3, collate_fn=COLLATES[batch_type])
         trainer.fit(module_class(mode, slow_rank=1 if mode.startswith("rebalance") else None), loader)
     except ValueError as error:
         if not mode.startswith("bad_"):
             raise
         with open(out, "w") as file:
             file.write(str(error))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--runs":  # a JSON list of [mode, out, batch_type, caps]: one fit after another in these 2 processes
+        for mode, out, batch_type, caps in json.load(open(sys.argv[2])):
+            run(mode, out, batch_type=batch_type, caps=caps)
+    else:
+        run(*sys.argv[1:], batch_type=os.environ.get("HETERO_BATCH_TYPE", "dict"), caps=os.environ.get("HETERO_CAPS", "3"))

@@ -15,20 +15,40 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_hetero.py"
 LR = 0.1  # (midstep_resume.py's)
 
 
-def _launch(mode, out, *extra, batch_type="dict", caps="3"):
-    # one malloc arena and a fixed mmap threshold: freed activations give their address space back
-    return run_script(SCRIPT, mode, out, *extra, env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
-                                                      "HETERO_BATCH_TYPE": batch_type, "HETERO_CAPS": caps})
+# one malloc arena and a fixed mmap threshold: freed activations give their address space back
+_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-@pytest.mark.parametrize("mode", ["samples", "tokens", "selective", "samples_acc", "tokens_acc", "selective_acc"])
-def test_shares_two_to_one_give_the_global_batch_gradient(tmp_path, mode):
+def _launch(mode, out, *extra):
+    return run_script(SCRIPT, mode, out, *extra, env=_ENV)
+
+
+def _launch_one_after_another(directory: Path, runs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Path]:
+    """Each (mode, batch type, caps) as a fit of its own, one after another in one 2-process launch (a launch costs
+    two interpreters' imports, more than a fit here): each run's OUT."""
+    outs = {run: directory / f"{index}.out" for index, run in enumerate(runs)}
+    spec = directory / "runs.json"
+    spec.write_text(json.dumps([[mode, str(out), batch_type, caps] for (mode, batch_type, caps), out in outs.items()]))
+    run_script(SCRIPT, "--runs", spec, env=_ENV, timeout=900)
+    return outs
+
+
+_GRADIENT_MODES = ["samples", "tokens", "selective", "samples_acc", "tokens_acc", "selective_acc"]
+_GRADIENT_RUNS = [*((mode, "dict", "3") for mode in _GRADIENT_MODES),
+                  ("samples_acc", "dataclass", "3"), ("samples_acc", "encoding", "3"), ("samples_acc", "dict", "None,3")]
+
+
+@pytest.fixture(scope="module")
+def gradient_runs(tmp_path_factory):
+    return _launch_one_after_another(tmp_path_factory.mktemp("gradients"), _GRADIENT_RUNS)
+
+
+@pytest.mark.parametrize("mode", _GRADIENT_MODES)
+def test_shares_two_to_one_give_the_global_batch_gradient(gradient_runs, mode):
     """Two steps of 2 processes against one process on the global batch, in float64. The _acc modes
     split the shares 7:3 into unequal micro-batches (3+2+2 and 1+1+1): the gradient is still the
     mean over the whole global batch, not a mean of micro-batch means."""
-    out = tmp_path / "grads.pt"
-    _launch(mode, out)
-    saved = torch.load(out)
+    saved = torch.load(gradient_runs[mode, "dict", "3"])
     assert len(saved["steps"]) == 2
     for step in saved["steps"]:
         _assert_global_batch_gradient(mode, saved["init"], step)
@@ -40,23 +60,19 @@ def test_shares_two_to_one_give_the_global_batch_gradient(tmp_path, mode):
 
 
 @pytest.mark.parametrize("batch_type", ["dataclass", "encoding"])
-def test_batches_of_other_types_with_a_0d_value_first_give_the_global_batch_gradient(tmp_path, batch_type):
+def test_batches_of_other_types_with_a_0d_value_first_give_the_global_batch_gradient(gradient_runs, batch_type):
     # a new user's trial: a dataclass batch, a BatchEncoding (a Mapping, not a dict) and a dict whose first value was 0-d
     # were counted as one sample a micro-batch, and every rank's loss weighed by it, silently (weights 0.6 apart)
-    out = tmp_path / "grads.pt"
-    _launch("samples_acc", out, batch_type=batch_type)
-    saved = torch.load(out)
+    saved = torch.load(gradient_runs["samples_acc", batch_type, "3"])
     assert len(saved["steps"]) == 2
     for step in saved["steps"]:
         _assert_global_batch_gradient("samples_acc", saved["init"], step)
 
 
-def test_a_cap_on_one_rank_and_none_on_the_other_gives_the_global_batch_gradient(tmp_path):
+def test_a_cap_on_one_rank_and_none_on_the_other_gives_the_global_batch_gradient(gradient_runs):
     """A new user's trial: ``max_micro_batch=[3, None]`` (a cap on the small GPU only) was refused, where the docstring
     read as allowing it. Uncapped, rank 0 runs its 7 samples as one micro-batch (3+2+2 under caps of 3 on both)."""
-    out = tmp_path / "grads.pt"
-    _launch("samples_acc", out, caps="None,3")
-    saved = torch.load(out)
+    saved = torch.load(gradient_runs["samples_acc", "dict", "None,3"])
     assert len(saved["steps"]) == 2
     for step in saved["steps"]:
         _assert_global_batch_gradient("samples_acc", saved["init"], step, micro=[7])
@@ -104,10 +120,17 @@ def _assert_global_batch_gradient(mode, init, saved, micro=None):
             assert (saved["grads"][name] - param.grad).abs().max() <= 1e-12, name
 
 
-@pytest.mark.parametrize(
-    "mode", ["rebalance", "rebalance_selective", "rebalance_logged", "rebalance_gathered", "rebalance_metric", "rebalance_direct",
-             "rebalance_backward"])
-def test_shares_converge_toward_the_speed_ratio_when_a_rank_is_slowed(tmp_path, mode):
+_REBALANCE_MODES = ["rebalance", "rebalance_selective", "rebalance_logged", "rebalance_gathered", "rebalance_metric",
+                    "rebalance_direct", "rebalance_backward"]
+
+
+@pytest.fixture(scope="module")
+def rebalance_runs(tmp_path_factory):
+    return _launch_one_after_another(tmp_path_factory.mktemp("rebalance"), [(mode, "dict", "3") for mode in _REBALANCE_MODES])
+
+
+@pytest.mark.parametrize("mode", _REBALANCE_MODES)
+def test_shares_converge_toward_the_speed_ratio_when_a_rank_is_slowed(rebalance_runs, mode):
     # rebalance_selective: SelectiveTokenLoss(scope="global") gathers the ranks' token scores within the step, where
     # the faster rank waits for the slower; counted as its compute, both ranks read the slower's speed and the shares
     # never moved (a new user's trial). The gather is a wait now, left out as FSDP2's all-gathers are; so is the
@@ -116,9 +139,7 @@ def test_shares_converge_toward_the_speed_ratio_when_a_rank_is_slowed(tmp_path, 
     # (rebalance_metric) and a plain dist.all_reduce (rebalance_direct), which kept the shares at 12:12, also in the
     # backward (rebalance_backward: an all-reduce there, as SyncBatchNorm's, where the faster rank waits for the slower's
     # forward; a review)
-    out = tmp_path / "shares.json"
-    _launch(mode, out)
-    shares = json.loads(out.read_text())["shares"]
+    shares = json.loads(rebalance_runs[mode, "dict", "3"].read_text())["shares"]
     assert shares[0] == [12, 12]  # equal until the first plan
     final = shares[-1]
     # rank 1 is 3x slower per sample: the shares approach 18:6 (ratio 3), accepted within [2, 4.5]
@@ -150,6 +171,14 @@ def test_auto_micro_batch_is_probed_under_each_ranks_real_memory_limit(tmp_path)
     assert json.loads(fixed.read_text())["untouched"]["rng"] == result["untouched"]["rng"]
 
 
+@pytest.fixture(scope="module")
+def refused_runs(tmp_path_factory):
+    # one after another, then a fit that trains: a refusal leaves nothing behind that the next fit in the processes meets
+    return _launch_one_after_another(tmp_path_factory.mktemp("refused"),
+                                     [*((mode, "dict", "3") for mode in ("bad_global", "bad_accumulation", "bad_iterating_step")),
+                                      ("samples_acc", "dict", "3")])
+
+
 @pytest.mark.parametrize(("mode", "pattern"), [
     ("bad_global", r"global_batch_size=1 is smaller than the number of ranks \(2\)"),
     ("bad_accumulation", r"accumulate_grad_batches=3 micro-batches a step, but the global batch of 4 gives each of 2 "
@@ -157,10 +186,16 @@ def test_auto_micro_batch_is_probed_under_each_ranks_real_memory_limit(tmp_path)
     # a new user's step that draws its own batches trained with a wrong loss weight, silently
     ("bad_iterating_step", r"IteratingModule.training_step\(self, dataloader_iter\) draws its own batches, so the strategy"),
 ])
-def test_impossible_settings_fail_before_the_first_step(tmp_path, mode, pattern):
-    out = tmp_path / "error.txt"
-    _launch(mode, out)  # the script writes the ValueError fit raised
-    assert re.search(pattern, out.read_text()), out.read_text()
+def test_impossible_settings_fail_before_the_first_step(refused_runs, mode, pattern):
+    text = refused_runs[mode, "dict", "3"].read_text()  # the script writes the ValueError fit raised
+    assert re.search(pattern, text), text
+
+
+def test_a_fit_after_refused_fits_in_the_same_processes_gives_the_global_batch_gradient(refused_runs):
+    saved = torch.load(refused_runs["samples_acc", "dict", "3"])
+    assert len(saved["steps"]) == 2
+    for step in saved["steps"]:
+        _assert_global_batch_gradient("samples_acc", saved["init"], step)
 
 
 @pytest.mark.parametrize("strategy_class", [HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy])
