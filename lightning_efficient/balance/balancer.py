@@ -417,6 +417,10 @@ class Balancer:
             len(dataloader.dataset), global_batch, self.rank, self.plan, self.seed, shuffle, self.drop_last, name,
             batches_per_step=requested, drop_last_batch=bool(dataloader.drop_last),
         )
+        # a sampler made now starts its epoch's first batch, and so does the count of micro-batches trained (a
+        # checkpoint's position loads later): a LearningRateFinder callback's trial steps, run in the fit before the
+        # DataLoader is built again, left theirs, and the epoch after it stopped that many micro-batches early
+        self.forget_position(trainer.current_epoch)
         self._count_micro_batches(trainer, requested, len(dataloader.dataset), drop_last)
         workers = dataloader.num_workers
         self.lookahead = 2 + math.ceil(workers * (dataloader.prefetch_factor or 0) / self.plan.accumulation)

@@ -2,7 +2,8 @@
 under hetero_ddp (shares 3:1 on 2 processes; then with max_micro_batch=2, two micro-batches a step), over 22 samples
 (global batch 4 x ranks: the last holds 22 mod it), and over 17 (on 2 processes fewer remain than a sample per rank and
 micro-batch); then over 22 samples after a fit that failed (also one whose module reads
-``estimated_stepping_batches``), and after Lightning's learning-rate finder. Writes for
+``estimated_stepping_batches``), and after Lightning's learning-rate finder (``Tuner.lr_find`` before the fit, and the
+``LearningRateFinder`` callback within it). Writes for
 each fit the samples every step trained (over all ranks), the float64 weights and the weights a mean over each step's
 samples gives (rank 0, JSON, OUT).
 
@@ -15,6 +16,7 @@ import sys
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -55,9 +57,11 @@ class Linear(L.LightningModule):
 def fit(devices: int, strategy, samples: int, before: str | None = None) -> dict:
     """``before``: "failed_fit" (a fit of the same epoch on the same Trainer that raises at its 4th micro-batch; with
     "failed_fit_estimating", one whose ``configure_optimizers`` reads ``estimated_stepping_batches``) or "lr_find"
-    (Lightning's learning-rate finder's 4 steps), then the fit."""
+    (Lightning's learning-rate finder's 4 steps), then the fit; or "lr_find_callback": the finder's 4 steps within the
+    fit, as its callback runs them, before the fit's own."""
     data = torch.randn(samples, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
+    finder = [LearningRateFinder(num_training_steps=4, early_stop_threshold=None, update_attr=False)] if before == "lr_find_callback" else []
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False, callbacks=finder,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     model = Linear(fail_at=4 if before and before.startswith("failed_fit") else None,
                    reads_stepping_batches=before == "failed_fit_estimating")
@@ -98,6 +102,6 @@ if __name__ == "__main__":
     # the position in the epoch after an earlier fit of it on the same Trainer (review: a failed fit's or lr_find's
     # scaled the losses as a batch past the epoch's end)
     after = {before: fit(devices, HeterogeneousDDPStrategy(shares=shares, shuffle=False), 22, before)
-             for before in ("failed_fit", "failed_fit_estimating", "lr_find")}
+             for before in ("failed_fit", "failed_fit_estimating", "lr_find", "lr_find_callback")}
     if L.fabric.utilities.rank_zero.rank_zero_only.rank == 0:
         json.dump({"short": found, "after": after}, open(sys.argv[2], "w"))

@@ -379,7 +379,9 @@ def test_an_epochs_short_last_global_batch_trains_its_own_samples_once_as_plain_
     # epoch behind, and the next fit's losses were scaled as a batch past the epoch's end (weights 1.42 for 1.24);
     # a second review: where configure_optimizers reads estimated_stepping_batches, the training DataLoader is
     # iterated before the position was forgotten, and the fit after a failed one trained 10 of 22 samples
-    for before in ("failed_fit", "failed_fit_estimating", "lr_find"):
+    # a new user's trial: the LearningRateFinder callback's steps, run within the fit before its own, left theirs, and
+    # the epoch stopped that many micro-batches early (3 of 8 steps after 5 of the finder's)
+    for before in ("failed_fit", "failed_fit_estimating", "lr_find", "lr_find_callback"):
         run = after[before]
         assert run["step_samples"] == found["22"]["plain"]["step_samples"]
         assert run["weight"] == pytest.approx(run["expected_weight"], abs=1e-12)

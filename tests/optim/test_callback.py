@@ -440,6 +440,76 @@ def test_an_optimizer_kept_from_its_first_8bit_fit_goes_on_from_the_states_that_
     assert len(ours.kept.state) == 0  # the user's AdamW never held 8-bit states
 
 
+class UnfreezeHidden(lightning.pytorch.callbacks.BaseFinetuning):
+    """``hidden`` frozen until epoch ``at``, then unfrozen into a param group of its own (BackboneFinetuning's way)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def freeze_before_training(self, pl_module):
+        self.freeze([pl_module.hidden])
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == self.at:
+            self.unfreeze_and_add_param_group([pl_module.hidden], optimizer, lr=2e-3)
+
+
+class KeptTrainable(Regression):
+    """Keeps the optimizer it built first over the parameters then trainable; ``eight_bit``: a bitsandbytes AdamW8bit
+    (plain Lightning's reference for the twin), else torch's AdamW."""
+
+    def __init__(self, eight_bit: bool) -> None:
+        super().__init__()
+        self.eight_bit = eight_bit
+
+    def configure_optimizers(self):
+        if not hasattr(self, "kept"):
+            trainable = [p for p in self.parameters() if p.requires_grad]
+            self.kept = (bnb.optim.AdamW8bit(trainable, lr=self.lr, weight_decay=0.05, min_8bit_size=1024) if self.eight_bit
+                         else torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.05))
+        return self.kept
+
+
+def test_a_group_a_finetuning_callback_adds_during_an_8bit_fit_is_added_to_the_kept_optimizer_too():
+    # a new user's trial: BackboneFinetuning's unfrozen layers went into the twin's groups only, so the module's kept
+    # optimizer ended the fit with 1 group where plain Lightning's has 2, and its next 8-bit fit lost the 8-bit states
+    # the first left ("do not load into this fit's twin")
+    torch.manual_seed(0)
+    ours = KeptTrainable(eight_bit=False)
+    torch.manual_seed(0)
+    reference = KeptTrainable(eight_bit=True)
+    _override_embedding_32bit(reference)  # as the twin keeps the embedding 32-bit
+    try:
+        for steps, at in ((12, 1), (4, 0)):  # the second fit trains the unfrozen layer from its first step
+            trainer(steps, [UnfreezeHidden(at), EightBitOptimizer(min_8bit_size=1024)]).fit(ours)
+            trainer(steps, [UnfreezeHidden(at)]).fit(reference)
+            assert [g["lr"] for g in ours.kept.param_groups] == [g["lr"] for g in reference.kept.param_groups]
+            assert [len(g["params"]) for g in ours.kept.param_groups] == [len(g["params"]) for g in reference.kept.param_groups] == [3, 2]
+            for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+                assert torch.equal(a, b), (steps, name)
+    finally:
+        bnb.optim.GlobalOptimManager.get_instance().pid2config.pop(id(reference.embed.weight), None)
+
+
+def test_keys_a_callback_adds_to_the_groups_during_an_8bit_fit_are_left_in_the_kept_optimizer_as_in_plain_lightning():
+    # a trial: StochasticWeightAveraging's swa_lr stayed in the twin's groups; the twin's own keys (SGD8bit's betas)
+    # do not come back
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    def fit(optimizer, plugins):
+        torch.manual_seed(0)
+        module = KeptOptimizer(optimizer=optimizer)
+        trainer(-1, [StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1), *plugins], max_epochs=2).fit(module)
+        return module.kept.param_groups
+
+    for optimizer in ("adamw", "sgd"):
+        ours, theirs = fit(optimizer, [EightBitOptimizer(min_8bit_size=1024)]), fit(optimizer, [])
+        assert [group.keys() for group in ours] == [group.keys() for group in theirs]
+        assert all(group["swa_lr"] == 5e-3 for group in ours), optimizer
+        assert [group["lr"] for group in ours] == pytest.approx([group["lr"] for group in theirs], rel=1e-12)
+
+
 def test_an_optimizer_kept_between_fits_takes_its_own_newer_states_over_those_an_earlier_8bit_fit_left():
     torch.manual_seed(0)
     module = KeptOptimizer()
