@@ -145,10 +145,10 @@ class EightBitOptimizer(Callback):
         self._figures: dict[str, int] = {}
         self._device_mesh: list[int] | None = None
         self._patched_strategy: Any = None
-        # (the user's optimizer, its twin, whether the twin holds the states the user's held before the fit) for
-        # every twin of this fit: the user's schedulers step the user's optimizer again after it; carried states are
-        # cleared from the user's when training starts (they are the twin's then) and written back after the fit
-        # (the user's optimizer, its twin, whether its held states were carried, the keys the twin's groups were built with)
+        # (the user's optimizer, its twin, whether the twin holds the states the user's held before the fit, the keys of
+        # the twin's own settings in its groups) for every twin of this fit: the user's schedulers step the user's
+        # optimizer again after it; carried states are cleared from the user's when training starts (they are the twin's
+        # then) and written back after the fit
         self._twins: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer, bool, set[str]]] = []
         self._held_cleared = False
 
@@ -220,7 +220,8 @@ class EightBitOptimizer(Callback):
                 # a configure_optimizers that keeps one optimizer between fits: its 32-bit states are in the twin now
                 # (quantized), not held twice once training starts; they come back into it, updated, after the fit
                 carried = self._carry_held_states(optimizer, twin, index, resuming=trainer.ckpt_path is not None)
-                self._twins.append((optimizer, twin, carried, {key for group in twin.param_groups for key in group}))
+                own = {key for group in twin.param_groups for key in group} - {key for group in optimizer.param_groups for key in group}
+                self._twins.append((optimizer, twin, carried, own))
         trainer.strategy.optimizers = replaced
         self._report(trainer, reasons)
 
@@ -364,20 +365,18 @@ class EightBitOptimizer(Callback):
         cleared, self._held_cleared = self._held_cleared, False
         twins, self._twins = self._twins, []
         configs = trainer.strategy.lr_scheduler_configs
-        for optimizer, twin, carried, built_keys in twins:
+        for optimizer, twin, carried, twins_own_keys in twins:
             # a scheduler the module keeps between fits (Lightning refuses one left on the twin)
             rebind_schedulers((config.scheduler for config in configs), twin, optimizer)
             # the hyperparameters the fit's schedulers set (lr, momentum, betas), as plain Lightning leaves them, with keys
-            # a callback added to the twin's groups during the fit (StochasticWeightAveraging's swa_lr), and the groups it
-            # added (BaseFinetuning's unfrozen layers); not the twin's own settings
+            # callbacks added to the twin's groups during the fit (StochasticWeightAveraging's swa_lr), and the groups they
+            # added (BaseFinetuning's unfrozen layers); not the twin's own settings (SGD8bit's betas)
             for position, twin_group in enumerate(twin.param_groups):
-                added = twin_group.keys() - built_keys - {"params"}
+                values = {key: value for key, value in twin_group.items() if key not in twins_own_keys and key != "params"}
                 if position < len(optimizer.param_groups):
-                    group = optimizer.param_groups[position]
-                    group.update({key: twin_group[key] for key in ((group.keys() & twin_group.keys()) - {"params"}) | added})
+                    optimizer.param_groups[position].update(values)
                 else:
-                    optimizer.add_param_group({"params": twin_group["params"], **{
-                        key: twin_group[key] for key in (optimizer.defaults.keys() & twin_group.keys()) | added}})
+                    optimizer.add_param_group({"params": twin_group["params"], **values})
             index = next((i for i, o in enumerate(trainer.strategy.optimizers) if o is twin), None)
             # for a next fit that gets this optimizer again (not one still holding states of its own: they are its)
             if not carried and len(twin.state) and not len(optimizer.state) and not has_sharded_params(optimizer):

@@ -492,22 +492,38 @@ def test_a_group_a_finetuning_callback_adds_during_an_8bit_fit_is_added_to_the_k
         bnb.optim.GlobalOptimManager.get_instance().pid2config.pop(id(reference.embed.weight), None)
 
 
-def test_keys_a_callback_adds_to_the_groups_during_an_8bit_fit_are_left_in_the_kept_optimizer_as_in_plain_lightning():
-    # a trial: StochasticWeightAveraging's swa_lr stayed in the twin's groups; the twin's own keys (SGD8bit's betas)
-    # do not come back
+class KeptTrainableScheduled(KeptTrainable):
+    """With a StepLR on the kept optimizer (it gives every group an ``initial_lr``)."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        if not hasattr(self, "kept_scheduler"):
+            self.kept_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.9)
+        return {"optimizer": optimizer, "lr_scheduler": self.kept_scheduler}
+
+
+@pytest.mark.parametrize("module_class", [KeptOptimizer, KeptTrainableScheduled])
+def test_keys_callbacks_add_to_the_groups_during_an_8bit_fit_are_left_in_the_kept_optimizer_as_in_plain_lightning(module_class):
+    # a trial: StochasticWeightAveraging's swa_lr stayed in the twin's groups; a review: a group BaseFinetuning added
+    # lost the initial_lr SWALR gives it (a key other groups had when the twin was built). The twin's own keys
+    # (SGD8bit's betas) do not come back
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     def fit(optimizer, plugins):
         torch.manual_seed(0)
-        module = KeptOptimizer(optimizer=optimizer)
-        trainer(-1, [StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1), *plugins], max_epochs=2).fit(module)
-        return module.kept.param_groups
+        module = KeptOptimizer(optimizer=optimizer) if module_class is KeptOptimizer else module_class(eight_bit=False)
+        finetuning = [UnfreezeHidden(1)] if module_class is not KeptOptimizer else []
+        swa = StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=2)
+        trainer(-1, [*finetuning, swa, *plugins], max_epochs=3).fit(module)
+        return _kept(module).param_groups if module_class is KeptOptimizer else module.kept.param_groups
 
-    for optimizer in ("adamw", "sgd"):
+    for optimizer in ("adamw", "sgd") if module_class is KeptOptimizer else ("adamw",):
         ours, theirs = fit(optimizer, [EightBitOptimizer(min_8bit_size=1024)]), fit(optimizer, [])
+        assert len(ours) == len(theirs) == (1 if module_class is KeptOptimizer else 2)
         assert [group.keys() for group in ours] == [group.keys() for group in theirs]
         assert all(group["swa_lr"] == 5e-3 for group in ours), optimizer
         assert [group["lr"] for group in ours] == pytest.approx([group["lr"] for group in theirs], rel=1e-12)
+        assert [group.get("initial_lr") for group in ours] == [group.get("initial_lr") for group in theirs]
 
 
 def test_an_optimizer_kept_between_fits_takes_its_own_newer_states_over_those_an_earlier_8bit_fit_left():
