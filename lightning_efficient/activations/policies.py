@@ -160,7 +160,9 @@ def _checkpointed(forward: Callable, selective: bool, reentrant: bool, block: nn
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        once = _recomputed_without_updates(forward, block)
+        # (only a block with running statistics needs the count of runs: a closure's count mutated inside the
+        # checkpoint is a side effect that torch.compile refuses, running a compiled block eagerly, silently)
+        once = _recomputed_without_updates(forward, block) if _running_statistics(block) else forward
         if reentrant and not selective:  # selective checkpointing exists only in the non-reentrant form
             return _reentrant_checkpoint(once, args, kwargs, block)
         if not selective:

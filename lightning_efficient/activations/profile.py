@@ -166,17 +166,21 @@ def profile_blocks(
             return out
 
         block.forward = measured
+    # eagerly: a torch.compile'd block called under the op timer's dispatch mode is never compiled again in the process
+    # (a new user's trial: the fit, and a later one in the process, then ran eagerly), and a first call would time its
+    # compilation
+    timers: dict[int, _OpTimer] = {}
     try:
-        run_step()
-        timers = {}
-        for index, (_, block) in enumerate(blocks):
-            def timed(*args: Any, _forward=originals[index][2], _index=index, **kwargs: Any) -> Any:
-                with timers.setdefault(_index, _OpTimer(clock)):
-                    return _forward(*args, **kwargs)
+        with torch.compiler.set_stance("force_eager"):
+            run_step()
+            for index, (_, block) in enumerate(blocks):
+                def timed(*args: Any, _forward=originals[index][2], _index=index, **kwargs: Any) -> Any:
+                    with timers.setdefault(_index, _OpTimer(clock)):
+                        return _forward(*args, **kwargs)
 
-            block.forward = timed
-        with torch.no_grad():
-            run_forward()
+                block.forward = timed
+            with torch.no_grad():
+                run_forward()
     finally:
         for block, had_own, forward in originals:
             if had_own:

@@ -1,0 +1,103 @@
+"""ActivationMemory on blocks the user compiled (``block.compile()``): the blocks stay compiled, one graph each with no
+graph break, the compiled graph runs at every step (also after ``policy="auto"`` profiled them), and the fit equals the
+same compiled fit in plain Lightning."""
+
+from __future__ import annotations
+
+import itertools
+
+import lightning
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_efficient import ActivationMemory
+
+STEPS = 4
+
+
+class CountingBackend:
+    """A torch.compile backend that runs each captured graph as it is, counting the graphs made and their runs."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.runs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.graphs += 1
+
+        def run(*args: object) -> object:
+            self.runs += 1
+            return graph.forward(*args)
+
+        return run
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class CompiledBlocks(lightning.LightningModule):
+    """Blocks compiled in place in ``configure_model``, as users of torch.compile write it."""
+
+    def __init__(self, backend: CountingBackend) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(32) for _ in range(2))
+        self.head = nn.Linear(32, 1)
+        self.backend = backend
+        self.runs_at_step_end: list[int] = []
+
+    def configure_model(self) -> None:
+        for block in self.blocks:
+            block.compile(backend=self.backend)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.mse_loss(self.head(x).squeeze(-1), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.runs_at_step_end.append(self.backend.runs)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        return DataLoader(TensorDataset(torch.randn(16, 8, 32, generator=g), torch.randn(16, 8, generator=g)), batch_size=4)
+
+
+def _fit(callbacks: list) -> tuple[CompiledBlocks, dict]:
+    torch._dynamo.reset()
+    counters.clear()
+    module = CompiledBlocks(CountingBackend())
+    lightning.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=callbacks).fit(module)
+    return module, {"graph_breaks": dict(counters["graph_break"]), "graphs": module.backend.graphs}
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "selective", "auto"])
+def test_compiled_blocks_stay_compiled_and_train_as_the_compiled_fit_in_plain_lightning(policy):
+    # a new user's trial: the checkpointed forward counted its runs in a closure (for BatchNorm's running statistics), a
+    # side effect torch.compile refuses inside a checkpoint: every block ran eagerly, silently; and policy="auto" timed
+    # the blocks under a dispatch mode, after which torch never ran them compiled again in the process
+    plain, plain_compiled = _fit([])
+    kwargs = {"budget": 0.5} if policy == "auto" else {}
+    ours, compiled = _fit([ActivationMemory(policy=policy, **kwargs)])
+    assert compiled["graph_breaks"] == {} and compiled["graphs"] == plain_compiled["graphs"] == 2
+    # each step runs both blocks' compiled graphs (the compiled backward runs through the same graph's autograd)
+    runs = ours.runs_at_step_end
+    assert all(later > earlier for earlier, later in itertools.pairwise(runs)), runs
+    assert runs[-1] - runs[0] == plain.runs_at_step_end[-1] - plain.runs_at_step_end[0]
+    for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
