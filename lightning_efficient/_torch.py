@@ -20,6 +20,14 @@ def storage_key(tensor: Tensor) -> tuple[str, int]:
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
 
+def eager_saved_tensors_hooks(pack: Any, unpack: Any) -> torch.autograd.graph.saved_tensors_hooks:
+    """``saved_tensors_hooks(pack, unpack)`` whose hooks torch.compile never traces. Autograd calls them from the eager
+    parts of a compiled function (after a graph break), where dynamo would otherwise compile each hook again for every
+    tensor shape it saw, up to its recompile limit, with a warning (a new user's trial: ``MemoryReport`` beside a model
+    with a graph break)."""
+    return torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(pack), torch.compiler.disable(unpack))
+
+
 class Trainable(NamedTuple):
     """Which parameters of a module train (``requires_grad``): what a memory plan's gradients, optimizer states and
     saved activations were measured for. Two sets of the same size are told apart by their names' digest."""

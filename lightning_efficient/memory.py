@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from lightning_efficient._torch import storage_key
+from lightning_efficient._torch import eager_saved_tensors_hooks, storage_key
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -217,7 +217,7 @@ class SavedTensorCounter:
 
     def __enter__(self) -> SavedTensorCounter:
         self._seen.clear()
-        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._context = eager_saved_tensors_hooks(self._pack, self._unpack)
         self._context.__enter__()
         return self
 
@@ -321,7 +321,7 @@ def outside_training(device: torch.device) -> Iterator[None]:
               for watched in devices for meter in _meters_of(watched)}
     started = time.perf_counter()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack_as_is, _pack_as_is):
+        with eager_saved_tensors_hooks(_pack_as_is, _pack_as_is):
             yield
     finally:
         _SECONDS_OUTSIDE_TRAINING[0] += time.perf_counter() - started

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_efficient._torch import storage_key
+from lightning_efficient._torch import eager_saved_tensors_hooks, storage_key
 from lightning_efficient._validation import require_bool, require_int
 
 Exclude = Callable[[Tensor], bool]
@@ -204,9 +204,7 @@ class _BlockHooks:
 
     def hooks(self, block_index: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks context for the forward of block ``block_index``."""
-        return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self._pack(block_index, t), lambda h: self._unpack(block_index, h)
-        )
+        return eager_saved_tensors_hooks(lambda t: self._pack(block_index, t), lambda h: self._unpack(block_index, h))
 
 
 class DiskOffload(_BlockHooks):

@@ -24,9 +24,12 @@ class CountingBackend:
     def __init__(self) -> None:
         self.graphs = 0
         self.runs = 0
+        self.traced_files: set[str] = set()  # the source files of the graphs' operations
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list) -> object:
         self.graphs += 1
+        self.traced_files |= {line.split('"')[1] for node in graph.graph.nodes
+                              for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip().startswith("File")}
 
         def run(*args: object) -> object:
             self.runs += 1
@@ -101,3 +104,38 @@ def test_compiled_blocks_stay_compiled_and_train_as_the_compiled_fit_in_plain_li
     assert runs[-1] - runs[0] == plain.runs_at_step_end[-1] - plain.runs_at_step_end[0]
     for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class BreakInALoop(CompiledBlocks):
+    """The whole forward compiled, with a graph break inside the loop over the blocks (a ``print`` or a data-dependent
+    branch there): torch runs the frame eagerly, its compile callback still on while the step's hooks run."""
+
+    def configure_model(self) -> None:
+        pass
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(torch.compile(self.body, backend=self.backend)(batch[0]).squeeze(-1), batch[1])
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            torch._dynamo.graph_break()
+        return self.head(x)
+
+
+def test_memory_reports_saved_tensor_hooks_are_never_compiled():
+    # a new user's trial: dynamo compiled MemoryReport's hooks, called from a compiled function's eager parts, once per
+    # tensor shape up to its recompile limit ("hit config.recompile_limit (8)", memory.py's _pack). (The disk policy's
+    # wrapped forward is traced, as it must be for a compiled block to stay compiled: its hooks graph-break there.)
+    from lightning_efficient import MemoryReport
+
+    def frames_compiled(callbacks: list) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        lightning.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(BreakInALoop(CountingBackend()))
+        return counters["frames"]["total"]
+
+    plain = frames_compiled([])
+    assert plain > 0  # the user's own frames
+    assert frames_compiled([MemoryReport(every_n_steps=1, print_table=False)]) == plain
