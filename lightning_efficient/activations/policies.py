@@ -127,6 +127,12 @@ def _running_statistics(block: nn.Module) -> list[Tensor]:
     return [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
 
 
+def _updates_running_statistics(block: nn.Module) -> bool:
+    """Whether a forward of ``block`` now updates running statistics (a normalisation layer in training mode that
+    tracks them; a frozen BatchNorm in eval mode updates none)."""
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training for m in block.modules())
+
+
 def _recomputed_without_updates(forward: Callable, block: nn.Module) -> Callable:
     """``forward`` for one checkpointed call: the first run is the block's forward; a later one (the recomputation
     in backward) leaves the running statistics as the first left them, as a fit that keeps the block has them
@@ -162,7 +168,7 @@ def _checkpointed(forward: Callable, selective: bool, reentrant: bool, block: nn
             return forward(*args, **kwargs)
         # (only a block with running statistics needs the count of runs: a closure's count mutated inside the
         # checkpoint is a side effect that torch.compile refuses, running a compiled block eagerly, silently)
-        once = _recomputed_without_updates(forward, block) if _running_statistics(block) else forward
+        once = _recomputed_without_updates(forward, block) if _updates_running_statistics(block) else forward
         if reentrant and not selective:  # selective checkpointing exists only in the non-reentrant form
             return _reentrant_checkpoint(once, args, kwargs, block)
         if not selective:

@@ -21,6 +21,7 @@ execution time (not the host's launch time) and nothing synchronises between ops
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -121,6 +122,12 @@ def host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
     return nbytes / max(clock.seconds(start, end), 1e-9)
 
 
+def _compiler_off() -> contextlib.AbstractContextManager:
+    """torch.compile'd code runs eagerly within (``set_stance``, torch 2.6 and later; before it, a no-op)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 def profile_blocks(
     run_step: Callable[[], None],
     run_forward: Callable[[], None],
@@ -171,7 +178,7 @@ def profile_blocks(
     # compilation
     timers: dict[int, _OpTimer] = {}
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with _compiler_off():
             run_step()
             for index, (_, block) in enumerate(blocks):
                 def timed(*args: Any, _forward=originals[index][2], _index=index, **kwargs: Any) -> Any:
