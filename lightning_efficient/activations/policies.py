@@ -161,6 +161,23 @@ def _recomputed_without_updates(forward: Callable, block: nn.Module) -> Callable
     return run
 
 
+def _in_default_dtype(forward: Callable, dtype: torch.dtype) -> Callable:
+    """``forward`` run under ``dtype`` as the default dtype, the one the block's forward saw: Lightning's ``bf16-true`` and
+    ``64-true`` set it around the step's forward only, and the recomputation in backward ran under float32 (a new
+    user's block that made its rotary frequencies with ``torch.arange(...) / d`` then failed in backward)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        previous = torch.get_default_dtype()
+        if previous == dtype:
+            return forward(*args, **kwargs)
+        torch.set_default_dtype(dtype)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch.set_default_dtype(previous)
+
+    return run
+
+
 def _checkpointed(forward: Callable, selective: bool, reentrant: bool, block: nn.Module) -> Callable:
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -169,6 +186,8 @@ def _checkpointed(forward: Callable, selective: bool, reentrant: bool, block: nn
         # (only a block with running statistics needs the count of runs: a closure's count mutated inside the
         # checkpoint is a side effect that torch.compile refuses, running a compiled block eagerly, silently)
         once = _recomputed_without_updates(forward, block) if _updates_running_statistics(block) else forward
+        if torch.get_default_dtype() != torch.float32:  # (bf16-true, 64-true: the default dtype is the forward's only)
+            once = _in_default_dtype(once, torch.get_default_dtype())
         if reentrant and not selective:  # selective checkpointing exists only in the non-reentrant form
             return _reentrant_checkpoint(once, args, kwargs, block)
         if not selective:

@@ -154,3 +154,58 @@ def test_memory_reports_saved_tensor_hooks_are_never_compiled():
     plain = frames_compiled([])
     assert plain > 0  # the user's own frames
     assert frames_compiled([MemoryReport(every_n_steps=1, print_table=False)]) == plain
+
+
+class RotaryBlock(nn.Module):
+    """Makes its rotary frequencies in the default dtype (``torch.arange(...) / d``), as many attention blocks do."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, length, width = x.shape
+        angles = torch.arange(length)[:, None] * (1.0 / 10000 ** (torch.arange(0, width, 2) / width))[None, :]
+        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+        q, k, v = self.qkv(x).split(width, -1)
+
+        def rotated(z: torch.Tensor) -> torch.Tensor:
+            return z * cos + torch.cat([-z[..., width // 2:], z[..., : width // 2]], -1) * sin
+
+        attended = nn.functional.scaled_dot_product_attention(rotated(q)[:, None], rotated(k)[:, None], v[:, None], is_causal=True)
+        return x + self.proj(attended[:, 0])
+
+
+class RotaryModel(lightning.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(RotaryBlock(32) for _ in range(2))
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+@pytest.mark.parametrize("policy", ["checkpoint", "selective"])
+def test_a_block_making_tensors_of_the_default_dtype_recomputes_under_the_precisions_default_dtype(policy, precision):
+    # a new user's trial: Lightning sets bf16-true's and 64-true's default dtype around the forward only, so the
+    # recomputation in backward made the block's rotary frequencies in float32: a dtype mismatch in attention (bf16-true)
+    # or torch's "Recomputed values ... have different metadata" (64-true)
+    def fit(callbacks):
+        module = RotaryModel()
+        data = DataLoader(TensorDataset(torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(1))), batch_size=4)
+        lightning.Trainer(accelerator="cpu", max_epochs=1, precision=precision, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(module, data)
+        return module
+
+    ours, plain = fit([ActivationMemory(policy=policy)]), fit([])
+    assert torch.get_default_dtype() == torch.float32
+    for a, b in zip(ours.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
