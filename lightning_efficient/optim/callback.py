@@ -146,10 +146,10 @@ class EightBitOptimizer(Callback):
         self._device_mesh: list[int] | None = None
         self._patched_strategy: Any = None
         # (the user's optimizer, its twin, whether the twin holds the states the user's held before the fit, the keys of
-        # the twin's own settings in its groups) for every twin of this fit: the user's schedulers step the user's
+        # the twin's own settings in its groups, the schedulers re-bound to it) for every twin of this fit: the user's schedulers step the user's
         # optimizer again after it; carried states are cleared from the user's when training starts (they are the twin's
         # then) and written back after the fit
-        self._twins: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer, bool, set[str]]] = []
+        self._twins: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer, bool, set[str], list[Any]]] = []
         self._held_cleared = False
 
     # -- which parameters stay 32-bit -------------------------------------------------------
@@ -216,12 +216,15 @@ class EightBitOptimizer(Callback):
         replaced = self.build_twins(trainer.strategy.optimizers, pl_module, paged=paged, offload=offload, reasons=reasons)
         for index, (optimizer, twin) in enumerate(zip(trainer.strategy.optimizers, replaced)):
             if twin is not optimizer:
-                rebind_schedulers((config.scheduler for config in trainer.strategy.lr_scheduler_configs), optimizer, twin)
+                schedulers = [config.scheduler for config in trainer.strategy.lr_scheduler_configs]
+                rebind_schedulers(schedulers, optimizer, twin)
+                # read before the held states load into the twin, which takes their groups' keys
+                own = ({key for group in twin.param_groups for key in group} | set(twin.defaults)) - {
+                    key for group in optimizer.param_groups for key in group}
                 # a configure_optimizers that keeps one optimizer between fits: its 32-bit states are in the twin now
                 # (quantized), not held twice once training starts; they come back into it, updated, after the fit
                 carried = self._carry_held_states(optimizer, twin, index, resuming=trainer.ckpt_path is not None)
-                own = {key for group in twin.param_groups for key in group} - {key for group in optimizer.param_groups for key in group}
-                self._twins.append((optimizer, twin, carried, own))
+                self._twins.append((optimizer, twin, carried, own, schedulers))
         trainer.strategy.optimizers = replaced
         self._report(trainer, reasons)
 
@@ -365,9 +368,10 @@ class EightBitOptimizer(Callback):
         cleared, self._held_cleared = self._held_cleared, False
         twins, self._twins = self._twins, []
         configs = trainer.strategy.lr_scheduler_configs
-        for optimizer, twin, carried, twins_own_keys in twins:
-            # a scheduler the module keeps between fits (Lightning refuses one left on the twin)
-            rebind_schedulers((config.scheduler for config in configs), twin, optimizer)
+        for optimizer, twin, carried, twins_own_keys, schedulers in twins:
+            # a scheduler the module keeps between fits (Lightning refuses one left on the twin), also one a callback
+            # took out of the trainer's during the fit (StochasticWeightAveraging puts its SWALR in its place)
+            rebind_schedulers([*schedulers, *(config.scheduler for config in configs)], twin, optimizer)
             # the hyperparameters the fit's schedulers set (lr, momentum, betas), as plain Lightning leaves them, with keys
             # callbacks added to the twin's groups during the fit (StochasticWeightAveraging's swa_lr), and the groups they
             # added (BaseFinetuning's unfrozen layers); not the twin's own settings (SGD8bit's betas)
@@ -388,6 +392,9 @@ class EightBitOptimizer(Callback):
                 continue
             try:
                 converted, _ = convert_optimizer_state(twin.state_dict(), _flat_params(optimizer), TORCH_32BIT)
+                # (with the groups' keys as above: the twin's state dict carries its own settings too)
+                converted["param_groups"] = [{key: value for key, value in group.items() if key not in twins_own_keys}
+                                             for group in converted["param_groups"]]
                 optimizer.load_state_dict(converted)
             except Exception as error:  # noqa: BLE001 - the fit's own outcome stands; the user learns what is lost
                 rank_zero_warn(f"EightBitOptimizer: the 8-bit states of optimizer {index} ({type(optimizer).__name__}) "
@@ -438,7 +445,7 @@ class EightBitOptimizer(Callback):
             settle = getattr(optimizer, "settle_loaded_states", None)
             if callable(settle):
                 settle()
-        carried = [optimizer for optimizer, _, held, _ in self._twins if held]
+        carried = [optimizer for optimizer, _, held, _, _ in self._twins if held]
         for optimizer in carried:  # the twin holds them now (a resume: the checkpoint's)
             optimizer.state.clear()
         self._held_cleared = bool(carried)

@@ -526,6 +526,36 @@ def test_keys_callbacks_add_to_the_groups_during_an_8bit_fit_are_left_in_the_kep
         assert [group.get("initial_lr") for group in ours] == [group.get("initial_lr") for group in theirs]
 
 
+def test_a_kept_scheduler_that_stochastic_weight_averaging_replaced_during_an_8bit_fit_steps_the_kept_optimizer_again():
+    # a new user's trial: SWA takes the module's scheduler out of the trainer's for its SWALR, so it was left bound to the
+    # twin after the fit, and the next fit raised Lightning's "attached with an optimizer that wasn't returned"
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    def fits(plugins):
+        torch.manual_seed(0)
+        module = KeptOptimizer(scheduler=True)
+        for _ in range(2):
+            trainer(-1, [StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1), *plugins()], max_epochs=2).fit(module)
+            assert module.kept["lr_scheduler"]["scheduler"].optimizer is module.kept["optimizer"]
+        return module.kept["optimizer"].param_groups[0]["lr"]
+
+    assert fits(lambda: [EightBitOptimizer(min_8bit_size=1024)]) == pytest.approx(fits(list), rel=1e-12)
+
+
+def test_a_kept_optimizer_holding_states_gets_no_key_of_the_twins_own_settings_back_in_any_group():
+    # a new user's trial: states written back into a kept optimizer that held some before the fit brought the twin's
+    # alpha, t_alpha and t_beta3 into the group BaseFinetuning added
+    def groups(plugins):
+        torch.manual_seed(0)
+        module = KeptTrainable(eight_bit=False)
+        trainer(4, [UnfreezeHidden(99)]).fit(module)  # states to carry into the twin, hidden frozen
+        trainer(12, [UnfreezeHidden(1), *plugins]).fit(module)
+        return module.kept.param_groups
+
+    ours, theirs = groups([EightBitOptimizer(min_8bit_size=1024)]), groups([])
+    assert [sorted(group) for group in ours] == [sorted(group) for group in theirs] and len(ours) == 2
+
+
 def test_an_optimizer_kept_between_fits_takes_its_own_newer_states_over_those_an_earlier_8bit_fit_left():
     torch.manual_seed(0)
     module = KeptOptimizer()
