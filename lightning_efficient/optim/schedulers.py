@@ -57,7 +57,10 @@ def track_step_calls(optimizer: torch.optim.Optimizer, like: torch.optim.Optimiz
     ``optimizer``'s param groups must already hold ``initial_lr`` (they do when copied from an optimizer a
     scheduler was built on). Whether ``like`` has stepped is carried over.
     """
+    lacking = [group for group in optimizer.param_groups if "initial_lr" not in group]
     _TrackStepCalls(optimizer)
+    for group in lacking:  # (torch's scheduler gives every group one: a group BaseFinetuning added has none in plain torch)
+        del group["initial_lr"]
     if like is not None and getattr(like, "_opt_called", False):
         optimizer._opt_called = True  # type: ignore[attr-defined]
 

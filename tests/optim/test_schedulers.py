@@ -239,3 +239,21 @@ def test_rebind_schedulers_without_a_trainer_follows_plain_torch():
     assert got == expected
     assert optimizer.param_groups[0]["lr"] == lr_before  # the replaced optimizer is no longer scheduled
     assert not caught, [str(w.message) for w in caught]
+
+
+def test_rebinding_a_scheduler_gives_no_initial_lr_to_a_group_that_had_none():
+    # a new user's trial: the step-tracking patch is applied by building a scheduler, which gave every group of the
+    # module's optimizer an initial_lr after an 8-bit fit, also a group BaseFinetuning had added (none in plain torch),
+    # and a new scheduler built on it later started that group from the stale value
+    from lightning_efficient.optim import build_twin, rebind_schedulers
+
+    first, added = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
+    optimizer = torch.optim.AdamW([first], lr=0.1)
+    scheduler = lr_scheduler.StepLR(optimizer, 1, 0.5)
+    optimizer.add_param_group({"params": [added], "lr": 0.01})  # after the scheduler: no initial_lr, as in plain torch
+    twin = build_twin(optimizer, min_8bit_size=4096, paged=False)
+    rebind_schedulers([scheduler], optimizer, twin)
+    rebind_schedulers([scheduler], twin, optimizer)
+    assert scheduler.optimizer is optimizer
+    assert ["initial_lr" in group for group in optimizer.param_groups] == [True, False]
+    assert ["initial_lr" in group for group in twin.param_groups] == [True, False]
