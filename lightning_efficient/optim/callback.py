@@ -146,9 +146,9 @@ class EightBitOptimizer(Callback):
         self._device_mesh: list[int] | None = None
         self._patched_strategy: Any = None
         # (the user's optimizer, its twin, whether the twin holds the states the user's held before the fit, the keys of
-        # the twin's own settings in its groups, the schedulers re-bound to it) for every twin of this fit: the user's schedulers step the user's
-        # optimizer again after it; carried states are cleared from the user's when training starts (they are the twin's
-        # then) and written back after the fit
+        # the twin's own settings in its groups, the schedulers re-bound to it) for every twin of this fit: the user's
+        # schedulers step the user's optimizer again after it; carried states are cleared from the user's when training
+        # starts (they are the twin's then) and written back after the fit
         self._twins: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer, bool, set[str], list[Any]]] = []
         self._held_cleared = False
 
