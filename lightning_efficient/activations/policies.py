@@ -120,17 +120,21 @@ def _reentrant_checkpoint(forward: Callable, args: tuple, kwargs: dict, block: n
     return tree_unflatten(filled, outputs["spec"])
 
 
+def _tracking_norms(block: nn.Module) -> list[nn.Module]:
+    """The block's normalisation layers that track running statistics (BatchNorm's, InstanceNorm's with
+    ``track_running_stats``)."""
+    return [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
 def _running_statistics(block: nn.Module) -> list[Tensor]:
-    """The running statistics the block's normalisation layers update in training (BatchNorm's, InstanceNorm's
-    with ``track_running_stats``)."""
-    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
-    return [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    """The running statistics the block's normalisation layers update in training."""
+    return [b for m in _tracking_norms(block) for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
 
 
 def _updates_running_statistics(block: nn.Module) -> bool:
-    """Whether a forward of ``block`` now updates running statistics (a normalisation layer in training mode that
-    tracks them; a frozen BatchNorm in eval mode updates none)."""
-    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training for m in block.modules())
+    """Whether a forward of ``block`` now updates running statistics (a tracking layer in training mode; a frozen
+    BatchNorm in eval mode updates none)."""
+    return any(m.training for m in _tracking_norms(block))
 
 
 def _recomputed_without_updates(forward: Callable, block: nn.Module) -> Callable:

@@ -86,7 +86,8 @@ def _fit(callbacks: list, module_class: type[CompiledBlocks] = CompiledBlocks) -
     module = module_class(CountingBackend())
     lightning.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=callbacks).fit(module)
-    return module, {"graph_breaks": dict(counters["graph_break"]), "graphs": module.backend.graphs}
+    return module, {"graph_breaks": dict(counters["graph_break"]), "graphs": module.backend.graphs,
+                    "frames": counters["frames"]["total"]}
 
 
 class FrozenNormBlocks(CompiledBlocks):
@@ -145,11 +146,7 @@ def test_memory_reports_saved_tensor_hooks_are_never_compiled():
     from lightning_efficient import MemoryReport
 
     def frames_compiled(callbacks: list) -> int:
-        torch._dynamo.reset()
-        counters.clear()
-        lightning.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(BreakInALoop(CountingBackend()))
-        return counters["frames"]["total"]
+        return _fit(callbacks, BreakInALoop)[1]["frames"]
 
     plain = frames_compiled([])
     assert plain > 0  # the user's own frames
